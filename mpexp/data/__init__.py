@@ -1,0 +1,1 @@
+"""Datasets: each module holds one, as a subclass of `InMemoryData`."""

@@ -1,0 +1,127 @@
+"""In-memory datasets and the two ways of batching them.
+
+MNIST, Fashion-MNIST, CIFAR-10 and the synthetic set fit in memory many times over, so each is
+loaded once as a pair of tensors. `loader=device` keeps them on the training device and shuffles and
+slices there (no worker processes, no host copies per step); `loader=dataloader` goes through
+torch's DataLoader with pinned memory and workers, the conventional path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """The shape facts that models adapt to."""
+
+    channels: int
+    height: int
+    width: int
+    num_classes: int
+
+
+def to_float(images: torch.Tensor) -> torch.Tensor:
+    """uint8 images to float in [0, 1], as torchvision's ToTensor gives; float input passes."""
+    if images.dtype == torch.uint8:
+        return images.float().div_(255)
+    return images.float()
+
+
+class InMemoryData:
+    """A dataset held as (images, labels) tensors for training and validation.
+
+    Subclasses implement `load()`; everything about batching lives here.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        drop_last: bool = True,
+        loader: str = "device",
+        num_workers: int = 0,
+    ):
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.loader = loader
+        self.num_workers = num_workers
+        self.train: Batch | None = None
+        self.val: Batch | None = None
+        self.info: DataInfo | None = None
+
+    def load(self) -> tuple[Batch, Batch, int]:
+        """Return (train images, labels), (val images, labels) and the number of classes.
+
+        Images are N x C x H x W, uint8 or float in [0, 1]; labels are int64.
+        """
+        raise NotImplementedError
+
+    def setup(self, device: torch.device) -> DataInfo:
+        """Load the data and place it where the chosen loader reads it from."""
+        train, val, num_classes = self.load()
+        if self.loader == "device":
+            train = tuple(t.to(device) for t in train)
+            val = tuple(t.to(device) for t in val)
+        self.train, self.val = train, val
+        _, c, h, w = train[0].shape
+        self.info = DataInfo(channels=c, height=h, width=w, num_classes=num_classes)
+        return self.info
+
+    @property
+    def train_size(self) -> int:
+        return len(self.train[1])
+
+    def steps_per_epoch(self) -> int:
+        n, b = self.train_size, self.batch_size
+        return n // b if self.drop_last else -(-n // b)
+
+    def train_batches(self, epoch: int, seed: int, device: torch.device) -> Iterator[Batch]:
+        """One epoch of shuffled training batches on `device`, in an order set by (seed, epoch)."""
+        generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        if self.loader == "device":
+            order = torch.randperm(self.train_size, generator=generator).to(device)
+            yield from self._slices(self.train, order, self.drop_last)
+        else:
+            yield from self._dataloader(self.train, device, shuffle=True, generator=generator)
+
+    def val_batches(self, device: torch.device) -> Iterator[Batch]:
+        """The validation set in order, every sample once."""
+        if self.loader == "device":
+            yield from self._slices(self.val, None, drop_last=False)
+        else:
+            yield from self._dataloader(self.val, device, shuffle=False, generator=None)
+
+    def _slices(self, data: Batch, order: torch.Tensor | None, drop_last: bool) -> Iterator[Batch]:
+        images, labels = data
+        n, b = len(labels), self.batch_size
+        stop = n - n % b if drop_last else n
+        for start in range(0, stop, b):
+            if order is None:
+                yield to_float(images[start : start + b]), labels[start : start + b]
+            else:
+                idx = order[start : start + b]
+                yield to_float(images[idx]), labels[idx]
+
+    def _dataloader(self, data: Batch, device, shuffle: bool, generator) -> Iterator[Batch]:
+        pin = device.type == "cuda"
+        loader = DataLoader(
+            TensorDataset(*data),
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=self.drop_last and shuffle,
+            num_workers=self.num_workers,
+            pin_memory=pin,
+            generator=generator,
+            persistent_workers=False,
+        )
+        for images, labels in loader:
+            yield (
+                to_float(images.to(device, non_blocking=pin)),
+                labels.to(device, non_blocking=pin),
+            )

@@ -1,0 +1,19 @@
+"""Errors that reach the user as one readable message instead of a traceback."""
+
+from hydra.errors import CompactHydraException
+
+
+class UserError(CompactHydraException):
+    """A problem the user can fix (a config value, a missing file).
+
+    Hydra prints these as their message alone and exits non-zero, in single runs and sweeps alike,
+    so every subclass must say what is wrong and how to fix it.
+    """
+
+
+class ConfigError(UserError):
+    """A config value that cannot work; raised before training starts."""
+
+
+class DataError(UserError):
+    """A dataset that cannot be found or read."""

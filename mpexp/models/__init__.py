@@ -1,0 +1,1 @@
+"""Models: one module each. Every model takes in_channels, num_classes and image_size (h, w)."""

@@ -1,0 +1,90 @@
+"""Device choice, seeding and memory readings."""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mpexp.errors import ConfigError
+
+
+def resolve_device(choice: str) -> torch.device:
+    """auto takes CUDA when present; cuda without a GPU is an error, not a silent CPU run."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if choice == "cuda":
+        raise ConfigError(
+            "trainer.device=cuda but PyTorch sees no CUDA GPU (torch.cuda.is_available() is "
+            "False).\nUse trainer.device=cpu (or auto), or a CUDA build of torch on a GPU machine."
+        )
+    return torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PeakMemory:
+    """Peak memory over an interval: CUDA allocator bytes on a GPU, resident set size on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.key = "mem/peak_allocated_mib" if device.type == "cuda" else "mem/peak_rss_mib"
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_peak_rss()
+
+    def read_mib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        return _peak_rss_kib() / 1024
+
+
+def _reset_peak_rss() -> None:
+    # Linux resets VmHWM (the RSS high-water mark) on writing 5 to clear_refs; elsewhere the peak
+    # simply stays the process's lifetime peak.
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss_kib() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    import resource
+
+    peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak / 1024 if sys.platform == "darwin" else peak  # bytes on macOS, KiB elsewhere

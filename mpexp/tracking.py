@@ -1,0 +1,146 @@
+"""Where metrics go: `metrics.jsonl` and `summary.json` in the run dir always, W&B when enabled.
+
+Metric names are a contract read by dashboards and the report:
+  per step   step, train/loss, amp/scale, amp/skipped_steps (cumulative), lr
+  per epoch  epoch, train/epoch_loss, val/loss, val/acc, perf/epoch_time_s, perf/samples_per_s,
+             mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU)
+W&B is optional at every point: if it cannot start or stops accepting data, training goes on with
+the local files and one warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import netrc
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+STEP_METRICS = ("train/loss", "amp/*", "lr")
+EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
+
+
+@dataclass
+class RunContext:
+    """Where a run writes and how it is named in W&B."""
+
+    run_dir: Path
+    name: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+def has_wandb_key() -> bool:
+    """True when W&B could log online: an API key in the environment or in ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """auto: online when a key is configured, else offline (WANDB_MODE in the environment wins)."""
+    if mode != "auto":
+        return mode
+    return os.environ.get("WANDB_MODE") or ("online" if has_wandb_key() else "offline")
+
+
+class Tracker:
+    """One run's metric sink."""
+
+    def __init__(self, run: RunContext, config: dict, wandb_cfg: Any):
+        self.run_dir = Path(run.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = (self.run_dir / "metrics.jsonl").open("a", buffering=1)
+        self._summary: dict[str, Any] = {"status": "running", "ran": config.get("ran", {})}
+        self._write_summary()
+        self.wandb_mode = resolve_wandb_mode(wandb_cfg.mode)
+        self._wandb = (
+            self._start_wandb(run, config, wandb_cfg) if self.wandb_mode != "disabled" else None
+        )
+
+    def _start_wandb(self, run: RunContext, config: dict, wandb_cfg: Any):
+        try:
+            import wandb
+
+            wb = wandb.init(
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity,
+                group=run.group,
+                name=run.name,
+                tags=list(run.tags),
+                config=config,
+                dir=str(self.run_dir),
+                mode=self.wandb_mode,
+                settings=wandb.Settings(init_timeout=90),
+            )
+        except Exception as err:  # W&B must never stop a training run
+            log.warning("W&B could not start (%s); logging to %s only.", err, self.run_dir)
+            return None
+        wb.define_metric("step")
+        wb.define_metric("epoch")
+        for pattern in STEP_METRICS:
+            wb.define_metric(pattern, step_metric="step")
+        for pattern in EPOCH_METRICS:
+            wb.define_metric(pattern, step_metric="epoch")
+        if self.wandb_mode == "offline":
+            where = Path(wb.dir).parent  # wb.dir is the run's files/ folder
+            log.info(
+                "W&B offline: run kept in %s; upload it later with `wandb sync %s`", where, where
+            )
+        return wb
+
+    @property
+    def wandb_run_dir(self) -> Path | None:
+        return Path(self._wandb.dir).parent if self._wandb is not None else None
+
+    def log(self, row: dict[str, Any]) -> None:
+        """One metrics row (it must hold `step` or `epoch`)."""
+        self._metrics.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            try:
+                self._wandb.log(row)
+            except Exception as err:
+                log.warning("W&B stopped accepting data (%s); local metrics continue.", err)
+                self._wandb = None
+
+    def update_summary(self, values: dict[str, Any]) -> None:
+        self._summary.update(values)
+        self._write_summary()
+        if self._wandb is not None:
+            try:
+                self._wandb.summary.update(_flatten(values))
+            except Exception as err:
+                log.warning("W&B summary not updated (%s).", err)
+
+    def close(self, status: str = "finished") -> None:
+        self.update_summary({"status": status})
+        self._metrics.close()
+        if self._wandb is not None:
+            try:
+                self._wandb.finish(exit_code=0 if status == "finished" else 1)
+            except Exception as err:
+                log.warning("W&B did not finish cleanly (%s).", err)
+
+    def _write_summary(self) -> None:
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(self._summary, indent=2, default=str) + "\n")
+        tmp.replace(self.run_dir / "summary.json")
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# A run small enough for a test on 2 CPU cores: ~1 s an epoch.
+TINY = [
+    "dataset=synthetic",
+    "dataset.train_size=1024",
+    "dataset.noise=0.6",
+    "dataset.val_size=128",
+    "dataset.batch_size=64",
+    "model=simplecnn",
+    "model.width=8",
+    "optimizer.lr=3e-3",
+    "trainer.epochs=2",
+    "trainer.log_every=4",
+    "trainer.progress=false",
+    "wandb.mode=disabled",
+]
+
+
+def make_cfg(*overrides: str):
+    """The composed `train` config, as `python -m mpexp.train <overrides>` would see it."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m <args>` in a subprocess, from `cwd`, offline."""
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_precision_flags():
+    """Precision modes flip process-wide TF32 switches; give every test the defaults back."""
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+    torch.set_float32_matmul_precision(saved[2])

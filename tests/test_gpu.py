@@ -1,0 +1,59 @@
+"""The precision modes on a real CUDA device; skipped without one, run whenever a GPU is lent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from mpexp.precision import setup_precision
+from mpexp.tracking import RunContext
+from mpexp.train import train
+from tests.conftest import TINY, make_cfg
+
+pytestmark = pytest.mark.gpu
+
+
+def cuda() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.mark.parametrize(
+    ("mode", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16), ("tf32", torch.float32)]
+)
+def test_forward_dtype_on_cuda(mode, dtype):
+    if mode == "bf16" and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs Ampere or newer")
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 26 * 26, 3)).cuda()
+    with setup_precision(mode, cuda()).autocast():
+        assert model(torch.randn(2, 1, 28, 28, device="cuda")).dtype == dtype
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "fp16", "bf16"])
+def test_training_on_cuda_records_what_ran(tmp_path, mode):
+    if mode == "bf16" and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs Ampere or newer")
+    train(make_cfg(*TINY, f"precision={mode}", "trainer.device=cuda"), RunContext(tmp_path))
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    ran = saved["ran"]
+    assert ran["device"].startswith("cuda") and ran["device_name"] == torch.cuda.get_device_name()
+    ampere = torch.cuda.get_device_capability() >= (8, 0)
+    assert ran["effective_precision"] == (mode if mode != "tf32" or ampere else "fp32")
+    assert ran["tf32_matmul"] is ran["tf32_cudnn"] is (mode == "tf32")
+    assert ran["loss_scaling"] == ("dynamic" if mode == "fp16" else "none")
+    assert saved["mem/peak_allocated_mib"] > 0
+    assert saved["val/loss"] < 2.3  # below chance level for 10 classes: it learned
+
+
+def test_tf32_matmul_differs_from_strict_fp32_on_ampere():
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("TF32 needs Ampere or newer")
+    a, b = torch.randn(512, 512, device="cuda"), torch.randn(512, 512, device="cuda")
+    exact = (a.double() @ b.double()).float()
+    setup_precision("fp32", cuda())
+    strict = (a @ b - exact).abs().max().item()
+    setup_precision("tf32", cuda())
+    tf32 = (a @ b - exact).abs().max().item()
+    assert tf32 > 10 * strict  # TF32 keeps 10 mantissa bits: visibly coarser

@@ -1,0 +1,65 @@
+"""The dtype inside forward and the TF32 switches are what each precision mode says."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from mpexp.precision import setup_precision
+
+CPU = torch.device("cpu")
+
+
+def dtypes_inside_forward(mode: str) -> dict[str, torch.dtype]:
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 26 * 26, 3))
+    seen: dict[str, torch.dtype] = {}
+    for name, module in model.named_children():
+        module.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o.dtype))
+    precision = setup_precision(mode, CPU)
+    with precision.autocast():
+        model(torch.randn(2, 1, 28, 28))
+    return {"conv": seen["0"], "linear": seen["2"]}
+
+
+@pytest.mark.parametrize(
+    ("mode", "dtype"),
+    [
+        ("fp32", torch.float32),
+        ("tf32", torch.float32),
+        ("fp16", torch.float16),
+        ("bf16", torch.bfloat16),
+    ],
+)
+def test_conv_and_linear_compute_in_the_modes_dtype(mode, dtype):
+    assert dtypes_inside_forward(mode) == {"conv": dtype, "linear": dtype}
+
+
+@pytest.mark.parametrize(
+    ("mode", "tf32"), [("fp32", False), ("tf32", True), ("fp16", False), ("bf16", False)]
+)
+def test_tf32_switches_follow_the_mode_for_matmul_and_cudnn(mode, tf32):
+    # start from the opposite state so a mode that forgot one switch is caught
+    torch.backends.cuda.matmul.allow_tf32 = not tf32
+    torch.backends.cudnn.allow_tf32 = not tf32
+    record = setup_precision(mode, CPU).record()
+    assert torch.backends.cuda.matmul.allow_tf32 is tf32
+    assert torch.backends.cudnn.allow_tf32 is tf32
+    assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+    assert record["tf32_matmul"] is tf32 and record["tf32_cudnn"] is tf32
+
+
+def test_strict_fp32_turns_off_cudnn_tf32_that_pytorch_leaves_on():
+    torch.backends.cudnn.allow_tf32 = True  # PyTorch's own default
+    setup_precision("fp32", CPU)
+    assert torch.backends.cudnn.allow_tf32 is False
+
+
+def test_tf32_on_cpu_warns_and_records_fp32(caplog):
+    with caplog.at_level(logging.WARNING):
+        precision = setup_precision("tf32", CPU)
+    assert precision.effective == "fp32"
+    assert precision.record()["effective_precision"] == "fp32"
+    assert any("no effect" in r.getMessage() for r in caplog.records)
