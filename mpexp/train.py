@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import get_object, instantiate
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from mpexp import __version__
+from mpexp import __version__, performance
 from mpexp.data.base import InMemoryData
 from mpexp.errors import UserError
 from mpexp.history import StepHistory, StepRow
@@ -71,14 +71,17 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
 
     data: InMemoryData = build(cfg.dataset)
     info = data.setup(device)
+    data.memory_format = performance.memory_format(cfg.trainer.channels_last)
     model = build(
         cfg.model,
         in_channels=info.channels,
         num_classes=info.num_classes,
         image_size=(info.height, info.width),
     ).to(device)
-    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    optimizer = performance.build_optimizer(cfg.optimizer, model, device)
     scaler = build_scaler(cfg.loss_scaling, precision, device)
+    performance.configure_backends(device, cfg.trainer.cudnn_benchmark)
+    forward = performance.prepare_model(model, cfg.trainer)
 
     ran = {
         "device": str(device),
@@ -87,6 +90,7 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
         "mpexp_version": __version__,
         **precision.record(),
         **scaler.describe(),
+        **performance.describe(optimizer, cfg.trainer),
         "parameters": sum(p.numel() for p in model.parameters()),
         "steps_per_epoch": data.steps_per_epoch(),
     }
@@ -106,7 +110,7 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
     config = {**OmegaConf.to_container(cfg, resolve=True), "ran": ran}
     tracker = Tracker(run, config, cfg.wandb)
     try:
-        summary = _fit(cfg, model, data, optimizer, scaler, precision, device, tracker)
+        summary = _fit(cfg, forward, data, optimizer, scaler, precision, device, tracker)
         summary["ran"] = {**ran, "final_scale": summary.pop("amp/final_scale")}
         tracker.update_summary(summary)
     except BaseException:

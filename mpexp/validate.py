@@ -13,6 +13,7 @@ from mpexp.errors import ConfigError
 DEVICES = ("auto", "cuda", "cpu")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 LOADERS = ("device", "dataloader")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 def _number(value: Any, key: str) -> float:
@@ -44,6 +45,7 @@ def validate(cfg: DictConfig) -> None:
     _integer(trainer.seed, "trainer.seed", 0)
     _choice(trainer.device, "trainer.device", DEVICES)
     _choice(cfg.wandb.mode, "wandb.mode", WANDB_MODES)
+    _choice(trainer.compile_mode, "trainer.compile_mode", COMPILE_MODES)
 
     _integer(data.batch_size, "dataset.batch_size", 1)
     _choice(data.get("loader", "device"), "dataset.loader", LOADERS)

@@ -27,11 +27,11 @@ class DataInfo:
     num_classes: int
 
 
-def to_float(images: torch.Tensor) -> torch.Tensor:
+def to_float(images: torch.Tensor, memory_format=torch.contiguous_format) -> torch.Tensor:
     """uint8 images to float in [0, 1], as torchvision's ToTensor gives; float input passes."""
-    if images.dtype == torch.uint8:
-        return images.float().div_(255)
-    return images.float()
+    scaled = images.dtype == torch.uint8
+    images = images.to(torch.float32, memory_format=memory_format)  # one copy for both changes
+    return images.div_(255) if scaled else images
 
 
 class InMemoryData:
@@ -51,6 +51,7 @@ class InMemoryData:
         self.drop_last = drop_last
         self.loader = loader
         self.num_workers = num_workers
+        self.memory_format = torch.contiguous_format  # the trainer sets channels_last when asked
         self.train: Batch | None = None
         self.val: Batch | None = None
         self.info: DataInfo | None = None
@@ -103,10 +104,13 @@ class InMemoryData:
         stop = n - n % b if drop_last else n
         for start in range(0, stop, b):
             if order is None:
-                yield to_float(images[start : start + b]), labels[start : start + b]
+                yield (
+                    to_float(images[start : start + b], self.memory_format),
+                    labels[start : start + b],
+                )
             else:
                 idx = order[start : start + b]
-                yield to_float(images[idx]), labels[idx]
+                yield to_float(images[idx], self.memory_format), labels[idx]
 
     def _dataloader(self, data: Batch, device, shuffle: bool, generator) -> Iterator[Batch]:
         pin = device.type == "cuda"
@@ -122,6 +126,6 @@ class InMemoryData:
         )
         for images, labels in loader:
             yield (
-                to_float(images.to(device, non_blocking=pin)),
+                to_float(images.to(device, non_blocking=pin), self.memory_format),
                 labels.to(device, non_blocking=pin),
             )
