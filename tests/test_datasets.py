@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import struct
 
 import numpy as np
 import pytest
@@ -12,29 +11,22 @@ import torch
 from torchvision import datasets
 
 from mpexp.data.cifar10 import CIFAR10Data
-from mpexp.data.mnist import FashionMNISTData, MNISTData
+from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.data.synthetic import SyntheticData
 from mpexp.errors import DataError
 
 CPU = torch.device("cpu")
 
 
-def write_idx(path, array: np.ndarray) -> None:
-    """The IDX format MNIST ships in: magic (type 0x08 = uint8, ndim), big-endian dims, bytes."""
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    path.write_bytes(header + array.astype(np.uint8).tobytes())
-
-
 def make_mnist(root, folder: str, n_train: int, n_test: int, rng):
-    raw = root / folder / "raw"
-    raw.mkdir(parents=True)
-    splits = {}
-    for prefix, n in (("train", n_train), ("t10k", n_test)):
-        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
-        labels = rng.integers(0, 10, n, dtype=np.uint8)
-        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
-        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
-        splits[prefix] = (images, labels)
+    splits = {
+        prefix: (
+            rng.integers(0, 256, (n, 28, 28), dtype=np.uint8),
+            rng.integers(0, 10, n, dtype=np.uint8),
+        )
+        for prefix, n in (("train", n_train), ("t10k", n_test))
+    }
+    write_mnist_files(root, splits, folder)
     return splits
 
 

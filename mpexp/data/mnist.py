@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import struct
+from pathlib import Path
+
+import numpy as np
 from torchvision import datasets
 
 from mpexp.data.base import Batch, InMemoryData
@@ -34,3 +38,19 @@ class FashionMNISTData(MNISTData):
 
     torchvision_class = datasets.FashionMNIST
     files = "FashionMNIST/raw/ (train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-*)"
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """Save a uint8 array in the IDX format MNIST ships in (what torchvision's MNIST reads):
+    two zero bytes, the type code 0x08 (uint8), the number of dimensions, big-endian sizes, data."""
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    Path(path).write_bytes(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+
+
+def write_mnist_files(root: Path, splits: dict[str, tuple[np.ndarray, np.ndarray]], folder="MNIST"):
+    """Write {"train": (images, labels), "t10k": (...)} as `root/<folder>/raw/*-ubyte` files."""
+    raw = Path(root) / folder / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for prefix, (images, labels) in splits.items():
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)

@@ -1,0 +1,346 @@
+"""Benchmark mpexp's training loop against the World4AI tutorial's loop, per precision.
+
+In one process on one device, after a warm-up epoch, for each precision mode it times:
+  tutorial  the loop as the World4AI "Mixed Precision Training" tutorial writes it: a DataLoader
+            over the MNIST files with ToTensor and 2 workers, `loss.item()` every step, GradScaler
+            for fp16;
+  mpexp     `mpexp.train.train` itself, as `python -m mpexp.train` runs it (W&B off);
+  bare      (CPU only, or with --bare) the same model, optimizer and device-resident batches as
+            mpexp, in a loop with no metrics at all: mpexp's overhead is measured against it.
+All loops use the same model, data (MNIST's on-disk format), batch size and precision switches.
+
+    python scripts/bench.py                       # CUDA: DeepCNN on MNIST-sized data
+    python scripts/bench.py --device cpu          # a small model, under two minutes on 2 cores
+    python scripts/bench.py --json bench.json     # the same numbers as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from torch.utils.data import DataLoader
+from torch.utils.flop_counter import FlopCounterMode
+from torchvision import datasets
+from torchvision import transforms as T
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mpexp.data.mnist import MNISTData, write_mnist_files  # noqa: E402
+from mpexp.data.synthetic import SyntheticData  # noqa: E402
+from mpexp.performance import build_optimizer  # noqa: E402
+from mpexp.precision import setup_precision  # noqa: E402
+from mpexp.scaling import build_scaler  # noqa: E402
+from mpexp.system import resolve_device, synchronize  # noqa: E402
+from mpexp.tracking import RunContext  # noqa: E402
+from mpexp.train import build, train  # noqa: E402
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+
+# Dense peak TFLOP/s by GPU name (vendor datasheets, SXM parts): fp32 without tensor cores, TF32,
+# and fp16/bf16 tensor-core math. Unlisted GPUs get no "% of peak" without --peak-tflops.
+PEAK_TFLOPS = {
+    "H200": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
+}
+
+# Per device: what a run of a few minutes (CUDA) or under two (CPU) can afford. On CPU the point
+# is mpexp's per-step overhead, measured in fp32: CPUs without bf16/fp16 matrix units run 16-bit
+# autocast several times slower than fp32 (5x on the 2-core AMD EPYC this was written on).
+DEFAULTS = {
+    "cuda": {
+        "model": "deepcnn",
+        "train_size": 60_000,
+        "batch_size": 256,
+        "epochs": 3,
+        "precisions": ",".join(PRECISIONS),
+        "overrides": [],
+    },
+    "cpu": {
+        "model": "simplecnn",
+        "train_size": 4096,
+        "batch_size": 128,
+        "epochs": 3,
+        "precisions": "fp32",
+        "overrides": ["model.width=16"],
+    },
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--precisions", help="comma-separated; default: all on CUDA, fp32 on CPU")
+    p.add_argument("--model", help="deepcnn | simplecnn | resnet18 (default: per device)")
+    p.add_argument("--train-size", type=int, help="training samples per epoch")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--epochs", type=int, help="timed epochs; one more runs first as warm-up")
+    p.add_argument("--data-root", help="a folder with MNIST/raw files; default: generated ones")
+    p.add_argument("--bare", action="store_true", help="also time the bare loop on CUDA")
+    p.add_argument("--peak-tflops", type=float, help="the device's peak, for unlisted GPUs")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument(
+        "overrides", nargs="*", help="mpexp overrides for every loop, e.g. trainer.compile=true"
+    )
+    args = p.parse_args(argv)
+    args.device = resolve_device(args.device)
+    for key, value in DEFAULTS[args.device.type].items():
+        if not getattr(args, key):
+            setattr(args, key, value)
+    args.precisions = args.precisions.split(",")
+    return args
+
+
+def write_data(root: Path, train_size: int, seed: int = 0) -> Path:
+    """MNIST-shaped learnable images as MNIST's own IDX files, for machines without the dataset."""
+    data = SyntheticData(train_size=train_size, val_size=1000, noise=0.6, seed=seed, batch_size=1)
+    (train_x, train_y), (val_x, val_y), _ = data.load()
+
+    def as_uint8(images):
+        return (images[:, 0] * 255).round().to(torch.uint8).numpy()
+
+    splits = {
+        "train": (as_uint8(train_x), train_y.numpy().astype(np.uint8)),
+        "t10k": (as_uint8(val_x), val_y.numpy().astype(np.uint8)),
+    }
+    write_mnist_files(root, splits)
+    return root
+
+
+def mpexp_config(args, root: Path, precision: str, epochs: int):
+    overrides = [
+        "dataset=mnist",
+        f"dataset.root={root}",
+        "dataset.download=false",
+        f"dataset.batch_size={args.batch_size}",
+        f"model={args.model}",
+        f"precision={precision}",
+        f"trainer.epochs={epochs}",
+        f"trainer.device={args.device.type}",
+        "trainer.progress=false",
+        "wandb.mode=disabled",
+        *args.overrides,
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def time_mpexp(args, root: Path, precision: str) -> dict:
+    """mpexp's own entry point; epoch times and peak memory from the run's metrics.jsonl."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        train(mpexp_config(args, root, precision, args.epochs + 1), RunContext(Path(run_dir)))
+        rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if "epoch" in r][1:]  # the first epoch is the warm-up
+    memory = [v for r in epochs for k, v in r.items() if k.startswith("mem/")]
+    return {"s": statistics.median(r["perf/epoch_time_s"] for r in epochs), "mem": max(memory)}
+
+
+def fresh_model(args, device):
+    torch.manual_seed(0)
+    cfg = mpexp_config(args, Path("."), "fp32", 1)  # the model group with the same overrides
+    return build(cfg.model, in_channels=1, num_classes=10, image_size=(28, 28)).to(device)
+
+
+def time_tutorial(args, root: Path, precision: str) -> dict:
+    """The tutorial's loop, with the precision mode's autocast and TF32 switches."""
+    device = args.device
+    mode = setup_precision(precision, device)
+    dataset = datasets.MNIST(str(root), train=True, download=False, transform=T.ToTensor())
+    loader = DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, num_workers=2, drop_last=True
+    )
+    model = fresh_model(args, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    times = []
+    _reset_peak(device)
+    for _ in range(args.epochs + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        losses = []
+        for img, label in loader:
+            img, label = img.to(device), label.to(device)
+            with mode.autocast():
+                loss = F.cross_entropy(model(img), label)
+            optimizer.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.item())
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return {"s": statistics.median(times[1:]), "mem": _peak_mib(device)}
+
+
+def time_bare(args, root: Path, precision: str) -> dict:
+    """mpexp's model, optimizer, scaler and device-resident batches with no metrics at all."""
+    device = args.device
+    cfg = mpexp_config(args, root, precision, 1)
+    mode = setup_precision(precision, device)
+    data = MNISTData(root=str(root), download=False, batch_size=args.batch_size)
+    data.setup(device)
+    model = fresh_model(args, device)
+    optimizer = build_optimizer(cfg.optimizer, model, device)
+    scaler = build_scaler(cfg.loss_scaling, mode, device)
+    times = []
+    for epoch in range(args.epochs + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        for images, labels in data.train_batches(epoch, 0, device):
+            with mode.autocast():
+                loss = F.cross_entropy(model(images), labels)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return {"s": statistics.median(times[1:])}
+
+
+def flops_per_sample(args) -> float:
+    """Forward plus backward FLOPs of one sample, counted by PyTorch's FlopCounterMode."""
+    model = fresh_model(args, torch.device("cpu"))
+    images, labels = torch.randn(4, 1, 28, 28), torch.randint(10, (4,))
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(images), labels).backward()
+    return counter.get_total_flops() / 4
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_mib(device):
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def device_peak(args, name: str) -> dict | None:
+    if args.peak_tflops:
+        return dict.fromkeys(PRECISIONS, args.peak_tflops)
+    return next((peaks for key, peaks in PEAK_TFLOPS.items() if key in name), None)
+
+
+def run(args) -> dict:
+    from mpexp.system import device_name
+
+    name = device_name(args.device)
+    root = Path(args.data_root) if args.data_root else None
+    with tempfile.TemporaryDirectory() as tmp:
+        root = root or write_data(Path(tmp), args.train_size)
+        samples = (args.train_size // args.batch_size) * args.batch_size
+        flops = flops_per_sample(args)
+        peaks = device_peak(args, name)
+        with_bare = args.device.type == "cpu" or args.bare
+        rows = []
+        for precision in args.precisions:
+            row = {
+                "precision": precision,
+                "tutorial": time_tutorial(args, root, precision),
+                "mpexp": time_mpexp(args, root, precision),
+            }
+            if with_bare:
+                row["bare"] = time_bare(args, root, precision)
+            rows.append(row)
+            print(f"  measured {precision}", file=sys.stderr)
+
+    base = next((r for r in rows if r["precision"] == "fp32"), None)
+    results = []
+    for r in rows:
+        mpexp_s = r["mpexp"]["s"]
+        tflops = flops * samples / mpexp_s / 1e12
+        out = {
+            "precision": r["precision"],
+            "tutorial_s_per_epoch": r["tutorial"]["s"],
+            "mpexp_s_per_epoch": mpexp_s,
+            "speedup_vs_tutorial": r["tutorial"]["s"] / mpexp_s,
+            "speedup_vs_fp32": base["mpexp"]["s"] / mpexp_s if base else None,
+            "tflops": tflops,
+            "peak_fraction": tflops / peaks[r["precision"]] if peaks else None,
+            "peak_mem_mib": r["mpexp"]["mem"],
+            "mem_vs_fp32": r["mpexp"]["mem"] / base["mpexp"]["mem"] if base else None,
+            "tutorial_peak_mem_mib": r["tutorial"]["mem"],
+        }
+        if "bare" in r:
+            out["bare_s_per_epoch"] = r["bare"]["s"]
+            out["overhead_vs_bare"] = mpexp_s / r["bare"]["s"] - 1
+        results.append(out)
+    return {
+        "date": date.today().isoformat(),
+        "command": "python scripts/bench.py " + " ".join(sys.argv[1:]),
+        "device": str(args.device),
+        "device_name": name,
+        "torch_version": torch.__version__,
+        "model": args.model,
+        "train_size": samples,
+        "batch_size": args.batch_size,
+        "timed_epochs": args.epochs,
+        "gflop_per_sample": flops / 1e9,
+        "rows": results,
+    }
+
+
+def table(result: dict) -> str:
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    bare = "overhead_vs_bare" in result["rows"][0]
+    head = ["precision", "tutorial s/ep", "mpexp s/ep", "vs tutorial", "vs fp32", "TFLOP/s",
+            "% peak", "peak MiB", "mem vs fp32"]  # fmt: skip
+    if bare:
+        head += ["bare s/ep", "overhead"]
+    lines = [
+        f"{result['model']} on {result['device_name']} ({result['device']}), torch "
+        f"{result['torch_version']}, {result['train_size']} samples/epoch, batch "
+        f"{result['batch_size']}, {result['gflop_per_sample']:.3f} GFLOP/sample, median of "
+        f"{result['timed_epochs']} epochs after a warm-up",
+        " | ".join(head),
+        " | ".join("---" for _ in head),
+    ]
+    for r in result["rows"]:
+        cells = [
+            r["precision"],
+            fmt(r["tutorial_s_per_epoch"], ".3f"),
+            fmt(r["mpexp_s_per_epoch"], ".3f"),
+            fmt(r["speedup_vs_tutorial"], ".2f") + "x",
+            fmt(r["speedup_vs_fp32"], ".2f") + "x",
+            fmt(r["tflops"], ".2f"),
+            fmt(r["peak_fraction"] and 100 * r["peak_fraction"], ".1f"),
+            fmt(r["peak_mem_mib"], ".0f"),
+            fmt(r["mem_vs_fp32"], ".2f"),
+        ]
+        if bare:
+            cells += [
+                fmt(r["bare_s_per_epoch"], ".3f"),
+                fmt(100 * r["overhead_vs_bare"], "+.1f") + "%",
+            ]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    result = run(args)
+    print(table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

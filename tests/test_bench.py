@@ -1,0 +1,33 @@
+"""scripts/bench.py --device cpu, at a tiny size, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_cpu_benchmark_prints_its_table_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--train-size", "256", "--batch-size", "64", "--epochs", "1"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "precision | tutorial s/ep | mpexp s/ep | vs tutorial" in result.stdout
+    assert "fp32 |" in result.stdout and "overhead" in result.stdout
+
+    bench = json.loads(out.read_text())
+    (row,) = bench["rows"]
+    assert row["precision"] == "fp32" and row["speedup_vs_fp32"] == 1.0
+    assert bench["train_size"] == 256 and bench["device"] == "cpu"
+    for key in ("tutorial_s_per_epoch", "mpexp_s_per_epoch", "bare_s_per_epoch"):
+        assert row[key] > 0
+    assert row["speedup_vs_tutorial"] == row["tutorial_s_per_epoch"] / row["mpexp_s_per_epoch"]
+    assert abs(bench["gflop_per_sample"] - 0.0060) < 0.001  # simplecnn width 16 on 1x28x28
