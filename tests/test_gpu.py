@@ -57,3 +57,12 @@ def test_tf32_matmul_differs_from_strict_fp32_on_ampere():
     setup_precision("tf32", cuda())
     tf32 = (a @ b - exact).abs().max().item()
     assert tf32 > 10 * strict  # TF32 keeps 10 mantissa bits: visibly coarser
+
+
+@pytest.mark.parametrize("switch", ["trainer.channels_last=true", "trainer.compile=true"])
+def test_channels_last_and_compile_paths_train_on_cuda(tmp_path, switch):
+    train(make_cfg(*TINY, "precision=bf16", "trainer.device=cuda", switch), RunContext(tmp_path))
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    key = switch.split("=")[0].split(".")[1]
+    assert saved["ran"][key] and saved["ran"]["fused_optimizer"]
+    assert saved["val/loss"] < 2.3
