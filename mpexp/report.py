@@ -256,7 +256,7 @@ def render_markdown(report: Report) -> str:
 def _table(report: Report) -> list[str]:
     def cell(row: Row, key: str, fmt: str) -> str:
         value = row.values(report.tolerance)[key]
-        text = "–" if value is None else fmt.format(value)
+        text = "n/a" if value is None else fmt.format(value)
         if key == "precision" and row.effective_precision != row.precision:
             text += f" (ran as {row.effective_precision})"
         if key == "d_val_acc_pts" and row.parity(report.tolerance) == "flagged":

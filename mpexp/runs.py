@@ -1,7 +1,8 @@
 """Finding run directories on disk and reading back what each run wrote.
 
 A run directory is what `python -m mpexp.train` leaves behind: `metrics.jsonl`, `summary.json`,
-`train.log` and Hydra's `.hydra/` (`outputs/<date>/<time>/` or `outputs/multirun/<date>/<time>/<job>/`).
+`train.log` and Hydra's `.hydra/`, in `outputs/<date>/<time>/` for a single run and in
+`outputs/multirun/<date>/<time>/<job>/` for a sweep's jobs.
 Only local files are read; nothing here touches the network.
 """
 
