@@ -42,7 +42,6 @@ class Row:
     val_loss: float
     val_acc: float
     skipped_steps: int
-    timed_epochs: int
     baseline: Row | None = None
 
     @property
@@ -130,7 +129,6 @@ def measure(run: Run, label: str) -> Row:
         val_loss=last["val/loss"],
         val_acc=last["val/acc"],
         skipped_steps=int(skipped),
-        timed_epochs=len(timed),
     )
 
 
@@ -214,7 +212,7 @@ COLUMNS = [
     ("loss scaling", "loss_scaling", "{}"),
     ("model", "model", "{}"),
     ("dataset", "dataset", "{}"),
-    ("epoch time (s)", "epoch_time_s", "{:.3g}"),
+    ("epoch time (s)", "epoch_time_s", "{:.2f}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("samples/s", "samples_per_s", "{:.0f}"),
     ("peak memory (MiB)", "peak_mem_mib", "{:.1f}"),
@@ -229,7 +227,7 @@ COLUMNS = [
 
 def render_markdown(report: Report) -> str:
     rows = report.rows
-    lines = [f"# Sweep report: {report.out_dir.name}", ""]
+    lines = [f"# Sweep report: {report.out_dir.parent.name}/{report.out_dir.name}", ""]
     lines.append(
         f"Runs under `{report.out_dir}`: {len(rows)} reported, "
         f"{len(report.not_reported)} not reported."
@@ -254,19 +252,19 @@ def render_markdown(report: Report) -> str:
 
 
 def _table(report: Report) -> list[str]:
-    def cell(row: Row, key: str, fmt: str) -> str:
-        value = row.values(report.tolerance)[key]
-        text = "n/a" if value is None else fmt.format(value)
-        if key == "precision" and row.effective_precision != row.precision:
-            text += f" (ran as {row.effective_precision})"
-        if key == "d_val_acc_pts" and row.parity(report.tolerance) == "flagged":
-            text = f"**{text}**"
-        return text.replace("|", "\\|")
-
     headers = [h for h, _, _ in COLUMNS]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in report.rows:
-        lines.append("| " + " | ".join(cell(row, k, f) for _, k, f in COLUMNS) + " |")
+        values = row.values(report.tolerance)
+        cells = {
+            key: "n/a" if values[key] is None else fmt.format(values[key])
+            for _, key, fmt in COLUMNS
+        }
+        if row.effective_precision != row.precision:
+            cells["precision"] += f" (ran as {row.effective_precision})"
+        if values["parity"] == "flagged":
+            cells["d_val_acc_pts"] = f"**{cells['d_val_acc_pts']}**"
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells.values()) + " |")
     return lines
 
 
@@ -284,7 +282,7 @@ def _notes(report: Report) -> list[str]:
             "Peak memory on CPU: the process's resident set size, which counts the whole Python "
             "process, not only tensors; it is not comparable with GPU memory."
         )
-    single = [r.label for r in report.rows if r.timed_epochs == 1 and len(r.run.epochs) == 1]
+    single = [r.label for r in report.rows if len(r.run.epochs) == 1]
     if single:
         notes.append(f"One-epoch runs (their time includes warm-up): {', '.join(single)}.")
     return [" ".join(notes)]

@@ -116,7 +116,7 @@ def test_table_holds_the_numbers_in_the_runs_metrics(precision_sweep):
         assert (row["model"], row["dataset"]) == ("simplecnn", "synthetic")
 
         n = numbers(job)
-        assert row["epoch time (s)"] == f"{n['time']:.3g}"
+        assert row["epoch time (s)"] == f"{n['time']:.2f}"
         assert row["speedup"] == f"{fp32['time'] / n['time']:.2f}x"
         assert row["samples/s"] == f"{n['rate']:.0f}"
         assert row["peak memory (MiB)"] == f"{n['mem']:.1f}"
@@ -213,6 +213,17 @@ def test_incomplete_and_unreadable_runs_are_named(sweep_with_a_failure, tmp_path
     assert "not reported: killed: it is still running or was killed" in out
     assert "not reported: broken: summary.json cannot be read" in out
     assert [row["run"] for row in read_table(tmp_path / "report.md")] == ["complete"]
+
+
+def test_without_an_fp32_run_nothing_is_compared(precision_sweep, tmp_path):
+    sweep, _ = precision_sweep
+    run = shutil.copytree(sweep / "2", tmp_path / "fp16_only")
+    assert report.main([str(run)]) == 0  # a single run directory: the report goes into it
+
+    (row,) = read_table(run / "report.md")
+    assert row["precision"] == "fp16" and row["run"] == "fp16_only"
+    assert row["speedup"] == row["memory vs fp32"] == row["Δ val acc (points)"] == "n/a"
+    assert "no fp32 run of simplecnn on synthetic" in (run / "report.md").read_text()
 
 
 @pytest.mark.parametrize(
