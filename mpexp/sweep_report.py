@@ -14,9 +14,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from mpexp.errors import UserError
+from mpexp.runs import find_run_dirs
 
 
 class SweepReport(Callback):
+    """`python -m mpexp.report <sweep dir>`, run by Hydra at the end of every multirun."""
+
     def __init__(self, tolerance: float = 0.5, wandb_mode: str = "auto"):
         self.tolerance = tolerance
         self.wandb_mode = wandb_mode
@@ -27,10 +30,17 @@ class SweepReport(Callback):
         # on_multirun_end; a sweep with a failed run is when the report matters most, so it is
         # also written at interpreter exit unless on_multirun_end got there first.
         self.sweep_dir = Path(config.hydra.sweep.dir)
-        atexit.register(self.write)
+        atexit.register(self._write_if_any_job_ran)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        atexit.unregister(self.write)
+        atexit.unregister(self._write_if_any_job_ran)
+        self.write()
+
+    def _write_if_any_job_ran(self) -> None:
+        try:
+            find_run_dirs([self.sweep_dir])
+        except UserError:
+            return  # the sweep stopped before its first job (a bad override): nothing to report
         self.write()
 
     def write(self) -> None:
