@@ -91,6 +91,15 @@ class Tracker:
             wb.define_metric(pattern, step_metric="step")
         for pattern in EPOCH_METRICS:
             wb.define_metric(pattern, step_metric="epoch")
+        # the report reads this to log its table into the same project and group
+        self._summary["wandb"] = {
+            "mode": self.wandb_mode,
+            "project": wandb_cfg.project,
+            "entity": wandb_cfg.entity,
+            "group": run.group,
+            "id": wb.id,
+        }
+        self._write_summary()
         if self.wandb_mode == "offline":
             where = Path(wb.dir).parent  # wb.dir is the run's files/ folder
             log.info(

@@ -1,0 +1,153 @@
+"""Finding run directories on disk and reading back what each run wrote.
+
+A run directory is what `python -m mpexp.train` leaves behind: `metrics.jsonl`, `summary.json`,
+`train.log` and Hydra's `.hydra/`, in `outputs/<date>/<time>/` for a single run and in
+`outputs/multirun/<date>/<time>/<job>/` for a sweep's jobs.
+Only local files are read; nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from yaml import YAMLError
+
+from mpexp.errors import UserError
+
+RUN_MARKERS = ("summary.json", "metrics.jsonl", ".hydra/config.yaml")
+
+
+@dataclass
+class Run:
+    """One run as its files describe it. `problem` says why it cannot be reported, if it can't."""
+
+    path: Path
+    status: str
+    config: dict[str, Any] = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    problem: str | None = None
+
+    @property
+    def ran(self) -> dict[str, Any]:
+        return self.summary.get("ran", {})
+
+    def chosen(self, group: str) -> str:
+        """The option picked for a config group (`precision`, `model`, ...), '?' if unknown."""
+        return str(self.config.get(group, {}).get("name", "?"))
+
+
+def is_run_dir(path: Path) -> bool:
+    return any((path / marker).is_file() for marker in RUN_MARKERS)
+
+
+def find_run_dirs(paths: list[Path]) -> list[Path]:
+    """Run directories given directly or found below the given directories, in job order."""
+    found: list[Path] = []
+    for path in paths:
+        if not path.exists():
+            raise UserError(f"{path} does not exist; give a run directory or a multirun directory.")
+        if not path.is_dir():
+            raise UserError(
+                f"{path} is not a directory; give a run directory (outputs/<date>/<time>) or a "
+                "multirun directory (outputs/multirun/<date>/<time>)."
+            )
+        for top, dirs, _ in os.walk(path):
+            here = Path(top)
+            if is_run_dir(here):
+                found.append(here.resolve())
+                dirs.clear()  # a run's own subfolders (wandb/, .hydra/) hold no further runs
+            else:
+                dirs[:] = [d for d in dirs if not d.startswith(".") and d != "wandb"]
+    unique = sorted(set(found), key=_natural_key)
+    if not unique:
+        raise UserError(
+            f"No runs found under {', '.join(map(str, paths))}: a run directory holds "
+            f"{', '.join(RUN_MARKERS)}. Point at outputs/<date>/<time> or "
+            "outputs/multirun/<date>/<time>."
+        )
+    return unique
+
+
+def _natural_key(path: Path) -> list:
+    # job folders are numbered: 2 sorts before 10
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
+def load_run(path: Path) -> Run:
+    """Read one run directory; problems are recorded on the Run, never raised."""
+    run = Run(path=path, status="not started")
+    hydra_dir = path / ".hydra"
+    try:
+        run.config = _read_yaml(hydra_dir / "config.yaml") or {}
+        run.overrides = [str(o) for o in _read_yaml(hydra_dir / "overrides.yaml") or []]
+    except (OSError, YAMLError) as err:
+        run.problem = f"its Hydra config cannot be read ({err})"
+        return run
+
+    summary_file = path / "summary.json"
+    if not summary_file.is_file():
+        run.problem = _why_not(path, "it never started training (no summary.json)")
+        return run
+    try:
+        run.summary = json.loads(summary_file.read_text())
+        run.status = str(run.summary.get("status", "unknown"))
+    except (OSError, json.JSONDecodeError) as err:
+        run.problem = f"summary.json cannot be read ({err})"
+        return run
+
+    try:
+        run.steps, run.epochs = _read_metrics(path / "metrics.jsonl")
+    except (OSError, ValueError) as err:
+        run.problem = f"metrics.jsonl cannot be read ({err})"
+        return run
+
+    planned = run.config.get("trainer", {}).get("epochs", "?")
+    done = f"after {len(run.epochs)} of {planned} epochs"
+    if run.status == "failed":
+        run.problem = _why_not(path, f"it failed {done}")
+    elif run.status == "running":
+        run.problem = f"it is still running or was killed ({done}; summary.json says running)"
+    elif run.status != "finished":
+        run.problem = f"summary.json has status {run.status!r}, not 'finished'"
+    elif not run.epochs:
+        run.problem = "it finished but metrics.jsonl holds no epoch rows"
+    return run
+
+
+def _read_yaml(path: Path) -> Any:
+    # unresolved: Hydra saves interpolations such as ${now:...} that only resolve inside a job
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else None
+
+
+def _read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
+    steps, epochs = [], []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"line {number} is not JSON") from None
+        # epoch rows also carry `step` (the step count so far), so test for `epoch` first
+        (epochs if "epoch" in row else steps).append(row)
+    return steps, epochs
+
+
+def _why_not(path: Path, what: str) -> str:
+    """`what`, with the error the run logged, when train.log holds one."""
+    log_file = path / "train.log"
+    errors = []
+    if log_file.is_file():
+        errors = [line for line in log_file.read_text().splitlines() if "][ERROR] - " in line]
+    if errors:
+        return f"{what}: {errors[-1].split('][ERROR] - ', 1)[1]}"
+    return f"{what}; see {log_file}"

@@ -1,0 +1,52 @@
+"""A Hydra callback that writes the sweep report when a multirun ends and prints its path.
+
+Registered under `hydra.callbacks` in conf/train.yaml; drop it for one sweep with
+`~hydra.callbacks.sweep_report`.
+"""
+
+from __future__ import annotations
+
+import atexit
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from mpexp.errors import UserError
+from mpexp.runs import find_run_dirs
+
+
+class SweepReport(Callback):
+    """`python -m mpexp.report <sweep dir>`, run by Hydra at the end of every multirun."""
+
+    def __init__(self, tolerance: float = 0.5, wandb_mode: str = "auto"):
+        self.tolerance = tolerance
+        self.wandb_mode = wandb_mode
+        self.sweep_dir: Path | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra's sweeper re-raises a failed job's error after the batch and never calls
+        # on_multirun_end; a sweep with a failed run is when the report matters most, so it is
+        # also written at interpreter exit unless on_multirun_end got there first.
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        atexit.register(self._write_if_any_job_ran)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        atexit.unregister(self._write_if_any_job_ran)
+        self.write()
+
+    def _write_if_any_job_ran(self) -> None:
+        try:
+            find_run_dirs([self.sweep_dir])
+        except UserError:
+            return  # the sweep stopped before its first job (a bad override): nothing to report
+        self.write()
+
+    def write(self) -> None:
+        from mpexp.report import make_report  # plotting imports only when a sweep ends
+
+        try:
+            make_report([self.sweep_dir], self.tolerance, wandb_mode=self.wandb_mode)
+        except UserError as err:
+            print(f"No sweep report: {err}")

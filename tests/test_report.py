@@ -1,0 +1,296 @@
+"""The sweep report, from real sweeps on synthetic data: files, numbers, parity, failures, W&B."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+
+from mpexp import report
+from tests.conftest import ROOT, run_cli
+from tests.test_training import read_metrics
+from tests.test_wandb import leet_records
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PRECISIONS = ["fp32", "tf32", "fp16", "bf16"]
+
+
+def read_table(report_md: Path) -> list[dict[str, str]]:
+    """report.md's table as one {header: cell} dict per row."""
+    lines = [line for line in report_md.read_text().splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [
+        dict(zip(header, [c.strip() for c in line.strip("|").split("|")], strict=True))
+        for line in lines[2:]
+    ]
+
+
+def sweep_dir(cwd: Path) -> Path:
+    (sweep,) = (cwd / "outputs" / "multirun").glob("*/*")
+    return sweep
+
+
+@pytest.fixture(scope="module")
+def precision_sweep(tmp_path_factory):
+    """A four-precision multirun, W&B offline, as a user runs it; the report comes at its end."""
+    cwd = tmp_path_factory.mktemp("precision_sweep")
+    result = run_cli(
+        "mpexp.train",
+        "-m",
+        "experiment=quickstart",
+        f"precision={','.join(PRECISIONS)}",
+        "trainer.epochs=2",
+        "dataset.train_size=256",
+        "dataset.val_size=64",
+        "trainer.progress=false",
+        cwd=cwd,
+    )
+    assert result.returncode == 0, result.stderr
+    return sweep_dir(cwd), result.stdout
+
+
+@pytest.fixture(scope="module")
+def sweep_with_a_failure(tmp_path_factory):
+    """fp32 at a working lr, at an lr too small to learn anything, and at an invalid lr."""
+    cwd = tmp_path_factory.mktemp("failed_sweep")
+    result = run_cli(
+        "mpexp.train",
+        "-m",
+        "experiment=quickstart",
+        "optimizer.lr=3e-3,1e-9,-1",
+        "dataset.train_size=512",
+        "dataset.val_size=128",
+        "dataset.batch_size=64",
+        "dataset.noise=0.3",  # clear classes: the working lr learns them in two epochs
+        "trainer.epochs=2",
+        "trainer.progress=false",
+        "wandb.mode=disabled",
+        cwd=cwd,
+    )
+    assert result.returncode != 0  # Hydra reports the failed job when the sweep ends
+    return sweep_dir(cwd), result
+
+
+def test_multirun_ends_with_the_report_and_its_plots(precision_sweep):
+    sweep, stdout = precision_sweep
+    assert f"Sweep report: {sweep / 'report.md'}" in stdout
+    text = (sweep / "report.md").read_text()
+    for name in ("loss_curves", "epoch_time", "peak_memory", "loss_scale"):
+        png = sweep / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG_SIGNATURE
+        height, width, channels = imread(png).shape
+        assert height > 100 and width > 100 and channels in (3, 4)
+        assert f"]({name}.png)" in text  # embedded in report.md
+
+
+def test_table_holds_the_numbers_in_the_runs_metrics(precision_sweep):
+    sweep, _ = precision_sweep
+    table = read_table(sweep / "report.md")
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [row["run"] for row in table] == [f"{i} precision={p}" for i, p in enumerate(PRECISIONS)]
+
+    def numbers(job: Path) -> dict:
+        steps, epochs = read_metrics(job)
+        return {
+            "time": statistics.median(e["perf/epoch_time_s"] for e in epochs[1:]),
+            "rate": statistics.median(e["perf/samples_per_s"] for e in epochs[1:]),
+            "mem": max(e["mem/peak_rss_mib"] for e in epochs),
+            "loss": epochs[-1]["val/loss"],
+            "acc": 100 * epochs[-1]["val/acc"],
+            "skipped": steps[-1]["amp/skipped_steps"],
+        }
+
+    fp32 = numbers(jobs[0])
+    for job, row, precision in zip(jobs, table, PRECISIONS, strict=True):
+        ran = json.loads((job / "summary.json").read_text())["ran"]
+        shown = precision if ran["effective_precision"] == precision else "tf32 (ran as fp32)"
+        assert row["precision"] == shown
+        assert row["loss scaling"] == ("dynamic" if precision == "fp16" else "none")
+        assert (row["model"], row["dataset"]) == ("simplecnn", "synthetic")
+
+        n = numbers(job)
+        assert row["epoch time (s)"] == f"{n['time']:.2f}"
+        assert row["speedup"] == f"{fp32['time'] / n['time']:.2f}x"
+        assert row["samples/s"] == f"{n['rate']:.0f}"
+        assert row["peak memory (MiB)"] == f"{n['mem']:.1f}"
+        assert row["memory vs fp32"] == f"{n['mem'] / fp32['mem']:.2f}x"
+        assert row["val loss"] == f"{n['loss']:.4f}"
+        assert row["Δ val loss"] == f"{n['loss'] - fp32['loss']:+.4f}"
+        assert row["val acc (%)"] == f"{n['acc']:.2f}"
+        assert row["Δ val acc (points)"].strip("*") == f"{n['acc'] - fp32['acc']:+.2f}"
+        assert row["skipped steps"] == str(n["skipped"])
+
+    assert table[0]["speedup"] == "1.00x" and table[0]["memory vs fp32"] == "1.00x"
+
+
+def test_wandb_runs_hold_what_ran_and_plot_against_epoch_and_step(precision_sweep):
+    sweep, _ = precision_sweep
+    fp16_job = sweep / "2"
+    (wandb_dir,) = (fp16_job / "wandb").glob("offline-run-*")
+    records = leet_records(wandb_dir)
+
+    axes = {r["metric"].get("name") or r["metric"]["glob_name"]: r["metric"].get("step_metric")
+            for r in records if r["type"] == "metric"}  # fmt: skip
+    assert axes["train/loss"] == axes["amp/*"] == "step"
+    assert axes["val/*"] == axes["perf/*"] == axes["mem/*"] == "epoch"
+
+    final = {}
+    for r in records:
+        if r["type"] == "summary":
+            final.update(r["summary"]["update"])
+    local = json.loads((fp16_job / "summary.json").read_text())
+    for key in ("device", "device_name", "torch_version", "autocast_dtype", "tf32_matmul",
+                "tf32_cudnn", "loss_scaling", "final_scale"):  # fmt: skip
+        assert final[f"ran/{key}"] == local["ran"][key], key
+    assert final["ran/autocast_dtype"] == "float16" and final["ran/loss_scaling"] == "dynamic"
+    assert final["val/acc"] == local["val/acc"]
+
+
+def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sweep, _ = precision_sweep
+    # offline on request; `auto` logs only when the sweep's runs were online
+    assert report.main([str(sweep), "--wandb", "offline", "--out", str(tmp_path)]) == 0
+
+    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    (run,) = [r["run"] for r in leet_records(wandb_dir) if r["type"] == "run"]
+    assert run["run_group"] == f"sweep-{sweep.parent.name}_{sweep.name}"
+    assert run["job_type"] == "report" and run["project"] == "mpexp"
+
+    (table_file,) = (wandb_dir / "files" / "media" / "table" / "report").glob("table*.json")
+    logged = json.loads(table_file.read_text())
+    rows = [dict(zip(logged["columns"], row, strict=True)) for row in logged["data"]]
+    assert [r["precision"] for r in rows] == PRECISIONS
+    assert rows[0]["speedup"] == 1.0 and rows[0]["parity"] == "baseline"
+    _, epochs = read_metrics(sweep / "3")
+    assert rows[3]["val_loss"] == epochs[-1]["val/loss"]
+
+
+def test_failed_run_is_named_and_the_rest_reported(sweep_with_a_failure):
+    sweep, result = sweep_with_a_failure
+    assert "optimizer.lr=-1 must be positive" in result.stderr
+    assert f"Sweep report: {sweep / 'report.md'}" in result.stdout
+
+    text = (sweep / "report.md").read_text()
+    assert [row["run"] for row in read_table(sweep / "report.md")] == [
+        "0 optimizer.lr=0.003",
+        "1 optimizer.lr=1e-09",
+    ]
+    not_reported = text.split("## Not reported", 1)[1]
+    assert "`2 optimizer.lr=-1`: it never started training" in not_reported
+    assert "optimizer.lr=-1 must be positive" in not_reported
+
+
+def test_run_far_below_fp32_accuracy_is_flagged(sweep_with_a_failure):
+    sweep, _ = sweep_with_a_failure
+    accs = [read_metrics(sweep / job)[1][-1]["val/acc"] for job in ("0", "1")]
+    gap = 100 * (accs[0] - accs[1])  # the lr=1e-9 run never learns
+    assert gap > report.DEFAULT_TOLERANCE
+
+    flagged = report.build_report([sweep], report.DEFAULT_TOLERANCE).flagged
+    assert [r.label for r in flagged] == ["1 optimizer.lr=1e-09"]
+    assert "**flagged** `1 optimizer.lr=1e-09`" in (sweep / "report.md").read_text()
+    assert report.build_report([sweep], tolerance=gap + 1).flagged == []
+
+
+def test_incomplete_and_unreadable_runs_are_named(sweep_with_a_failure, tmp_path, capsys):
+    sweep, _ = sweep_with_a_failure
+    for name in ("complete", "killed", "broken"):
+        shutil.copytree(sweep / "0", tmp_path / name)
+    killed = tmp_path / "killed" / "summary.json"
+    killed.write_text(json.dumps({**json.loads(killed.read_text()), "status": "running"}))
+    (tmp_path / "broken" / "summary.json").write_text('{"status": "fini')
+
+    assert report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "not reported: killed: it is still running or was killed" in out
+    assert "not reported: broken: summary.json cannot be read" in out
+    assert [row["run"] for row in read_table(tmp_path / "report.md")] == ["complete"]
+
+
+def test_without_an_fp32_run_nothing_is_compared(precision_sweep, tmp_path):
+    sweep, _ = precision_sweep
+    run = shutil.copytree(sweep / "2", tmp_path / "fp16_only")
+    assert report.main([str(run)]) == 0  # a single run directory: the report goes into it
+
+    (row,) = read_table(run / "report.md")
+    assert row["precision"] == "fp16" and row["run"] == "fp16_only"
+    assert row["speedup"] == row["memory vs fp32"] == row["Δ val acc (points)"] == "n/a"
+    assert "no fp32 run of simplecnn on synthetic" in (run / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("make_path", "message"),
+    [
+        (lambda tmp: tmp / "no_such_sweep", "does not exist"),
+        (lambda tmp: tmp, "No runs found under"),
+    ],
+)
+def test_bad_path_gives_one_message_and_fails(tmp_path, make_path, message):
+    result = run_cli("mpexp.report", str(make_path(tmp_path)), cwd=tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "report.md").exists()
+
+
+def run_script(script: str, *args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """A scripts/*.sh as a user runs it, with this interpreter first on PATH."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "PATH": path, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", **env}
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / script), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+SMALL = [
+    "dataset=synthetic",
+    "dataset.train_size=128",
+    "dataset.val_size=32",
+    "dataset.batch_size=64",
+    "model.width=4",
+    "trainer.epochs=2",
+    "trainer.progress=false",
+]
+
+
+def test_precision_grid_script_compares_the_grid_with_plain_fp32(tmp_path):
+    result = run_script(
+        "precision_grid.sh", "simplecnn", *SMALL, cwd=tmp_path,
+        PRECISIONS="bf16,fp32", SCALINGS="static,none",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    sweep = sweep_dir(tmp_path)
+    assert f"Sweep report: {sweep / 'report.md'}" in result.stdout
+
+    table = read_table(sweep / "report.md")
+    grid = [(row["precision"], row["loss scaling"], row["model"]) for row in table]
+    assert sorted(grid) == sorted(
+        (p, s, "simplecnn") for p in ("bf16", "fp32") for s in ("static", "none")
+    )
+    # fp32 with loss scaling is listed first, yet plain fp32 is the reference
+    (reference,) = [r for r in table if (r["precision"], r["loss scaling"]) == ("fp32", "none")]
+    assert reference["speedup"] == "1.00x" and reference["Δ val acc (points)"] == "+0.00"
+
+
+def test_seed_experiment_script_is_fp32_against_fp16_in_one_sweep(tmp_path):
+    result = run_script("seed_experiment.sh", *SMALL, "model=simplecnn", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    table = read_table(sweep_dir(tmp_path) / "report.md")
+    assert [(r["precision"], r["loss scaling"]) for r in table] == [
+        ("fp32", "none"),
+        ("fp16", "dynamic"),
+    ]
+    config = (sweep_dir(tmp_path) / "0" / ".hydra" / "config.yaml").read_text()
+    assert "epochs: 2" in config  # the caller's overrides win over the script's
