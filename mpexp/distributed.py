@@ -53,10 +53,10 @@ LAUNCH_HINT = (
 class World:
     """This process's place in the run: its rank among `size` processes and its device."""
 
+    device: torch.device
     strategy: str = "single"
     rank: int = 0
     size: int = 1
-    device: torch.device = torch.device("cpu")
     backend: str | None = None
 
     @property
@@ -178,7 +178,7 @@ def _join(strategy: str, device: torch.device) -> World:
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
-    world = World(strategy, rank, size, device, dist.get_backend())
+    world = World(device, strategy, rank, size, backend=dist.get_backend())
     if world.is_main:
         log.info("%s over %d processes (%s)", strategy.upper(), size, world.backend)
     else:
