@@ -9,6 +9,7 @@ long finished. The complete scale history (every step's scale and skip flag) sur
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,10 @@ class StepRow:
 
 
 class StepHistory:
-    def __init__(self) -> None:
+    def __init__(self, reduce_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`reduce_loss`, if given, maps each flushed block of losses on the device to what is
+        logged, e.g. their mean over the ranks of a distributed run."""
+        self._reduce_loss = reduce_loss
         self._meta: list[tuple[int, float]] = []
         self._values: list[torch.Tensor] = []
         self._pending: list[tuple[list[tuple[int, float]], torch.Tensor, object]] = []
@@ -43,6 +47,8 @@ class StepHistory:
         """
         if self._values:
             values = torch.stack(self._values)
+            if self._reduce_loss is not None:
+                values[:, 0] = self._reduce_loss(values[:, 0])
             event = None
             if values.is_cuda:
                 host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)

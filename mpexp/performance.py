@@ -21,15 +21,19 @@ def configure_backends(device: torch.device, cudnn_benchmark: bool) -> None:
     torch.backends.cudnn.benchmark = cudnn_benchmark and device.type == "cuda"
 
 
-def build_optimizer(cfg: DictConfig, model: nn.Module, device: torch.device):
+def build_optimizer(
+    cfg: DictConfig, model: nn.Module, device: torch.device, strategy: str = "single"
+):
     """The optimizer of a config group, with fused kernels on CUDA unless `fused` says otherwise.
 
     Fused Adam/AdamW/SGD take GradScaler's unscale and inf check into the update kernel, so an fp16
     step needs no host read of the overflow flag; the unfused path has GradScaler call `.item()`.
+    Under FSDP the default stays unfused: the overflow flags of sharded gradients must be combined
+    across ranks before the step, which the unfused path does (see mpexp.distributed).
     """
     fused = cfg.get("fused")
     if fused is None:
-        fused = device.type == "cuda"
+        fused = device.type == "cuda" and strategy != "fsdp"
     return instantiate(cfg, fused=bool(fused))(model.parameters())
 
 
@@ -37,14 +41,17 @@ def memory_format(channels_last: bool) -> torch.memory_format:
     return torch.channels_last if channels_last else torch.contiguous_format
 
 
-def prepare_model(model: nn.Module, trainer: DictConfig) -> nn.Module:
-    """Apply memory format and compilation; return the module the loop should call.
-
-    The returned module may be a compiled wrapper: keep using `model` itself for its weights
-    (state_dict, parameter names), which compilation would prefix.
-    """
+def apply_memory_format(model: nn.Module, trainer: DictConfig) -> None:
+    """NHWC weights when asked; done before DDP/FSDP wrap the parameters."""
     if trainer.channels_last:
         model.to(memory_format=torch.channels_last)
+
+
+def compile_model(model: nn.Module, trainer: DictConfig) -> nn.Module:
+    """The module the loop should call: `model` itself, or its compiled wrapper.
+
+    Keep using `model` for its weights (state_dict, parameter names), which compilation prefixes.
+    """
     if not trainer.compile:
         return model
     return torch.compile(model, mode=trainer.compile_mode)

@@ -30,6 +30,7 @@ class LossScaler(torch.amp.GradScaler):
         self._device = device
         self._found_inf = torch.zeros((), device=device)
         self._one = torch.ones((), device=device)
+        self._sum_overflow_over_ranks = False
 
     def scale_tensor(self) -> torch.Tensor:
         """The current scale as a device tensor (1.0 when disabled).
@@ -46,6 +47,22 @@ class LossScaler(torch.amp.GradScaler):
     def found_inf(self) -> torch.Tensor:
         """1.0 if the last `step` was skipped for non-finite gradients, else 0.0 (device tensor)."""
         return self._found_inf
+
+    def skip_together(self) -> None:
+        """Sum the overflow flags over all ranks before each step is taken or skipped.
+
+        Needed when each rank unscales different gradients (FSDP shards): one rank may find an
+        inf that the others cannot see, and all must skip that step and back the scale off
+        alike, as torch's ShardedGradScaler does.
+        """
+        self._sum_overflow_over_ranks = True
+
+    def unscale_(self, optimizer) -> None:
+        super().unscale_(optimizer)
+        if self._enabled and self._sum_overflow_over_ranks:
+            per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            for found_inf in per_device.values():
+                torch.distributed.all_reduce(found_inf)  # on the device: no host sync
 
     def step(self, optimizer, *args, **kwargs):
         result = super().step(optimizer, *args, **kwargs)

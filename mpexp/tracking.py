@@ -145,6 +145,21 @@ class Tracker:
         tmp.replace(self.run_dir / "summary.json")
 
 
+class NullTracker:
+    """The sink of ranks > 0 in a distributed run: rank 0 alone writes metrics and the W&B run."""
+
+    wandb_run_dir = None
+
+    def log(self, row: dict[str, Any]) -> None:
+        pass
+
+    def update_summary(self, values: dict[str, Any]) -> None:
+        pass
+
+    def close(self, status: str = "finished") -> None:
+        pass
+
+
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in values.items():

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -20,12 +21,13 @@ from tqdm import tqdm
 
 from mpexp import __version__, performance
 from mpexp.data.base import InMemoryData
+from mpexp.distributed import World, hydra_overrides_for_rank, start_world
 from mpexp.errors import UserError
 from mpexp.history import StepHistory, StepRow
 from mpexp.precision import Precision, setup_precision
 from mpexp.scaling import LossScaler, build_scaler
 from mpexp.system import PeakMemory, device_name, resolve_device, seed_everything, synchronize
-from mpexp.tracking import RunContext, Tracker
+from mpexp.tracking import NullTracker, RunContext, Tracker
 from mpexp.validate import validate
 
 log = logging.getLogger("mpexp")
@@ -65,23 +67,34 @@ def evaluate(model, data: InMemoryData, device, precision: Precision) -> tuple[f
 def train(cfg: DictConfig, run: RunContext) -> dict:
     """Train as `cfg` says, log to `run.run_dir` (and W&B), return the final metrics."""
     validate(cfg)
-    device = resolve_device(cfg.trainer.device)
+    with start_world(cfg.trainer.strategy, resolve_device(cfg.trainer.device)) as world:
+        return _train(cfg, run, world)
+
+
+def _train(cfg: DictConfig, run: RunContext, world: World) -> dict:
+    run = world.from_rank_zero(run)  # all ranks know where rank 0 writes
+    device = world.device
     seed_everything(cfg.trainer.seed)
     precision = setup_precision(cfg.precision.name, device)
 
     data: InMemoryData = build(cfg.dataset)
     info = data.setup(device)
     data.memory_format = performance.memory_format(cfg.trainer.channels_last)
+    data.shard(world.rank, world.size)
     model = build(
         cfg.model,
         in_channels=info.channels,
         num_classes=info.num_classes,
         image_size=(info.height, info.width),
     ).to(device)
-    optimizer = performance.build_optimizer(cfg.optimizer, model, device)
+    parameters = sum(p.numel() for p in model.parameters())
+    performance.apply_memory_format(model, cfg.trainer)  # before DDP/FSDP takes the parameters
+    model = world.wrap(model, precision)
+    optimizer = performance.build_optimizer(cfg.optimizer, model, device, cfg.trainer.strategy)
     scaler = build_scaler(cfg.loss_scaling, precision, device)
+    world.prepare_scaler(scaler)
     performance.configure_backends(device, cfg.trainer.cudnn_benchmark)
-    forward = performance.prepare_model(model, cfg.trainer)
+    forward = performance.compile_model(model, cfg.trainer)
 
     ran = {
         "device": str(device),
@@ -91,7 +104,8 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
         **precision.record(),
         **scaler.describe(),
         **performance.describe(optimizer, cfg.trainer),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        **world.record(),
+        "parameters": parameters,
         "steps_per_epoch": data.steps_per_epoch(),
     }
     log.info(
@@ -108,10 +122,11 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
         ran["loss_scaling"],
     )
     config = {**OmegaConf.to_container(cfg, resolve=True), "ran": ran}
-    tracker = Tracker(run, config, cfg.wandb)
+    tracker = Tracker(run, config, cfg.wandb) if world.is_main else NullTracker()
     try:
-        summary = _fit(cfg, forward, data, optimizer, scaler, precision, device, tracker)
+        summary = _fit(cfg, forward, data, optimizer, scaler, precision, device, tracker, world)
         summary["ran"] = {**ran, "final_scale": summary.pop("amp/final_scale")}
+        summary["ran"].update(world.check_replicas(model))
         tracker.update_summary(summary)
     except BaseException:
         tracker.close("failed")
@@ -145,10 +160,13 @@ class StepLog:
             )
 
 
-def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker) -> dict:
+def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker, world) -> dict:
     epochs, seed, log_every = cfg.trainer.epochs, cfg.trainer.seed, cfg.trainer.log_every
-    history, memory, steps = StepHistory(), PeakMemory(device), StepLog(tracker)
+    # in a distributed run each flush averages the losses over ranks (one collective per flush)
+    history = StepHistory(reduce_loss=world.mean if world.distributed else None)
+    memory, steps = PeakMemory(device), StepLog(tracker)
     hide_bar = {"auto": None, True: False, False: True}[cfg.trainer.progress]
+    hide_bar = hide_bar if world.is_main else True
     step = 0
     model.train()
 
@@ -191,13 +209,14 @@ def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker) -> dic
             "perf/samples_per_s": n_steps * data.batch_size / epoch_time,
             memory.key: memory.read_mib(),
         }
+        row = world.reduce_epoch(row)
         tracker.log(row)
         log.info(
             "Epoch: %d, Loss: %.4f, Elapsed Time: %.2fsec, Val Loss: %.4f, Val Acc: %.2f%%, "
             "Peak Mem: %.0f MiB, Skipped Steps: %d",
             epoch,
             row["train/epoch_loss"],
-            epoch_time,
+            row["perf/epoch_time_s"],
             val_loss,
             100 * val_acc,
             row[memory.key],
@@ -233,4 +252,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    sys.argv += hydra_overrides_for_rank(sys.argv[1:])  # under torchrun only rank 0 writes
     main()

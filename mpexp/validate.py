@@ -8,6 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from mpexp.distributed import STRATEGIES
 from mpexp.errors import ConfigError
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -44,6 +45,7 @@ def validate(cfg: DictConfig) -> None:
     _integer(trainer.log_every, "trainer.log_every", 1)
     _integer(trainer.seed, "trainer.seed", 0)
     _choice(trainer.device, "trainer.device", DEVICES)
+    _choice(trainer.strategy, "trainer.strategy", STRATEGIES)
     _choice(cfg.wandb.mode, "wandb.mode", WANDB_MODES)
     _choice(trainer.compile_mode, "trainer.compile_mode", COMPILE_MODES)
 

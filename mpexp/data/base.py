@@ -4,6 +4,10 @@ MNIST, Fashion-MNIST, CIFAR-10 and the synthetic set fit in memory many times ov
 loaded once as a pair of tensors. `loader=device` keeps them on the training device and shuffles and
 slices there (no worker processes, no host copies per step); `loader=dataloader` goes through
 torch's DataLoader with pinned memory and workers, the conventional path.
+
+In a distributed run each rank trains on its shard of every epoch: both loaders draw the same
+seeded permutation and rank r takes every world_size-th sample of it from position r, as
+DistributedSampler does, so together the ranks see each sample once per epoch.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -55,6 +59,7 @@ class InMemoryData:
         self.train: Batch | None = None
         self.val: Batch | None = None
         self.info: DataInfo | None = None
+        self.rank, self.world_size = 0, 1
 
     def load(self) -> tuple[Batch, Batch, int]:
         """Return (train images, labels), (val images, labels) and the number of classes.
@@ -74,21 +79,42 @@ class InMemoryData:
         self.info = DataInfo(channels=c, height=h, width=w, num_classes=num_classes)
         return self.info
 
+    def shard(self, rank: int, world_size: int) -> None:
+        """Train on rank `rank`'s share of each epoch; `batch_size` is then per rank."""
+        self.rank, self.world_size = rank, world_size
+
     @property
     def train_size(self) -> int:
+        """The whole training set, over all ranks."""
         return len(self.train[1])
 
     def steps_per_epoch(self) -> int:
-        n, b = self.train_size, self.batch_size
+        # every rank gets the same number of samples (a remainder of < world_size is dropped),
+        # hence the same number of steps: a rank with one step more would wait forever on the rest
+        n, b = self.train_size // self.world_size, self.batch_size
         return n // b if self.drop_last else -(-n // b)
 
     def train_batches(self, epoch: int, seed: int, device: torch.device) -> Iterator[Batch]:
         """One epoch of shuffled training batches on `device`, in an order set by (seed, epoch)."""
-        generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        epoch_seed = seed * 100_003 + epoch
+        n, world = self.train_size, self.world_size
         if self.loader == "device":
-            order = torch.randperm(self.train_size, generator=generator).to(device)
-            yield from self._slices(self.train, order, self.drop_last)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed))
+            order = order[: n - n % world][self.rank :: world]
+            yield from self._slices(self.train, order.to(device), self.drop_last)
+        elif world > 1:
+            # DistributedSampler seeds its permutation with seed + epoch: the device path's order
+            sampler = DistributedSampler(
+                TensorDataset(*self.train),
+                num_replicas=world,
+                rank=self.rank,
+                seed=seed * 100_003,
+                drop_last=True,
+            )
+            sampler.set_epoch(epoch)
+            yield from self._dataloader(self.train, device, shuffle=False, sampler=sampler)
         else:
+            generator = torch.Generator().manual_seed(epoch_seed)
             yield from self._dataloader(self.train, device, shuffle=True, generator=generator)
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
@@ -96,11 +122,11 @@ class InMemoryData:
         if self.loader == "device":
             yield from self._slices(self.val, None, drop_last=False)
         else:
-            yield from self._dataloader(self.val, device, shuffle=False, generator=None)
+            yield from self._dataloader(self.val, device, shuffle=False)
 
     def _slices(self, data: Batch, order: torch.Tensor | None, drop_last: bool) -> Iterator[Batch]:
         images, labels = data
-        n, b = len(labels), self.batch_size
+        n, b = len(labels) if order is None else len(order), self.batch_size
         stop = n - n % b if drop_last else n
         for start in range(0, stop, b):
             if order is None:
@@ -112,13 +138,17 @@ class InMemoryData:
                 idx = order[start : start + b]
                 yield to_float(images[idx], self.memory_format), labels[idx]
 
-    def _dataloader(self, data: Batch, device, shuffle: bool, generator) -> Iterator[Batch]:
+    def _dataloader(
+        self, data: Batch, device, shuffle: bool, generator=None, sampler=None
+    ) -> Iterator[Batch]:
         pin = device.type == "cuda"
+        train = shuffle or sampler is not None
         loader = DataLoader(
             TensorDataset(*data),
             batch_size=self.batch_size,
             shuffle=shuffle,
-            drop_last=self.drop_last and shuffle,
+            sampler=sampler,
+            drop_last=self.drop_last and train,
             num_workers=self.num_workers,
             pin_memory=pin,
             generator=generator,

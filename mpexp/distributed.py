@@ -1,0 +1,291 @@
+"""Training on several processes: DDP or FSDP2, launched by torchrun or as a multi-task SLURM job.
+
+One process per device, every one running the same loop on its own shard of each epoch.
+`torchrun --nproc_per_node=N -m mpexp.train trainer.strategy=ddp` sets RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT; in a SLURM job started by hydra-submitit-launcher with
+several tasks they are exported here from submitit's job environment. The process group is gloo
+on CPU and NCCL on CUDA.
+
+Rank 0 alone writes (run dir, metrics, summary, W&B). What it logs is reduced across ranks at the
+points where the loop reads values anyway (each metrics flush and each epoch's end), never per step:
+the step loss is averaged over ranks, throughput summed, epoch time and peak memory are the
+slowest / largest rank's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from mpexp.errors import ConfigError
+from mpexp.precision import Precision
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("single", "ddp", "fsdp")
+
+# How each per-rank epoch value becomes the logged one; every other epoch value is already the same
+# on all ranks (the loss comes from all-reduced step losses, validation runs on identical weights).
+EPOCH_REDUCTIONS: dict[str, Callable] = {
+    "perf/epoch_time_s": max,
+    "perf/samples_per_s": sum,
+    "mem/peak_allocated_mib": max,
+    "mem/peak_rss_mib": max,
+}
+
+LAUNCH_HINT = (
+    "Start one process per device with torchrun, e.g.\n"
+    "  torchrun --nproc_per_node=2 -m mpexp.train trainer.strategy=ddp ...\n"
+    "or submit a SLURM job with hydra/launcher=slurm_gpu (README, 'Scaling out')."
+)
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the run: its rank among `size` processes and its device."""
+
+    device: torch.device
+    strategy: str = "single"
+    rank: int = 0
+    size: int = 1
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """True on the one process that writes."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.strategy != "single"
+
+    def record(self) -> dict:
+        """The facts every run writes under `ran`."""
+        return {"strategy": self.strategy, "world_size": self.size, "backend": self.backend}
+
+    def wrap(self, model: nn.Module, precision: Precision) -> nn.Module:
+        """DDP or FSDP2 around a model already on this rank's device; call before the optimizer
+        is built (FSDP2 replaces the parameters with sharded ones)."""
+        if self.strategy == "ddp":
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        if self.strategy == "fsdp":
+            return _fully_shard(model, precision, self.device, self.size)
+        return model
+
+    def prepare_scaler(self, scaler) -> None:
+        """Under FSDP each rank unscales only its own gradient shard, so overflow flags must be
+        summed over ranks before the step is taken or skipped. Under DDP gradients are
+        all-reduced before unscaling, so every rank already finds the same."""
+        if self.strategy == "fsdp":
+            scaler.skip_together()
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean of `values` over ranks (a collective: every rank must call it)."""
+        total = values.contiguous().clone()
+        dist.all_reduce(total)
+        return total / self.size
+
+    def reduce_epoch(self, row: dict[str, Any]) -> dict[str, Any]:
+        """An epoch's metrics with the per-rank ones combined as EPOCH_REDUCTIONS says."""
+        if not self.distributed:
+            return row
+        mine = {k: row[k] for k in EPOCH_REDUCTIONS if k in row}
+        every = [None] * self.size
+        dist.all_gather_object(every, mine)
+        return {**row, **{k: EPOCH_REDUCTIONS[k](r[k] for r in every) for k in mine}}
+
+    def from_rank_zero(self, value: Any) -> Any:
+        """Rank 0's `value`, on every rank (e.g. its run dir)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @torch.no_grad()
+    def check_replicas(self, model: nn.Module) -> dict:
+        """Under DDP every rank holds a full copy of the weights; compare them bit for bit.
+
+        They can only differ if ranks took different steps (e.g. a rank-local skip decision),
+        which silently spoils the run, so a difference is logged as an error and recorded.
+        """
+        if self.strategy != "ddp":
+            return {}
+        bits = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+        low, high = bits.view(torch.int32), bits.view(torch.int32).clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        identical = bool(torch.equal(low, high))
+        if not identical and self.is_main:
+            log.error(
+                "DDP replicas diverged: the ranks' weights differ at the end of training, so "
+                "they did not all take the same optimizer steps. Results are not trustworthy."
+            )
+        return {"replicas_identical": identical}
+
+
+@contextlib.contextmanager
+def start_world(strategy: str, device: torch.device) -> Iterator[World]:
+    """Join the process group that the launcher set up (nothing to join for `single`), and leave
+    it at the end."""
+    world = _join(strategy, device)
+    try:
+        yield world
+    finally:
+        if world.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join(strategy: str, device: torch.device) -> World:
+    if strategy == "single":
+        tasks = _launched_processes()
+        if tasks > 1:
+            raise ConfigError(
+                f"This is one of {tasks} processes started together, but trainer.strategy=single: "
+                "each would train its own copy of the model.\n"
+                "Set trainer.strategy=ddp (or fsdp), or start a single process."
+            )
+        return World(device=device)
+    if "RANK" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR"):
+        _export_submitit_env()
+    if "RANK" not in os.environ:
+        raise ConfigError(
+            f"trainer.strategy={strategy} runs one process per device, but this process was not "
+            f"started by a distributed launcher (RANK is not set).\n{LAUNCH_HINT}"
+        )
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"Local rank {local_rank} has no GPU: this node shows "
+                f"{torch.cuda.device_count()}. Start at most one process per GPU "
+                "(torchrun --nproc_per_node, or tasks_per_node = gpus_per_node on SLURM)."
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    world = World(device, strategy, rank, size, backend=dist.get_backend())
+    if world.is_main:
+        log.info("%s over %d processes (%s)", strategy.upper(), size, world.backend)
+    else:
+        _quiet_logging()
+    return world
+
+
+def _launched_processes() -> int:
+    """How many processes a launcher started together with this one (1 for a plain process)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        import submitit
+
+        return submitit.JobEnvironment().num_tasks
+    return 1
+
+
+def _export_submitit_env() -> None:
+    """Each task of a SLURM job (or submitit_local job) becomes a rank: submitit knows the job's
+    hosts and task ids and exports them as torch's env:// variables."""
+    from submitit.helpers import TorchDistributedEnvironment
+
+    # GPUs are picked by LOCAL_RANK, as under torchrun; CUDA_VISIBLE_DEVICES stays as SLURM set it
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def _quiet_logging() -> None:
+    """Ranks > 0 keep warnings and errors on the console and add nothing to rank 0's log file.
+
+    Under torchrun Hydra never opened a log file for them (see `hydra_overrides_for_rank`); in a
+    multi-task SLURM job Hydra set up every task alike before this code ran, so the handler on the
+    shared train.log is closed here.
+    """
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(logging.WARNING)
+
+
+def hydra_overrides_for_rank(argv: list[str]) -> list[str]:
+    """Hydra overrides that keep ranks > 0 of a torchrun launch from writing anything.
+
+    Hydra creates the run dir, writes .hydra/ and opens train.log before `train` starts, and each
+    process resolves `${now:...}` on its own, so ranks could even disagree on the dir by a second.
+    Ranks > 0 therefore point Hydra at the working directory (it exists, so nothing is created),
+    skip .hydra/ and log to the console only; once the process group is up they learn rank 0's
+    run dir from rank 0.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return []
+    if any(arg in ("-m", "--multirun") or arg.startswith("hydra.mode=") for arg in argv):
+        raise SystemExit(
+            "A sweep (-m) cannot run inside a torchrun launch: every process would start the "
+            "sweep on its own.\nStart one torchrun per job, or sweep with a launcher that starts "
+            "the processes per job: hydra/launcher=slurm_gpu (README, 'Scaling out')."
+        )
+    if int(os.environ.get("RANK", "0")) == 0:
+        return []
+    return [
+        "hydra.run.dir=.",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=stdout",
+        "hydra.job_logging.root.level=WARNING",
+    ]
+
+
+def _fsdp2():
+    """fully_shard and MixedPrecisionPolicy: public in torch >= 2.6, under _composable before."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError:
+            raise ConfigError(
+                f"trainer.strategy=fsdp needs FSDP2 (fully_shard), which torch {torch.__version__} "
+                "lacks; use torch >= 2.4 or trainer.strategy=ddp."
+            ) from None
+    return fully_shard, MixedPrecisionPolicy
+
+
+def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> nn.Module:
+    """Shard parameters, gradients and optimizer state over the ranks with FSDP2.
+
+    Parameters are gathered in the precision mode's autocast dtype (fp16 / bf16; fp32 otherwise)
+    and gradients reduced in fp32. BatchNorm layers keep fp32 weights (their running statistics
+    are fp32 and batch_norm wants weights and statistics in one dtype), so each is its own unit.
+    Then every top-level child with parameters is a unit, so that a layer's weights are gathered
+    only while it runs, and the root takes whatever is left. Autocast stays on around the forward
+    pass: it still runs softmax, losses and reductions in fp32.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fully_shard, MixedPrecisionPolicy = _fsdp2()
+    # an explicit mesh: without one FSDP2 picks CUDA whenever a GPU exists, even for a gloo group
+    mesh = init_device_mesh(device.type, (size,))
+    low = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+    full = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+
+    for module in model.modules():
+        if isinstance(module, _BatchNorm):
+            fully_shard(module, mesh=mesh, mp_policy=full)
+    for child in model.children():
+        if not isinstance(child, _BatchNorm) and any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh, mp_policy=low)
+    fully_shard(model, mesh=mesh, mp_policy=low)
+    return model

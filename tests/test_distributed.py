@@ -1,0 +1,244 @@
+"""Scale-out on CPU as a user runs it: torchrun with two gloo processes (DDP, FSDP2), a
+submitit_local sweep whose jobs each run DDP over two tasks, and the pieces underneath."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpexp.data.synthetic import SyntheticData
+from mpexp.distributed import World, hydra_overrides_for_rank, start_world
+from mpexp.errors import ConfigError
+from mpexp.tracking import RunContext
+from mpexp.train import train
+from tests.conftest import ROOT, TINY, make_cfg, run_cli
+from tests.test_training import read_metrics
+
+TORCHRUN = ("torch.distributed.run", "--standalone", "--nproc_per_node=2")
+# TINY for one epoch; two ranks of 32 make the global batch of 64 that the one-process runs use
+ONE_EPOCH = [*TINY, "trainer.epochs=1"]
+PER_RANK = "dataset.batch_size=32"
+GLOBAL = "dataset.batch_size=64"
+STEPS = 1024 // 64
+
+
+def only_run_dir(cwd: Path) -> Path:
+    """The run's directory, after checking that nothing else was written in `cwd`."""
+    assert [p.name for p in cwd.iterdir()] == ["outputs"]
+    (run_dir,) = (cwd / "outputs").glob("*/*")
+    return run_dir
+
+
+def losses(run_dir: Path) -> list[float]:
+    steps, _ = read_metrics(run_dir)
+    return [r["train/loss"] for r in steps]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("ddp")
+    result = run_cli(
+        *TORCHRUN,
+        "-m",
+        "mpexp.train",
+        "trainer.strategy=ddp",
+        *ONE_EPOCH,
+        PER_RANK,
+        "wandb.mode=offline",
+        cwd=cwd,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return cwd
+
+
+def test_ddp_rank_zero_alone_writes_and_the_replicas_stay_identical(ddp_run):
+    run_dir = only_run_dir(ddp_run)
+    steps, epochs = read_metrics(run_dir)
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))  # each step once
+    assert len(epochs) == 1
+    assert (run_dir / "train.log").read_text().count("Epoch: 1,") == 1
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    ran = summary["ran"]
+    assert (ran["strategy"], ran["world_size"], ran["backend"]) == ("ddp", 2, "gloo")
+    assert ran["steps_per_epoch"] == STEPS
+    # every rank's weights compared bit for bit at the end of training
+    assert ran["replicas_identical"] is True
+
+
+def test_ddp_on_two_ranks_matches_one_process_with_the_same_global_batch(ddp_run, tmp_path):
+    train(make_cfg(*ONE_EPOCH, GLOBAL), RunContext(tmp_path))
+    ddp, single = losses(only_run_dir(ddp_run)), losses(tmp_path)
+    assert len(ddp) == len(single) == STEPS
+    assert ddp == pytest.approx(single, rel=1e-4)  # the logged loss is the mean over ranks
+
+    _, (ddp_epoch,) = read_metrics(only_run_dir(ddp_run))
+    _, (single_epoch,) = read_metrics(tmp_path)
+    assert ddp_epoch["val/loss"] == pytest.approx(single_epoch["val/loss"], rel=1e-4)
+
+
+def test_fsdp_in_fp16_trains_like_one_process(tmp_path):
+    fp16 = ["precision=fp16", "loss_scaling.init_scale=1024"]
+    cwd = tmp_path / "fsdp"
+    cwd.mkdir()
+    fsdp_args = ["trainer.strategy=fsdp", *ONE_EPOCH, PER_RANK, *fp16]
+    result = run_cli(*TORCHRUN, "-m", "mpexp.train", *fsdp_args, cwd=cwd)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = only_run_dir(cwd)
+    ran = json.loads((run_dir / "summary.json").read_text())["ran"]
+    assert (ran["strategy"], ran["world_size"], ran["autocast_dtype"]) == ("fsdp", 2, "float16")
+
+    single_summary = train(make_cfg(*ONE_EPOCH, GLOBAL, *fp16), RunContext(tmp_path / "single"))
+    assert ran["parameters"] == single_summary["ran"]["parameters"]  # counted before sharding
+    fsdp, single = losses(run_dir), losses(tmp_path / "single")
+    assert len(fsdp) == STEPS
+    # fp16 rounds per rank's batch of 32 rather than over all 64: close, not equal
+    assert fsdp == pytest.approx(single, abs=5e-3)
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("checks")
+    script = str(ROOT / "tests" / "distributed_checks.py")
+    result = run_cli(*TORCHRUN, script, str(out), cwd=out)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_under_ddp_an_overflow_on_one_rank_skips_the_step_on_both(checks):
+    # DDP averages gradients before the scaler unscales them: rank 1's inf reaches rank 0 too
+    for rank in checks:
+        assert rank["ddp"] == {"skipped": 1.0, "scale": 512.0, "unchanged": True}
+
+
+def test_fsdp_gathers_fp16_weights_and_skips_together(checks):
+    for rank in checks:
+        fsdp = rank["fsdp"]
+        assert fsdp["dtypes_in_forward"] == {"linear": "torch.float16", "norm": "torch.float32"}
+        assert (fsdp["skipped"], fsdp["scale"]) == (1.0, 512.0)
+
+
+def test_skip_together_sums_the_overflow_flags_over_ranks(checks):
+    rank0, rank1 = checks
+    assert rank0["alone"] == {"skipped": 0.0, "scale": 1024.0}  # rank 0 cannot see rank 1's inf
+    assert rank1["alone"] == {"skipped": 1.0, "scale": 512.0}
+    assert rank0["together"] == rank1["together"] == {"skipped": 1.0, "scale": 512.0}
+
+
+def test_replica_check_tells_identical_from_diverged_weights(checks):
+    for rank in checks:
+        assert rank["replicas"] == {"same_seed": True, "seed_per_rank": False}
+
+
+def test_submitit_local_sweep_runs_ddp_inside_each_job(tmp_path, monkeypatch):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e .[slurm]")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # four processes on two cores, as torchrun sets
+    result = run_cli(
+        "mpexp.train",
+        "-m",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.tasks_per_node=2",
+        "trainer.strategy=ddp",
+        *ONE_EPOCH,
+        PER_RANK,
+        "dataset.train_size=256",
+        "precision=fp32,bf16",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*")
+    for job, precision in zip(("0", "1"), ("fp32", "bf16"), strict=True):
+        steps, epochs = read_metrics(sweep / job)
+        assert [r["step"] for r in steps] == [1, 2, 3, 4]  # 256 samples, global batch 64
+        assert len(epochs) == 1
+        summary = json.loads((sweep / job / "summary.json").read_text())
+        assert summary["status"] == "finished"
+        assert summary["ran"]["precision"] == precision
+        assert summary["ran"]["world_size"] == 2
+        assert summary["ran"]["replicas_identical"] is True
+        assert (sweep / job / "train.log").read_text().count("Epoch: 1,") == 1
+
+
+@pytest.mark.parametrize(("loader", "world"), [("device", 3), ("dataloader", 3), ("device", 1)])
+def test_ranks_share_each_epoch_without_overlap(loader, world):
+    def shard_batches(rank):
+        data = SyntheticData(train_size=100, val_size=8, batch_size=5, loader=loader, seed=0)
+        data.setup(torch.device("cpu"))
+        data.shard(rank, world)
+        # label each sample by its index so the shard can be read back
+        data.train = (data.train[0], torch.arange(100))
+        batches = data.train_batches(epoch=2, seed=7, device=torch.device("cpu"))
+        return data, [labels.tolist() for _, labels in batches]
+
+    seen = []
+    for rank in range(world):
+        data, batches = shard_batches(rank)
+        assert len(batches) == data.steps_per_epoch() == 100 // world // 5
+        seen += [i for batch in batches for i in batch]
+    assert len(seen) == len(set(seen)) == 100 // world // 5 * 5 * world
+
+
+def test_device_and_dataloader_shards_are_the_same_samples():
+    def shard(loader):
+        data = SyntheticData(train_size=64, val_size=8, batch_size=4, loader=loader, seed=0)
+        data.setup(torch.device("cpu"))
+        data.shard(1, 2)
+        data.train = (data.train[0], torch.arange(64))
+        return [labels.tolist() for _, labels in data.train_batches(3, 42, torch.device("cpu"))]
+
+    assert shard("device") == shard("dataloader")
+
+
+def test_ddp_without_a_launcher_says_how_to_start_it(tmp_path):
+    with pytest.raises(ConfigError, match="torchrun --nproc_per_node=2"):
+        train(make_cfg(*TINY, "trainer.strategy=ddp"), RunContext(tmp_path))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_single_strategy_among_launched_processes_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"trainer\.strategy=ddp"), start_world("single", None):
+        pass
+
+
+def test_a_sweep_inside_torchrun_is_refused_and_only_rank_zero_lets_hydra_write(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert hydra_overrides_for_rank(["trainer.strategy=ddp"]) == []
+    with pytest.raises(SystemExit, match="cannot run inside a torchrun launch"):
+        hydra_overrides_for_rank(["-m", "precision=fp16,bf16"])
+    monkeypatch.setenv("RANK", "1")
+    assert "hydra.output_subdir=null" in hydra_overrides_for_rank(["trainer.strategy=ddp"])
+
+
+def test_unknown_strategy_lists_the_options():
+    with pytest.raises(ConfigError, match="single, ddp, fsdp"):
+        train(make_cfg(*TINY, "trainer.strategy=zero3"), RunContext(Path("unused")))
+
+
+def test_a_single_process_world_changes_nothing():
+    world = World(torch.device("cpu"))
+    model = torch.nn.Linear(2, 2)
+    assert world.wrap(model, None) is model
+    assert world.reduce_epoch({"perf/samples_per_s": 3.0}) == {"perf/samples_per_s": 3.0}
+    assert world.check_replicas(model) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_gpus_train_over_nccl(tmp_path, strategy):
+    args = [f"trainer.strategy={strategy}", *ONE_EPOCH, PER_RANK, "precision=bf16"]
+    result = run_cli(*TORCHRUN, "-m", "mpexp.train", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path)
+    ran = json.loads((run_dir / "summary.json").read_text())["ran"]
+    assert (ran["backend"], ran["device"], ran["world_size"]) == ("nccl", "cuda:0", 2)
+    assert ran.get("replicas_identical", True) is True
+    _, epochs = read_metrics(run_dir)
+    assert "mem/peak_allocated_mib" in epochs[0]
