@@ -5,8 +5,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from dataclasses import replace
+from itertools import islice
 from pathlib import Path
 
 import hydra
@@ -19,16 +22,26 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from mpexp import __version__
+from mpexp.checkpoint import Checkpointer, Position, Preempted, StopSignals, open_resume
 from mpexp.data.base import InMemoryData
 from mpexp.errors import UserError
 from mpexp.history import StepHistory, StepRow
+from mpexp.hydra_hooks import register_resolvers
 from mpexp.precision import Precision, setup_precision
 from mpexp.scaling import LossScaler, build_scaler
-from mpexp.system import PeakMemory, device_name, resolve_device, seed_everything, synchronize
-from mpexp.tracking import RunContext, Tracker
+from mpexp.system import (
+    PeakMemory,
+    device_name,
+    resolve_device,
+    seed_everything,
+    set_deterministic,
+    synchronize,
+)
+from mpexp.tracking import RunContext, Tracker, record_failure
 from mpexp.validate import validate
 
 log = logging.getLogger("mpexp")
+register_resolvers()  # conf/train.yaml's hydra.run.dir uses mpexp.run_dir
 
 
 def build(node: DictConfig, **extra):
@@ -63,8 +76,20 @@ def evaluate(model, data: InMemoryData, device, precision: Precision) -> tuple[f
 
 
 def train(cfg: DictConfig, run: RunContext) -> dict:
-    """Train as `cfg` says, log to `run.run_dir` (and W&B), return the final metrics."""
+    """Train as `cfg` says, log to `run.run_dir` (and W&B), return the final metrics.
+
+    With `trainer.resume`, continue that run instead: in its directory, under its W&B run id.
+    """
     validate(cfg)
+    resume = open_resume(cfg)
+    if resume is not None:
+        resume.rewind()
+        run = replace(run, run_dir=resume.run_dir, wandb_id=resume.wandb_id)
+        at = resume.position
+        log.info(
+            "Resuming %s: epoch %d, batch %d, step %d", resume.path, at.epoch, at.batch, at.step
+        )
+    set_deterministic(cfg.trainer.deterministic)
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.trainer.seed)
     precision = setup_precision(cfg.precision.name, device)
@@ -89,6 +114,7 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
         **scaler.describe(),
         "parameters": sum(p.numel() for p in model.parameters()),
         "steps_per_epoch": data.steps_per_epoch(),
+        "deterministic": cfg.trainer.deterministic,
     }
     log.info(
         "Training %s on %s (%d samples) | %s on %s | precision %s (autocast %s, TF32 %s) | "
@@ -105,12 +131,20 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
     )
     config = {**OmegaConf.to_container(cfg, resolve=True), "ran": ran}
     tracker = Tracker(run, config, cfg.wandb)
+    saver = Checkpointer(cfg, run.overrides, device, model, optimizer, scaler, tracker)
     try:
-        summary = _fit(cfg, model, data, optimizer, scaler, precision, device, tracker)
+        with StopSignals() as stop:
+            summary = _fit(
+                cfg, model, data, optimizer, scaler, precision, device, tracker, saver, resume, stop
+            )
         summary["ran"] = {**ran, "final_scale": summary.pop("amp/final_scale")}
         tracker.update_summary(summary)
+    except (Preempted, KeyboardInterrupt):
+        tracker.close("interrupted")
+        raise
     except BaseException:
-        tracker.close("failed")
+        with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped us
+            tracker.close("failed")
         raise
     tracker.close("finished")
     return summary
@@ -141,20 +175,49 @@ class StepLog:
             )
 
 
-def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker) -> dict:
+def _fit(
+    cfg, model, data, optimizer, scaler, precision, device, tracker, saver, resume, stop
+) -> dict:
     epochs, seed, log_every = cfg.trainer.epochs, cfg.trainer.seed, cfg.trainer.log_every
     history, memory, steps = StepHistory(), PeakMemory(device), StepLog(tracker)
     hide_bar = {"auto": None, True: False, False: True}[cfg.trainer.progress]
-    step = 0
+    at, row, resumed_time = Position(), None, 0.0
+    if resume is not None:
+        at = resume.restore(model, optimizer, scaler, device)
+        carried = resume.log_state
+        steps.skipped, steps.last_scale = carried["skipped"], carried["last_scale"]
+        steps.losses, row = carried["losses"], carried["epoch_row"]
+        resumed_time = carried["elapsed"]  # of the epoch in progress, before the checkpoint
+    step = at.step
     model.train()
 
-    for epoch in range(1, epochs + 1):
-        memory.reset()
-        steps.losses = []
-        bar = tqdm(total=data.steps_per_epoch(), desc=f"epoch {epoch}/{epochs}", disable=hide_bar)
-        start = time.perf_counter()
+    def checkpoint(position: Position, elapsed: float) -> None:
+        log_state = {
+            "skipped": steps.skipped,
+            "last_scale": steps.last_scale,
+            "losses": steps.losses,
+            "elapsed": elapsed,
+            "epoch_row": row,
+        }
+        path = saver.save(position, log_state)
+        if stop.received and position.epoch <= epochs:  # a signal at the very end lets it finish
+            raise saver.stopped(stop.received, path, position, data.steps_per_epoch())
 
-        for images, labels in data.train_batches(epoch, seed, device):
+    for epoch in range(at.epoch, epochs + 1):
+        done = at.batch if epoch == at.epoch else 0  # batches trained before a resume
+        memory.reset()
+        if not done:
+            steps.losses = []
+        bar = tqdm(
+            total=data.steps_per_epoch(),
+            initial=done,
+            desc=f"epoch {epoch}/{epochs}",
+            disable=hide_bar,
+        )
+        start = time.perf_counter() - (resumed_time if done else 0.0)
+
+        batches = islice(data.train_batches(epoch, seed, device), done, None)
+        for batch, (images, labels) in enumerate(batches, start=done + 1):
             step += 1
             loss = train_step(model, images, labels, optimizer, scaler, precision)
             # between step() and update(): the scale this step used and whether it was skipped
@@ -169,6 +232,11 @@ def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker) -> dic
                     seen = len(steps.losses) * data.batch_size
                     rate = seen / (time.perf_counter() - start)
                     bar.set_postfix(loss=f"{steps.losses[-1]:.4f}", samples_s=f"{rate:.0f}")
+            if saver.due(step) or stop.received:
+                steps.write(history.flush(wait=True))
+                began = time.perf_counter()
+                checkpoint(Position(epoch, batch, step), began - start)
+                start += time.perf_counter() - began  # writing checkpoints is not training time
 
         synchronize(device)
         epoch_time = time.perf_counter() - start
@@ -199,6 +267,7 @@ def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker) -> dic
             row[memory.key],
             steps.skipped,
         )
+        checkpoint(Position(epoch + 1, 0, step), 0.0)
 
     return {**row, "amp/skipped_steps": steps.skipped, "amp/final_scale": steps.last_scale}
 
@@ -214,14 +283,22 @@ def run_context(cfg: DictConfig) -> RunContext:
         name=hc.job.override_dirname or "defaults",
         group=group,
         tags=list(cfg.wandb.tags),
+        overrides=list(hc.overrides.task),
     )
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float:
+    run = run_context(cfg)
     try:
-        return train(cfg, run_context(cfg))["val/acc"]
-    except UserError as err:
+        return train(cfg, run)["val/acc"]
+    except Preempted as stopped:
+        log.warning("%s", stopped)
+        raise SystemExit(128 + stopped.signum) from None  # the shell's convention for a signal
+    except Exception as err:
+        record_failure(run.run_dir, err)  # summary.json: where a sweep's report looks
+        if not isinstance(err, UserError):
+            raise
         log.error("%s", err)  # also lands in the run's train.log
         if HydraConfig.get().mode == RunMode.RUN:
             raise SystemExit(2) from None

@@ -43,7 +43,14 @@ def validate(cfg: DictConfig) -> None:
     _integer(trainer.log_every, "trainer.log_every", 1)
     _integer(trainer.seed, "trainer.seed", 0)
     _choice(trainer.device, "trainer.device", DEVICES)
+    _integer(trainer.keep_checkpoints, "trainer.keep_checkpoints", 1)
+    if trainer.checkpoint_every_steps is not None:
+        _integer(trainer.checkpoint_every_steps, "trainer.checkpoint_every_steps", 1)
+    if not isinstance(trainer.deterministic, bool):
+        raise ConfigError(f"trainer.deterministic={trainer.deterministic!r} must be true or false.")
     _choice(cfg.wandb.mode, "wandb.mode", WANDB_MODES)
+    if _number(cfg.wandb.init_timeout, "wandb.init_timeout") <= 0:
+        raise ConfigError(f"wandb.init_timeout={cfg.wandb.init_timeout} must be positive seconds.")
 
     _integer(data.batch_size, "dataset.batch_size", 1)
     _choice(data.get("loader", "device"), "dataset.loader", LOADERS)
