@@ -265,10 +265,12 @@ class Resume:
 
     def rewind(self) -> None:
         """Forget what the run wrote after this checkpoint: later metrics rows and checkpoints."""
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
+        metrics, size = self.run_dir / "metrics.jsonl", self.state["metrics_bytes"]
+        if metrics.exists() and metrics.stat().st_size >= size:
             with metrics.open("r+b") as f:
-                f.truncate(self.state["metrics_bytes"])
+                f.truncate(size)
+        else:  # never pad: truncate() past the end would fill the file with zero bytes
+            log.warning("%s is shorter than at the checkpoint: earlier rows are missing.", metrics)
         later = [p for p in checkpoint_files(self.run_dir) if _step_of(p) > self.position.step]
         if later:
             log.warning(
@@ -290,7 +292,7 @@ class Resume:
 
 def find_checkpoint(target: str | Path) -> Path:
     """The checkpoint `trainer.resume` names: that file, or the newest one in a run directory."""
-    path = Path(target)
+    path = Path(str(target))
     if path.is_file():
         return path
     found = checkpoint_files(path) if path.is_dir() else []

@@ -109,9 +109,10 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_result(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, signum):
     run_dir = tmp_path / "run"
-    proc = start_cli(*ARGS, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    # log_every=1: the first rows reach metrics.jsonl after step 2, a sign that training is on
+    proc = start_cli(*ARGS, "trainer.log_every=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     metrics = run_dir / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)  # training under way
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
     proc.send_signal(signum)
     output, _ = proc.communicate(timeout=240)
 
