@@ -119,6 +119,7 @@ def rng_state(device: torch.device) -> dict:
 
 
 def restore_rng(state: dict, device: torch.device) -> None:
+    """Put every generator back as `rng_state` found it."""
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     keys, pos, has_gauss, cached = state["numpy"]
