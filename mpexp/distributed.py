@@ -95,6 +95,14 @@ class World:
         dist.all_reduce(total)
         return total / self.size
 
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any rank (a collective; reads one value)."""
+        if not self.distributed:
+            return flag
+        value = torch.tensor(float(flag), device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
     def reduce_epoch(self, row: dict[str, Any]) -> dict[str, Any]:
         """An epoch's metrics with the per-rank ones combined as EPOCH_REDUCTIONS says."""
         if not self.distributed:

@@ -17,3 +17,7 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A dataset that cannot be found or read."""
+
+
+class OutputError(UserError):
+    """The run directory cannot be written: permissions, a full disk."""

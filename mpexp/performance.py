@@ -16,9 +16,16 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
-def configure_backends(device: torch.device, cudnn_benchmark: bool) -> None:
-    """cuDNN autotuning: every batch has the same shape (drop_last), so tuning once pays off."""
-    torch.backends.cudnn.benchmark = cudnn_benchmark and device.type == "cuda"
+def configure_backends(device: torch.device, trainer: DictConfig) -> None:
+    """cuDNN autotuning: every batch has the same shape (drop_last), so tuning once pays off.
+
+    Not under `trainer.deterministic`: autotuning may pick different algorithms from run to run.
+    """
+    if trainer.cudnn_benchmark and trainer.deterministic and device.type == "cuda":
+        log.warning("trainer.deterministic=true turns trainer.cudnn_benchmark off.")
+    torch.backends.cudnn.benchmark = (
+        trainer.cudnn_benchmark and device.type == "cuda" and not trainer.deterministic
+    )
 
 
 def build_optimizer(

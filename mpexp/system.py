@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import random
 import sys
@@ -44,6 +45,20 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+def set_deterministic(enabled: bool) -> None:
+    """PyTorch's reproducibility switches, set both ways since they are process-wide.
+
+    On: only deterministic kernels (an op without one raises instead of silently varying) and no
+    cuDNN autotuning, which may pick different algorithms from run to run.
+    """
+    if enabled:
+        # cuBLAS is deterministic only with a fixed workspace; read when its handle is created
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
 
 
 def synchronize(device: torch.device) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from mpexp.errors import UserError
+
 log = logging.getLogger(__name__)
 
 STEP_METRICS = ("train/loss", "amp/*", "lr")
@@ -33,6 +35,8 @@ class RunContext:
     name: str | None = None
     group: str | None = None
     tags: list[str] = field(default_factory=list)
+    wandb_id: str | None = None  # set to continue an existing W&B run (a resumed training run)
+    overrides: list[str] = field(default_factory=list)  # the command line's, to say how to resume
 
 
 def has_wandb_key() -> bool:
@@ -80,7 +84,9 @@ class Tracker:
                 config=config,
                 dir=str(self.run_dir),
                 mode=self.wandb_mode,
-                settings=wandb.Settings(init_timeout=90),
+                id=run.wandb_id,
+                resume="allow" if run.wandb_id else None,
+                settings=wandb.Settings(init_timeout=wandb_cfg.get("init_timeout", 90)),
             )
         except Exception as err:  # W&B must never stop a training run
             log.warning("W&B could not start (%s); logging to %s only.", err, self.run_dir)
@@ -111,6 +117,16 @@ class Tracker:
     def wandb_run_dir(self) -> Path | None:
         return Path(self._wandb.dir).parent if self._wandb is not None else None
 
+    @property
+    def wandb_id(self) -> str | None:
+        return self._wandb.id if self._wandb is not None else None
+
+    def flush(self) -> int:
+        """Push metrics.jsonl to disk; return its size in bytes (a checkpoint's place in it)."""
+        self._metrics.flush()
+        os.fsync(self._metrics.fileno())
+        return os.fstat(self._metrics.fileno()).st_size
+
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (it must hold `step` or `epoch`)."""
         self._metrics.write(json.dumps(row) + "\n")
@@ -131,13 +147,15 @@ class Tracker:
                 log.warning("W&B summary not updated (%s).", err)
 
     def close(self, status: str = "finished") -> None:
-        self.update_summary({"status": status})
-        self._metrics.close()
-        if self._wandb is not None:
-            try:
-                self._wandb.finish(exit_code=0 if status == "finished" else 1)
-            except Exception as err:
-                log.warning("W&B did not finish cleanly (%s).", err)
+        try:
+            self.update_summary({"status": status})
+        finally:  # even when summary.json cannot be written (a full disk)
+            self._metrics.close()
+            if self._wandb is not None:
+                try:
+                    self._wandb.finish(exit_code=0 if status == "finished" else 1)
+                except Exception as err:
+                    log.warning("W&B did not finish cleanly (%s).", err)
 
     def _write_summary(self) -> None:
         tmp = self.run_dir / "summary.json.tmp"
@@ -149,6 +167,10 @@ class NullTracker:
     """The sink of ranks > 0 in a distributed run: rank 0 alone writes metrics and the W&B run."""
 
     wandb_run_dir = None
+    wandb_id = None
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
 
     def log(self, row: dict[str, Any]) -> None:
         pass
@@ -156,8 +178,32 @@ class NullTracker:
     def update_summary(self, values: dict[str, Any]) -> None:
         pass
 
+    def flush(self) -> int:
+        return 0
+
     def close(self, status: str = "finished") -> None:
         pass
+
+
+def record_failure(run_dir: Path, error: BaseException) -> None:
+    """Mark a run failed in its summary.json, with the error, where a sweep's report looks.
+
+    Also covers failures before training starts (a bad value, bf16 on a GPU without it), when no
+    Tracker exists yet. Best effort: a run dir that cannot be written keeps what it has.
+    """
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        summary = {}
+    message = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+    summary.update(status="failed", error=message)
+    try:
+        tmp = path.with_name("summary.json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        tmp.replace(path)
+    except OSError as err:
+        log.warning("Could not record the failure in %s (%s).", path, err)
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -5,9 +5,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import sys
 import time
+from dataclasses import replace
+from itertools import islice
 from pathlib import Path
 
 import hydra
@@ -20,17 +25,27 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from mpexp import __version__, performance
+from mpexp.checkpoint import Checkpointer, Position, Preempted, StopSignals, open_resume
 from mpexp.data.base import InMemoryData
 from mpexp.distributed import World, hydra_overrides_for_rank, start_world
-from mpexp.errors import UserError
+from mpexp.errors import ConfigError, UserError
 from mpexp.history import StepHistory, StepRow
+from mpexp.hydra_hooks import register_resolvers
 from mpexp.precision import Precision, setup_precision
 from mpexp.scaling import LossScaler, build_scaler
-from mpexp.system import PeakMemory, device_name, resolve_device, seed_everything, synchronize
-from mpexp.tracking import NullTracker, RunContext, Tracker
+from mpexp.system import (
+    PeakMemory,
+    device_name,
+    resolve_device,
+    seed_everything,
+    set_deterministic,
+    synchronize,
+)
+from mpexp.tracking import NullTracker, RunContext, Tracker, record_failure
 from mpexp.validate import validate
 
 log = logging.getLogger("mpexp")
+register_resolvers()  # conf/train.yaml's hydra.run.dir uses mpexp.run_dir
 
 
 def build(node: DictConfig, **extra):
@@ -65,13 +80,28 @@ def evaluate(model, data: InMemoryData, device, precision: Precision) -> tuple[f
 
 
 def train(cfg: DictConfig, run: RunContext) -> dict:
-    """Train as `cfg` says, log to `run.run_dir` (and W&B), return the final metrics."""
+    """Train as `cfg` says, log to `run.run_dir` (and W&B), return the final metrics.
+
+    With `trainer.resume`, continue that run instead: in its directory, under its W&B run id.
+    """
     validate(cfg)
+    resume = open_resume(cfg)
+    if resume is not None and cfg.trainer.strategy == "fsdp":
+        raise ConfigError("trainer.resume is not supported with trainer.strategy=fsdp yet.")
+    set_deterministic(cfg.trainer.deterministic)
     with start_world(cfg.trainer.strategy, resolve_device(cfg.trainer.device)) as world:
-        return _train(cfg, run, world)
+        return _train(cfg, run, world, resume)
 
 
-def _train(cfg: DictConfig, run: RunContext, world: World) -> dict:
+def _train(cfg: DictConfig, run: RunContext, world: World, resume) -> dict:
+    if resume is not None:
+        if world.is_main:
+            resume.rewind()
+        run = replace(run, run_dir=resume.run_dir, wandb_id=resume.wandb_id)
+        at = resume.position
+        log.info(
+            "Resuming %s: epoch %d, batch %d, step %d", resume.path, at.epoch, at.batch, at.step
+        )
     run = world.from_rank_zero(run)  # all ranks know where rank 0 writes
     device = world.device
     seed_everything(cfg.trainer.seed)
@@ -93,7 +123,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World) -> dict:
     optimizer = performance.build_optimizer(cfg.optimizer, model, device, cfg.trainer.strategy)
     scaler = build_scaler(cfg.loss_scaling, precision, device)
     world.prepare_scaler(scaler)
-    performance.configure_backends(device, cfg.trainer.cudnn_benchmark)
+    performance.configure_backends(device, cfg.trainer)
     forward = performance.compile_model(model, cfg.trainer)
 
     ran = {
@@ -107,6 +137,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World) -> dict:
         **world.record(),
         "parameters": parameters,
         "steps_per_epoch": data.steps_per_epoch(),
+        "deterministic": cfg.trainer.deterministic,
     }
     log.info(
         "Training %s on %s (%d samples) | %s on %s | precision %s (autocast %s, TF32 %s) | "
@@ -122,14 +153,33 @@ def _train(cfg: DictConfig, run: RunContext, world: World) -> dict:
         ran["loss_scaling"],
     )
     config = {**OmegaConf.to_container(cfg, resolve=True), "ran": ran}
-    tracker = Tracker(run, config, cfg.wandb) if world.is_main else NullTracker()
+    tracker = Tracker(run, config, cfg.wandb) if world.is_main else NullTracker(run.run_dir)
+    # rank 0 writes checkpoints; the other ranks hold the same replicated state (DDP)
+    saver = Checkpointer(cfg, run.overrides, device, model, optimizer, scaler, tracker)
     try:
-        summary = _fit(cfg, forward, data, optimizer, scaler, precision, device, tracker, world)
+        with StopSignals() as stop:
+            summary = _fit(
+                cfg,
+                forward,
+                data,
+                optimizer,
+                scaler,
+                precision,
+                tracker,
+                saver,
+                resume,
+                stop,
+                world,
+            )
         summary["ran"] = {**ran, "final_scale": summary.pop("amp/final_scale")}
         summary["ran"].update(world.check_replicas(model))
         tracker.update_summary(summary)
+    except (Preempted, KeyboardInterrupt):
+        tracker.close("interrupted")
+        raise
     except BaseException:
-        tracker.close("failed")
+        with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped us
+            tracker.close("failed")
         raise
     tracker.close("finished")
     return summary
@@ -160,23 +210,64 @@ class StepLog:
             )
 
 
-def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker, world) -> dict:
+def _fit(
+    cfg, model, data, optimizer, scaler, precision, tracker, saver, resume, stop, world
+) -> dict:
     epochs, seed, log_every = cfg.trainer.epochs, cfg.trainer.seed, cfg.trainer.log_every
+    device = world.device
     # in a distributed run each flush averages the losses over ranks (one collective per flush)
     history = StepHistory(reduce_loss=world.mean if world.distributed else None)
     memory, steps = PeakMemory(device), StepLog(tracker)
     hide_bar = {"auto": None, True: False, False: True}[cfg.trainer.progress]
     hide_bar = hide_bar if world.is_main else True
-    step = 0
+    # FSDP holds each rank's shard of the weights; saving them needs torch.distributed.checkpoint
+    sharded = cfg.trainer.strategy == "fsdp"
+    if sharded:
+        log.warning(
+            "trainer.strategy=fsdp writes no checkpoints yet: a stopped FSDP run starts over."
+        )
+    at, row, resumed_time = Position(), None, 0.0
+    if resume is not None:
+        at = resume.restore(model, optimizer, scaler, device)
+        carried = resume.log_state
+        steps.skipped, steps.last_scale = carried["skipped"], carried["last_scale"]
+        steps.losses, row = carried["losses"], carried["epoch_row"]
+        resumed_time = carried["elapsed"]  # of the epoch in progress, before the checkpoint
+    step = at.step
     model.train()
 
-    for epoch in range(1, epochs + 1):
-        memory.reset()
-        steps.losses = []
-        bar = tqdm(total=data.steps_per_epoch(), desc=f"epoch {epoch}/{epochs}", disable=hide_bar)
-        start = time.perf_counter()
+    def checkpoint(position: Position, elapsed: float, stopping: bool) -> None:
+        log_state = {
+            "skipped": steps.skipped,
+            "last_scale": steps.last_scale,
+            "losses": steps.losses,
+            "elapsed": elapsed,
+            "epoch_row": row,
+        }
+        path = saver.save(position, log_state) if world.is_main and not sharded else None
+        if stopping and position.epoch <= epochs:  # a signal at the very end lets it finish
+            signum = stop.received or signal.SIGTERM  # another rank may have got it
+            raise saver.stopped(signum, path, position, data.steps_per_epoch())
 
-        for images, labels in data.train_batches(epoch, seed, device):
+    def agreed_stop() -> bool:
+        """Whether a signal asks to stop; all ranks of a distributed run decide alike."""
+        return world.any(bool(stop.received))
+
+    for epoch in range(at.epoch, epochs + 1):
+        done = at.batch if epoch == at.epoch else 0  # batches trained before a resume
+        memory.reset()
+        if not done:
+            steps.losses = []
+        bar = tqdm(
+            total=data.steps_per_epoch(),
+            initial=done,
+            desc=f"epoch {epoch}/{epochs}",
+            disable=hide_bar,
+        )
+        start = time.perf_counter() - (resumed_time if done else 0.0)
+
+        batches = islice(data.train_batches(epoch, seed, device), done, None)
+        for batch, (images, labels) in enumerate(batches, start=done + 1):
             step += 1
             loss = train_step(model, images, labels, optimizer, scaler, precision)
             # between step() and update(): the scale this step used and whether it was skipped
@@ -191,6 +282,13 @@ def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker, world)
                     seen = len(steps.losses) * data.batch_size
                     rate = seen / (time.perf_counter() - start)
                     bar.set_postfix(loss=f"{steps.losses[-1]:.4f}", samples_s=f"{rate:.0f}")
+            # ranks must stop at the same step: they agree where they meet anyway, at a flush
+            stopping = agreed_stop() if not world.distributed or step % log_every == 0 else False
+            if saver.due(step) or stopping:
+                steps.write(history.flush(wait=True))
+                began = time.perf_counter()
+                checkpoint(Position(epoch, batch, step), began - start, stopping)
+                start += time.perf_counter() - began  # writing checkpoints is not training time
 
         synchronize(device)
         epoch_time = time.perf_counter() - start
@@ -222,6 +320,7 @@ def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker, world)
             row[memory.key],
             steps.skipped,
         )
+        checkpoint(Position(epoch + 1, 0, step), 0.0, agreed_stop())
 
     return {**row, "amp/skipped_steps": steps.skipped, "amp/final_scale": steps.last_scale}
 
@@ -237,14 +336,23 @@ def run_context(cfg: DictConfig) -> RunContext:
         name=hc.job.override_dirname or "defaults",
         group=group,
         tags=list(cfg.wandb.tags),
+        overrides=list(hc.overrides.task),
     )
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float:
+    run = run_context(cfg)
     try:
-        return train(cfg, run_context(cfg))["val/acc"]
-    except UserError as err:
+        return train(cfg, run)["val/acc"]
+    except Preempted as stopped:
+        log.warning("%s", stopped)
+        raise SystemExit(128 + stopped.signum) from None  # the shell's convention for a signal
+    except Exception as err:
+        if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 owns the run dir
+            record_failure(run.run_dir, err)  # summary.json: where a sweep's report looks
+        if not isinstance(err, UserError):
+            raise
         log.error("%s", err)  # also lands in the run's train.log
         if HydraConfig.get().mode == RunMode.RUN:
             raise SystemExit(2) from None

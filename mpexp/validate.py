@@ -48,6 +48,13 @@ def validate(cfg: DictConfig) -> None:
     _choice(trainer.strategy, "trainer.strategy", STRATEGIES)
     _choice(cfg.wandb.mode, "wandb.mode", WANDB_MODES)
     _choice(trainer.compile_mode, "trainer.compile_mode", COMPILE_MODES)
+    _integer(trainer.keep_checkpoints, "trainer.keep_checkpoints", 1)
+    if trainer.checkpoint_every_steps is not None:
+        _integer(trainer.checkpoint_every_steps, "trainer.checkpoint_every_steps", 1)
+    if not isinstance(trainer.deterministic, bool):
+        raise ConfigError(f"trainer.deterministic={trainer.deterministic!r} must be true or false.")
+    if _number(cfg.wandb.init_timeout, "wandb.init_timeout") <= 0:
+        raise ConfigError(f"wandb.init_timeout={cfg.wandb.init_timeout} must be positive seconds.")
 
     _integer(data.batch_size, "dataset.batch_size", 1)
     _choice(data.get("loader", "device"), "dataset.loader", LOADERS)

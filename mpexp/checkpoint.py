@@ -1,0 +1,370 @@
+"""Checkpoints: a run's complete training state, written atomically, and resuming from it exactly.
+
+A checkpoint holds everything that decides what the run does next: the model, optimizer and
+loss-scaler state (each scaler owns its `state_dict`: the scale and growth tracker, or a custom
+strategy's state), every random number generator, the position in the data order (an epoch's
+order is a function of the seed and the epoch, so the epoch and the batches done in it are enough)
+and what the metric log needs to carry on: the running skip count, the epoch's losses so far and
+how far `metrics.jsonl` had got. Resuming rewinds `metrics.jsonl` to that point, so the steps a
+killed run trained after its last checkpoint are trained again, not logged twice.
+
+Stop signals (SIGTERM from a cluster's pre-emption, Ctrl-C) only set a flag; the loop checks it
+once per step and stops at the step boundary with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import shlex
+import signal
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from mpexp.errors import ConfigError, OutputError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+SUBDIR = "checkpoints"
+
+# What may change when a run is resumed: how long it trains, how often it reports and checkpoints,
+# how W&B connects. Any other change would make the resumed run a different experiment.
+RESUMABLE_KEYS = frozenset(
+    {
+        "trainer.resume",
+        "trainer.epochs",
+        "trainer.progress",
+        "trainer.log_every",
+        "trainer.checkpoint_every_steps",
+        "trainer.keep_checkpoints",
+        "wandb.mode",
+        "wandb.init_timeout",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training stands: `batch` batches of epoch `epoch` done, `step` steps in all."""
+
+    epoch: int = 1
+    batch: int = 0
+    step: int = 0
+
+
+def resume_command(overrides: list[str], target: str | Path) -> str:
+    """The command line that continues a run from `target` (its directory or a checkpoint)."""
+    kept = [o for o in overrides if not o.startswith("trainer.resume=")]
+    return shlex.join(["python", "-m", "mpexp.train", *kept, f"trainer.resume={target}"])
+
+
+def checkpoint_files(run_dir: str | Path) -> list[Path]:
+    """A run's complete checkpoints, oldest first (half-written `.tmp` files are not among them)."""
+    return sorted((Path(run_dir) / SUBDIR).glob("step-*.pt"), key=_step_of)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.stem.removeprefix("step-"))
+
+
+def run_dir_of(checkpoint: str | Path) -> Path:
+    """The run directory a checkpoint file belongs to."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.parent.parent if checkpoint.parent.name == SUBDIR else checkpoint.parent
+
+
+def write_atomically(state: dict, path: Path) -> None:
+    """Write a temporary file, fsync it, rename it: `path` holds the old file or all of the new."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):  # a partial file only takes space from a full disk
+            tmp.unlink(missing_ok=True)
+        raise
+    # make the rename itself durable; some platforms cannot open a directory, which is harmless
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def rng_state(device: torch.device) -> dict:
+    """Every random number generator the run may draw from."""
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        # plain numbers, so that checkpoints load with torch.load(weights_only=True)
+        "numpy": [keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict, device: torch.device) -> None:
+    """Put every generator back as `rng_state` found it."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state(("MT19937", np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class Checkpointer:
+    """Saves one run's training state into `<run dir>/checkpoints`, keeping the newest few."""
+
+    def __init__(
+        self, cfg: DictConfig, overrides: list[str], device, model, optimizer, scaler, tracker
+    ):
+        self.run_dir = Path(tracker.run_dir)
+        self.directory = self.run_dir / SUBDIR
+        self.keep = cfg.trainer.keep_checkpoints
+        self.every_steps = cfg.trainer.checkpoint_every_steps
+        self.config = OmegaConf.to_container(cfg, resolve=True)
+        self.overrides = [o for o in overrides if not o.startswith("trainer.resume=")]
+        self.device, self.model, self.optimizer = device, model, optimizer
+        self.scaler, self.tracker = scaler, tracker
+
+    def due(self, step: int) -> bool:
+        """True when `trainer.checkpoint_every_steps` asks for a checkpoint after this step."""
+        return self.every_steps is not None and step % self.every_steps == 0
+
+    def save(self, position: Position, log_state: dict) -> Path:
+        """Write a checkpoint at `position` (a step boundary) and drop the oldest beyond `keep`."""
+        path = self.directory / f"step-{position.step:08d}.pt"
+        try:
+            state = {
+                "format": FORMAT,
+                "position": asdict(position),
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "rng": rng_state(self.device),
+                "log": log_state,
+                "metrics_bytes": self.tracker.flush(),
+                "wandb_id": self.tracker.wandb_id,
+                "config": self.config,
+                "overrides": self.overrides,
+            }
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob("*.tmp"):  # left behind by a crash mid-write
+                stale.unlink()
+            write_atomically(state, path)
+        except OSError as err:
+            raise OutputError(self._failure(path, err)) from err
+        for old in checkpoint_files(self.run_dir)[: -self.keep]:
+            old.unlink()
+        return path
+
+    def _failure(self, path: Path, err: OSError) -> str:
+        reason = err.strerror or str(err)
+        previous = [p for p in checkpoint_files(self.run_dir) if p != path]
+        if not previous:
+            return (
+                f"Could not write checkpoint {path}: {reason}. The run has no earlier checkpoint; "
+                f"make {self.run_dir} writable (free space, fix permissions) and start it again."
+            )
+        return (
+            f"Could not write checkpoint {path}: {reason}.\n"
+            f"The previous checkpoint {previous[-1]} is intact. Free space (or fix permissions) "
+            f"and continue with:\n  {resume_command(self.overrides, self.run_dir)}"
+        )
+
+    def stopped(self, signum: int, path: Path, position: Position, steps_per_epoch: int):
+        """The exception that ends a run stopped by a signal, saying how to resume it."""
+        return Preempted(
+            signum,
+            f"Stopped by {signal.Signals(signum).name} at step {position.step} (epoch "
+            f"{position.epoch}, {position.batch} of {steps_per_epoch} batches done); checkpoint "
+            f"written to {path}.\nResume with:\n  {resume_command(self.overrides, self.run_dir)}",
+        )
+
+
+class Preempted(BaseException):
+    """Training stopped on a signal after writing a checkpoint.
+
+    A BaseException, like KeyboardInterrupt, so that a sweep stops instead of starting its next job.
+    """
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopSignals:
+    """While active, SIGTERM and Ctrl-C (SIGINT) ask the training loop to stop at a step boundary.
+
+    The handler only records the signal; the loop reads `received` once per step, which costs no
+    device synchronisation. A second signal stops at once, without a checkpoint.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __enter__(self) -> StopSignals:
+        # Python allows signal handlers only in the main thread; elsewhere signals keep their
+        # default effect.
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+@dataclass
+class Resume:
+    """A checkpoint to continue a run from, checked against the run's config."""
+
+    path: Path
+    state: dict
+
+    @property
+    def run_dir(self) -> Path:
+        return run_dir_of(self.path)
+
+    @property
+    def position(self) -> Position:
+        return Position(**self.state["position"])
+
+    @property
+    def wandb_id(self) -> str | None:
+        return self.state["wandb_id"]
+
+    @property
+    def log_state(self) -> dict:
+        return self.state["log"]
+
+    def rewind(self) -> None:
+        """Forget what the run wrote after this checkpoint: later metrics rows and checkpoints."""
+        metrics, size = self.run_dir / "metrics.jsonl", self.state["metrics_bytes"]
+        if metrics.exists() and metrics.stat().st_size >= size:
+            with metrics.open("r+b") as f:
+                f.truncate(size)
+        else:  # never pad: truncate() past the end would fill the file with zero bytes
+            log.warning("%s is shorter than at the checkpoint: earlier rows are missing.", metrics)
+        later = [p for p in checkpoint_files(self.run_dir) if _step_of(p) > self.position.step]
+        if later:
+            log.warning(
+                "Resuming from step %d: removing the later checkpoints %s, which this run redoes.",
+                self.position.step,
+                ", ".join(p.name for p in later),
+            )
+            for path in later:
+                path.unlink()
+
+    def restore(self, model, optimizer, scaler, device: torch.device) -> Position:
+        """Load the saved state into freshly built objects and the RNGs; return the position."""
+        model.load_state_dict(self.state["model"])
+        optimizer.load_state_dict(self.state["optimizer"])
+        scaler.load_state_dict(self.state["scaler"])
+        restore_rng(self.state["rng"], device)
+        return self.position
+
+
+def find_checkpoint(target: str | Path) -> Path:
+    """The checkpoint `trainer.resume` names: that file, or the newest one in a run directory."""
+    path = Path(str(target))
+    if path.is_file():
+        return path
+    found = checkpoint_files(path) if path.is_dir() else []
+    if not found:
+        where = (
+            f"no checkpoint in {path / SUBDIR}" if path.is_dir() else "no such file or directory"
+        )
+        raise ConfigError(
+            f"trainer.resume={target}: {where}.\nGive a run directory (the one holding "
+            f"metrics.jsonl) or a checkpoint file in its {SUBDIR}/ folder."
+        )
+    return found[-1]
+
+
+def load(path: Path, mmap: bool = False) -> dict:
+    """A checkpoint's state on the CPU; a file that is not one is a ConfigError."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:
+        raise ConfigError(
+            f"trainer.resume: {path} cannot be read as a checkpoint ({err}).\n"
+            f"Resume from another one in {path.parent}."
+        ) from err
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ConfigError(f"trainer.resume: {path} is not an mpexp checkpoint (format {FORMAT}).")
+    return state
+
+
+def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
+    """Refuse to resume under a config that would make the result a different experiment."""
+    saved = _flatten(state["config"])
+    now = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    missing = object()
+    changed = sorted(
+        key
+        for key in saved.keys() | now.keys()
+        if key not in RESUMABLE_KEYS and saved.get(key, missing) != now.get(key, missing)
+    )
+    if not changed:
+        return
+
+    def show(values: dict, key: str) -> str:
+        return repr(values[key]) if key in values else "absent"
+
+    lines = [f"  {k}: {show(saved, k)} in the run, {show(now, k)} now" for k in changed[:8]]
+    if len(changed) > 8:
+        lines.append(f"  ... and {len(changed) - 8} more")
+    may_change = ", ".join(sorted(RESUMABLE_KEYS - {"trainer.resume"}))
+    raise ConfigError(
+        f"trainer.resume={target}: this config differs from the run's, so training on would not "
+        "continue that run:\n" + "\n".join(lines) + "\nResume with the run's own overrides:\n  "
+        f"{resume_command(state['overrides'], target)}\n(only {may_change} may change on resume)"
+    )
+
+
+def open_resume(cfg: DictConfig, mmap: bool = False) -> Resume | None:
+    """The checkpoint `trainer.resume` names, loaded and checked; None for a new run."""
+    target = cfg.trainer.resume
+    if not target:
+        return None
+    path = find_checkpoint(target)
+    state = load(path, mmap=mmap)
+    check_config(state, cfg, target)
+    return Resume(path, state)
+
+
+def _flatten(values: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

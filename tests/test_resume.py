@@ -1,0 +1,209 @@
+"""Checkpoints and resume: a killed, stopped or crashed run continues exactly where it was."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpexp import checkpoint
+from mpexp.checkpoint import checkpoint_files
+from mpexp.errors import ConfigError, OutputError
+from mpexp.tracking import RunContext
+from mpexp.train import train
+from tests.conftest import ROOT, TINY, make_cfg, run_cli
+from tests.test_training import read_metrics
+
+# two epochs of 8 steps, bitwise repeatable on CPU
+ARGS = [*TINY, "dataset.train_size=512", "trainer.deterministic=true"]
+NOT_REPEATABLE = ("perf/", "mem/")  # timings and memory differ between any two runs
+
+
+@pytest.fixture(autouse=True)
+def _nondeterministic_afterwards():
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def start_cli(*overrides: str, cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """`python -m mpexp.train <overrides>` started in the background, output in one stream."""
+    full_env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mpexp.train", *overrides],
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended first:\n{proc.stdout.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("timed out waiting for the run")
+        time.sleep(0.02)
+
+
+def comparable(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the values that no two runs share."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(NOT_REPEATABLE)} for r in rows]
+
+
+def status(run_dir: Path) -> str:
+    return json.loads((run_dir / "summary.json").read_text())["status"]
+
+
+def assert_bitwise_equal(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_bitwise_equal(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_bitwise_equal(x, y)
+    else:
+        assert a == b
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_result(tmp_path):
+    args = [*ARGS, "trainer.checkpoint_every_steps=3"]  # checkpoints fall mid-epoch
+    whole = tmp_path / "whole"
+    train(make_cfg(*args), RunContext(whole))
+
+    killed = tmp_path / "killed"
+    proc = start_cli(*args, f"hydra.run.dir={killed}", cwd=tmp_path)
+    wait_for(lambda: checkpoint_files(killed), proc)
+    proc.kill()
+    proc.wait()
+    assert status(killed) == "running"  # it died mid-run
+
+    resumed = run_cli("mpexp.train", *args, f"trainer.resume={killed}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+
+    # every step and epoch once, with the uninterrupted run's values; the same final state
+    assert comparable(killed) == comparable(whole)
+    assert status(killed) == "finished"
+    final = [checkpoint.load(checkpoint_files(d)[-1]) for d in (whole, killed)]
+    for part in ("model", "optimizer", "scaler", "position"):
+        assert_bitwise_equal(final[0][part], final[1][part])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, signum):
+    run_dir = tmp_path / "run"
+    # log_every=1: the first rows reach metrics.jsonl after step 2, a sign that training is on
+    proc = start_cli(*ARGS, "trainer.log_every=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
+    proc.send_signal(signum)
+    output, _ = proc.communicate(timeout=240)
+
+    assert proc.returncode == 128 + signum, output
+    assert "Traceback" not in output
+    (path,) = checkpoint_files(run_dir)
+    position = checkpoint.load(path)["position"]
+    steps, _ = read_metrics(run_dir)
+    assert steps[-1]["step"] == position["step"] < 16  # stopped early, every step logged
+    assert status(run_dir) == "interrupted"
+    assert f"trainer.resume={run_dir}" in output
+
+
+FP16 = [
+    *ARGS,
+    "precision=fp16",
+    "loss_scaling=dynamic",
+    "loss_scaling.init_scale=4",
+    "loss_scaling.growth_interval=3",
+]
+
+
+def test_resume_restores_the_loss_scale_and_growth_tracker_and_the_wandb_run(tmp_path):
+    part = tmp_path / "part"
+    train(make_cfg(*FP16, "trainer.epochs=1", "wandb.mode=offline"), RunContext(part))
+
+    saved = checkpoint.load(checkpoint_files(part)[-1])["scaler"]
+    # 8 clean steps from 4, doubling every 3: two doublings and two steps towards the next
+    assert (saved["scale"], saved["_growth_tracker"]) == (16.0, 2)
+
+    # continue to 2 epochs; the run goes on in its own directory whatever RunContext says
+    cfg = make_cfg(*FP16, f"trainer.resume={part}", "wandb.mode=offline")
+    train(cfg, RunContext(tmp_path / "elsewhere"))
+    # as in one uninterrupted run: step 9 completes the growth interval begun before the
+    # checkpoint, so step 10 runs at twice the scale; with a reset tracker that would be step 12
+    scales = [r["amp/scale"] for r in read_metrics(part)[0]]
+    assert scales == [4.0] * 3 + [8.0] * 3 + [16.0] * 3 + [32.0] * 3 + [64.0] * 3 + [128.0]
+
+    wandb_runs = sorted((part / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and len({p.name.rsplit("-", 1)[1] for p in wandb_runs}) == 1
+
+
+def test_resume_under_a_different_config_is_refused_with_the_command_to_use(tmp_path):
+    run = RunContext(tmp_path, overrides=["dataset=synthetic", "optimizer.lr=3e-3"])
+    train(make_cfg(*ARGS, "trainer.epochs=1"), run)
+    changed = [a for a in ARGS if not a.startswith("optimizer.lr")]
+    with pytest.raises(ConfigError) as err:
+        train(make_cfg(*changed, f"trainer.resume={tmp_path}"), run)
+    message = str(err.value)
+    assert "optimizer.lr: 0.003 in the run, 0.0001 now" in message
+    assert f"mpexp.train dataset=synthetic optimizer.lr=3e-3 trainer.resume={tmp_path}" in message
+
+
+class SimulatedCrash(BaseException):
+    """The process dying: nothing in the code under test handles it."""
+
+
+@pytest.mark.parametrize(
+    ("failure", "raised"),
+    [
+        (SimulatedCrash(), SimulatedCrash),
+        (OSError(errno.ENOSPC, "No space left on device"), OutputError),
+    ],
+    ids=["crash", "disk-full"],
+)
+def test_a_checkpoint_write_that_dies_halfway_leaves_the_previous_one(
+    tmp_path, monkeypatch, failure, raised
+):
+    real_save, calls = torch.save, []
+
+    def save_dying_the_second_time(obj, f, *args, **kwargs):
+        calls.append(obj)
+        if len(calls) == 2:
+            f.write(b"half a checkpoint")
+            raise failure
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_dying_the_second_time)
+    args = [*ARGS, "trainer.checkpoint_every_steps=3"]
+    with pytest.raises(raised) as err:
+        train(make_cfg(*args), RunContext(tmp_path))
+    monkeypatch.undo()
+
+    (previous,) = checkpoint_files(tmp_path)
+    assert checkpoint.load(previous)["position"]["step"] == 3
+    if raised is OutputError:
+        message = str(err.value)
+        assert "No space left on device" in message and str(previous) in message
+        assert f"trainer.resume={tmp_path}" in message
+
+    train(make_cfg(*args, f"trainer.resume={tmp_path}"), RunContext(tmp_path))
+    steps, epochs = read_metrics(tmp_path)
+    assert [r["step"] for r in steps] == list(range(1, 17)) and len(epochs) == 2
+    assert status(tmp_path) == "finished"
