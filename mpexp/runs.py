@@ -104,6 +104,12 @@ def load_run(path: Path) -> Run:
         run.problem = f"summary.json cannot be read ({err})"
         return run
 
+    error = run.summary.get("error")
+    if run.status == "failed" and not (path / "metrics.jsonl").exists():
+        # failed before its first step, e.g. on a bad value: summary.json holds the error
+        what = "it never started training"
+        run.problem = f"{what}: {error}" if error else _why_not(path, what)
+        return run
     try:
         run.steps, run.epochs = _read_metrics(path / "metrics.jsonl")
     except (OSError, ValueError) as err:
@@ -113,7 +119,9 @@ def load_run(path: Path) -> Run:
     planned = run.config.get("trainer", {}).get("epochs", "?")
     done = f"after {len(run.epochs)} of {planned} epochs"
     if run.status == "failed":
-        run.problem = _why_not(path, f"it failed {done}")
+        run.problem = f"it failed {done}: {error}" if error else _why_not(path, f"it failed {done}")
+    elif run.status == "interrupted":
+        run.problem = f"it was stopped by a signal {done}; continue it with trainer.resume={path}"
     elif run.status == "running":
         run.problem = f"it is still running or was killed ({done}; summary.json says running)"
     elif run.status != "finished":
