@@ -17,3 +17,10 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A dataset that cannot be found or read."""
+
+
+class NumericsError(UserError):
+    """Training became numerically unusable (a non-finite loss, a loss scale at its floor).
+
+    Raised when the per-step values are read back, so the message names the step it happened at.
+    """

@@ -1,45 +1,37 @@
 """Per-step training values kept on the device and read back in batches.
 
 Reading a CUDA tensor on the host (`.item()`, `.tolist()`, `GradScaler.get_scale()`) waits for all
-queued work, which stalls the pipeline if done every step. Instead, each step stacks its loss, loss
-scale and skip flag into one small device tensor; `flush()` copies everything recorded so far to
-pinned host memory without waiting, and hands back the rows of the *previous* flush, whose copy has
-long finished. The complete scale history (every step's scale and skip flag) survives this way.
+queued work, which stalls the pipeline if done every step. Instead, each step stacks its values into
+one small device tensor; `flush()` copies everything recorded so far to pinned host memory without
+waiting, and hands back the rows of the *previous* flush, whose copy has long finished. The complete
+scale history (every step's scale and skip flag) survives this way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 
-@dataclass(frozen=True)
-class StepRow:
-    step: int
-    lr: float
-    loss: float
-    scale: float
-    skipped: bool
+class DeviceRows:
+    """Fixed-width rows of device values, each with host-side metadata, read back in batches."""
 
-
-class StepHistory:
     def __init__(self) -> None:
-        self._meta: list[tuple[int, float]] = []
+        self._meta: list[Any] = []
         self._values: list[torch.Tensor] = []
-        self._pending: list[tuple[list[tuple[int, float]], torch.Tensor, object]] = []
+        self._pending: list[tuple[list[Any], torch.Tensor, object]] = []
 
-    def record(
-        self, step: int, lr: float, loss: torch.Tensor, scale: torch.Tensor, skipped: torch.Tensor
-    ) -> None:
-        """Queue one step's values; no host-device synchronisation."""
-        self._meta.append((step, lr))
-        self._values.append(torch.stack((loss.detach().float(), scale.float(), skipped.float())))
+    def append(self, meta: Any, values: torch.Tensor) -> None:
+        """Queue one row (a 1-D tensor, the same width and dtype every time); no synchronisation."""
+        self._meta.append(meta)
+        self._values.append(values)
 
-    def flush(self, wait: bool = False) -> list[StepRow]:
-        """Start the copy of what was recorded; return the rows whose copy is done.
+    def flush(self, wait: bool = False) -> list[tuple[Any, list[float]]]:
+        """Start the copy of what was appended; return the (meta, values) rows whose copy is done.
 
-        With wait=True every recorded row is returned (one synchronisation), as at an epoch's end.
+        With wait=True every appended row is returned (one synchronisation), as at an epoch's end.
         """
         if self._values:
             values = torch.stack(self._values)
@@ -53,11 +45,40 @@ class StepHistory:
             self._pending.append((self._meta, values, event))
             self._meta, self._values = [], []
 
-        rows: list[StepRow] = []
+        rows: list[tuple[Any, list[float]]] = []
         while len(self._pending) > (0 if wait else 1):
             meta, values, event = self._pending.pop(0)
             if event is not None:
                 event.synchronize()
-            for (step, lr), (loss, scale, skipped) in zip(meta, values.tolist(), strict=True):
-                rows.append(StepRow(step, lr, loss, scale, skipped > 0))
+            rows.extend(zip(meta, values.tolist(), strict=True))
         return rows
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step: int
+    lr: float
+    loss: float
+    scale: float
+    skipped: bool
+
+
+class StepHistory:
+    """Every step's loss, loss scale and skip flag."""
+
+    def __init__(self) -> None:
+        self._rows = DeviceRows()
+
+    def record(
+        self, step: int, lr: float, loss: torch.Tensor, scale: torch.Tensor, skipped: torch.Tensor
+    ) -> None:
+        """Queue one step's values; no host-device synchronisation."""
+        values = torch.stack((loss.detach().float(), scale.float(), skipped.float()))
+        self._rows.append((step, lr), values)
+
+    def flush(self, wait: bool = False) -> list[StepRow]:
+        """Rows whose copy to the host is done (all of them with wait=True); see DeviceRows."""
+        return [
+            StepRow(step, lr, loss, scale, skipped > 0)
+            for (step, lr), (loss, scale, skipped) in self._rows.flush(wait)
+        ]

@@ -4,6 +4,7 @@ Metric names are a contract read by dashboards and the report:
   per step   step, train/loss, amp/scale, amp/skipped_steps (cumulative), lr
   per epoch  epoch, train/epoch_loss, val/loss, val/acc, perf/epoch_time_s, perf/samples_per_s,
              mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU)
+  diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/diagnostics.py)
 W&B is optional at every point: if it cannot start or stops accepting data, training goes on with
 the local files and one warning.
 """
@@ -21,8 +22,17 @@ from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
 
-STEP_METRICS = ("train/loss", "amp/*", "lr")
+STEP_METRICS = ("train/loss", "amp/*", "lr", "diag/*")
 EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Counts over bins (len(edges) == len(counts) + 1): a W&B histogram in W&B, and
+    {"edges": [...], "counts": [...]} in metrics.jsonl."""
+
+    counts: list[float]
+    edges: list[float]
 
 
 @dataclass
@@ -104,10 +114,10 @@ class Tracker:
 
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (it must hold `step` or `epoch`)."""
-        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.write(json.dumps(row, default=_histogram_json) + "\n")
         if self._wandb is not None:
             try:
-                self._wandb.log(row)
+                self._wandb.log(_for_wandb(row))
             except Exception as err:
                 log.warning("W&B stopped accepting data (%s); local metrics continue.", err)
                 self._wandb = None
@@ -134,6 +144,23 @@ class Tracker:
         tmp = self.run_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(self._summary, indent=2, default=str) + "\n")
         tmp.replace(self.run_dir / "summary.json")
+
+
+def _histogram_json(value: Any) -> dict:
+    if isinstance(value, Histogram):
+        return {"edges": value.edges, "counts": value.counts}
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _for_wandb(row: dict[str, Any]) -> dict[str, Any]:
+    if not any(isinstance(v, Histogram) for v in row.values()):
+        return row
+    import wandb
+
+    return {
+        k: wandb.Histogram(np_histogram=(v.counts, v.edges)) if isinstance(v, Histogram) else v
+        for k, v in row.items()
+    }
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -20,13 +21,15 @@ from tqdm import tqdm
 
 from mpexp import __version__
 from mpexp.data.base import InMemoryData
-from mpexp.errors import UserError
+from mpexp.diagnostics import Diagnostics
+from mpexp.errors import NumericsError, UserError
 from mpexp.history import StepHistory, StepRow
-from mpexp.precision import Precision, setup_precision
+from mpexp.precision import Precision, run_in_float32, setup_precision
 from mpexp.scaling import LossScaler, build_scaler
+from mpexp.schedules import build_schedule
 from mpexp.system import PeakMemory, device_name, resolve_device, seed_everything, synchronize
 from mpexp.tracking import RunContext, Tracker
-from mpexp.validate import validate
+from mpexp.validate import validate, validate_run_length
 
 log = logging.getLogger("mpexp")
 
@@ -37,13 +40,36 @@ def build(node: DictConfig, **extra):
     return get_object(kwargs.pop("_target_"))(**kwargs, **extra)
 
 
-def train_step(model, images, labels, optimizer, scaler: LossScaler, precision: Precision):
-    """One optimizer step; the same code for every precision and loss-scaling strategy."""
-    with precision.autocast():
-        loss = F.cross_entropy(model(images), labels)
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)  # skipped when the scaler finds inf/NaN gradients
-    return loss
+def train_step(
+    model,
+    images,
+    labels,
+    optimizer,
+    scaler: LossScaler,
+    precision: Precision,
+    accumulate: int = 1,
+    clip_grad_norm: float | None = None,
+    inspect=None,
+):
+    """One optimizer step; the same code for every precision and loss-scaling strategy.
+
+    The batch is split into `accumulate` micro-batches, each scaled and back-propagated on its own;
+    their losses are weighted by size so the gradients add up to the whole batch's. `inspect`, if
+    given, sees the gradients in true units before clipping (diagnostics).
+    """
+    total = torch.zeros((), device=labels.device)
+    for x, y in zip(images.chunk(accumulate), labels.chunk(accumulate), strict=True):
+        with precision.autocast():
+            loss = F.cross_entropy(model(x), y) * (len(y) / len(labels))
+        scaler.scale(loss).backward()
+        total += loss.detach()
+    scaler.unscale_(optimizer)  # once, after the last micro-batch: true units from here on
+    if inspect is not None:
+        inspect()
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    scaler.step(optimizer)  # skipped when the gradients (or the loss) are not finite
+    return total
 
 
 @torch.no_grad()
@@ -77,8 +103,13 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
         num_classes=info.num_classes,
         image_size=(info.height, info.width),
     ).to(device)
+    fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
     optimizer = instantiate(cfg.optimizer)(model.parameters())
-    scaler = build_scaler(cfg.loss_scaling, precision, device)
+    skip_nonfinite = cfg.trainer.on_nonfinite_loss == "skip"
+    scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip_nonfinite)
+    total_steps = data.steps_per_epoch() * cfg.trainer.epochs
+    validate_run_length(cfg, total_steps)
+    build_schedule(cfg.scheduler, optimizer, scaler, total_steps)
 
     ran = {
         "device": str(device),
@@ -87,6 +118,10 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
         "mpexp_version": __version__,
         **precision.record(),
         **scaler.describe(),
+        "fp32_modules": fp32_modules,
+        "scheduler": cfg.scheduler.name,
+        "accumulate": cfg.trainer.accumulate,
+        "clip_grad_norm": cfg.trainer.clip_grad_norm,
         "parameters": sum(p.numel() for p in model.parameters()),
         "steps_per_epoch": data.steps_per_epoch(),
     }
@@ -107,7 +142,7 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
     tracker = Tracker(run, config, cfg.wandb)
     try:
         summary = _fit(cfg, model, data, optimizer, scaler, precision, device, tracker)
-        summary["ran"] = {**ran, "final_scale": summary.pop("amp/final_scale")}
+        summary["ran"] = {**ran, "final_scale": summary.pop("amp/final_scale"), **scaler.outcome()}
         tracker.update_summary(summary)
     except BaseException:
         tracker.close("failed")
@@ -117,33 +152,70 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
 
 
 class StepLog:
-    """Writes flushed step rows as metrics; keeps the running skip count and the epoch's losses."""
+    """Writes flushed step rows as metrics; keeps the running skip count and the epoch's losses.
 
-    def __init__(self, tracker: Tracker):
+    A non-finite loss stops the run (trainer.on_nonfinite_loss=raise) or is counted (skip: the
+    scaler has already skipped that step on the device).
+    """
+
+    def __init__(self, tracker: Tracker, on_nonfinite_loss: str = "raise"):
         self.tracker = tracker
+        self.skip_nonfinite = on_nonfinite_loss == "skip"
         self.skipped = 0
+        self.nonfinite_losses = 0
+        self.last_finite: tuple[int, float] | None = None
         self.last_scale = float("nan")
         self.losses: list[float] = []
 
     def write(self, rows: list[StepRow]) -> None:
         for r in rows:
+            if math.isfinite(r.loss):
+                self.last_finite = (r.step, r.loss)
+            elif self.skip_nonfinite:
+                self.nonfinite_losses += 1
+            else:
+                raise self._nonfinite_error(r)
             self.skipped += r.skipped
             self.last_scale = r.scale
             self.losses.append(r.loss)
-            self.tracker.log(
-                {
-                    "step": r.step,
-                    "train/loss": r.loss,
-                    "amp/scale": r.scale,
-                    "amp/skipped_steps": self.skipped,
-                    "lr": r.lr,
-                }
-            )
+            row = {
+                "step": r.step,
+                "train/loss": r.loss,
+                "amp/scale": r.scale,
+                "amp/skipped_steps": self.skipped,
+                "lr": r.lr,
+            }
+            if self.skip_nonfinite:
+                row["amp/nonfinite_loss_steps"] = self.nonfinite_losses
+            self.tracker.log(row)
+
+    def epoch_loss(self) -> float:
+        finite = [x for x in self.losses if math.isfinite(x)]
+        return sum(finite) / len(finite) if finite else float("nan")
+
+    def _nonfinite_error(self, row: StepRow) -> NumericsError:
+        last = (
+            f"the last finite loss was {self.last_finite[1]:.4g} at step {self.last_finite[0]}"
+            if self.last_finite
+            else "no earlier step had a finite loss"
+        )
+        return NumericsError(
+            f"The training loss became {row.loss} at step {row.step}; {last}. The loss is computed "
+            "before loss scaling, so scaling neither caused this nor can fix it: the forward pass "
+            "itself produced inf/NaN (diverging weights, or activations beyond the format's "
+            "range). Lower the learning rate (optimizer.lr=...), clip gradients "
+            "(trainer.clip_grad_norm=1.0), run sensitive layers in float32 "
+            "(precision.fp32_modules=[...]) or use bf16 (precision=bf16); "
+            "trainer.on_nonfinite_loss=skip skips such steps and counts them instead."
+        )
 
 
 def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker) -> dict:
     epochs, seed, log_every = cfg.trainer.epochs, cfg.trainer.seed, cfg.trainer.log_every
-    history, memory, steps = StepHistory(), PeakMemory(device), StepLog(tracker)
+    history, memory = StepHistory(), PeakMemory(device)
+    steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss)
+    diagnostics = Diagnostics(cfg.diagnostics, model, scaler, tracker)
+    accumulate, clip = cfg.trainer.accumulate, cfg.trainer.clip_grad_norm
     hide_bar = {"auto": None, True: False, False: True}[cfg.trainer.progress]
     step = 0
     model.train()
@@ -156,15 +228,27 @@ def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker) -> dic
 
         for images, labels in data.train_batches(epoch, seed, device):
             step += 1
-            loss = train_step(model, images, labels, optimizer, scaler, precision)
+            lr = optimizer.param_groups[0]["lr"]  # read first: a real step advances the schedule
+            loss = train_step(
+                model,
+                images,
+                labels,
+                optimizer,
+                scaler,
+                precision,
+                accumulate,
+                clip,
+                inspect=diagnostics.inspector(step),
+            )
             # between step() and update(): the scale this step used and whether it was skipped
-            lr = optimizer.param_groups[0]["lr"]
             history.record(step, lr, loss, scaler.scale_tensor(), scaler.found_inf())
             scaler.update()
+            diagnostics.after_update(step)
             optimizer.zero_grad(set_to_none=True)
             bar.update()
             if step % log_every == 0:
                 steps.write(history.flush())
+                diagnostics.flush()
                 if steps.losses:
                     seen = len(steps.losses) * data.batch_size
                     rate = seen / (time.perf_counter() - start)
@@ -173,6 +257,7 @@ def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker) -> dic
         synchronize(device)
         epoch_time = time.perf_counter() - start
         steps.write(history.flush(wait=True))
+        diagnostics.flush(wait=True)
         bar.close()
 
         val_loss, val_acc = evaluate(model, data, device, precision)
@@ -180,7 +265,7 @@ def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker) -> dic
         row = {
             "epoch": epoch,
             "step": step,
-            "train/epoch_loss": sum(steps.losses) / n_steps,
+            "train/epoch_loss": steps.epoch_loss(),
             "val/loss": val_loss,
             "val/acc": val_acc,
             "perf/epoch_time_s": epoch_time,
@@ -200,7 +285,13 @@ def _fit(cfg, model, data, optimizer, scaler, precision, device, tracker) -> dic
             steps.skipped,
         )
 
-    return {**row, "amp/skipped_steps": steps.skipped, "amp/final_scale": steps.last_scale}
+    return {
+        **row,
+        "amp/skipped_steps": steps.skipped,
+        "amp/final_scale": steps.last_scale,
+        **({"amp/nonfinite_loss_steps": steps.nonfinite_losses} if steps.skip_nonfinite else {}),
+        **diagnostics.outcome(),
+    }
 
 
 def run_context(cfg: DictConfig) -> RunContext:
