@@ -59,7 +59,9 @@ class LossScaler(torch.amp.GradScaler):
         self.device = device
         self._found_inf = torch.zeros((), device=device)
         self._one = torch.ones((), device=device)
-        self._loss_finite = torch.ones((), dtype=torch.bool, device=device)
+        # replaced, never changed in place, so one tensor serves every step's reset
+        self._all_finite = torch.ones((), dtype=torch.bool, device=device)
+        self._loss_finite = self._all_finite
 
     def scale_tensor(self) -> torch.Tensor:
         """The current scale as a device tensor (1.0 when disabled).
@@ -105,7 +107,7 @@ class LossScaler(torch.amp.GradScaler):
 
     def update(self, new_scale=None) -> None:
         super().update(new_scale)
-        self._loss_finite = torch.ones((), dtype=torch.bool, device=self.device)
+        self._loss_finite = self._all_finite
 
     def _overflow(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(overflow, clean) for this step, as device booleans, over every optimizer stepped.
