@@ -115,7 +115,7 @@ class Diagnostics:
         if self.attribute and self._flags is not None:
             parts.append(self._flags)
         if parts:
-            self._steps.append(step, torch.cat(parts))
+            self._steps.append(step, torch.cat(parts) if len(parts) > 1 else parts[0])
 
     def flush(self, wait: bool = False) -> None:
         """Report what has been read back; raise if the scale hit its floor under `raise`."""

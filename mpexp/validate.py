@@ -70,7 +70,7 @@ def _validate_scaling(ls: Mapping[str, Any]) -> None:
             f"loss_scaling.scale={ls['scale']} must be positive; powers of two such as 1024 "
             "scale without rounding error."
         )
-    if name in ("dynamic", "auto"):
+    if name in ("dynamic", "auto", "hysteresis"):
         if _number(ls["init_scale"], "loss_scaling.init_scale") <= 0:
             raise ConfigError(f"loss_scaling.init_scale={ls['init_scale']} must be positive.")
         if _number(ls["growth_factor"], "loss_scaling.growth_factor") <= 1:

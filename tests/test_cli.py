@@ -66,6 +66,7 @@ def test_missing_dataset_says_where_to_put_it(tmp_path):
     [
         (["loss_scaling=hysteresis", "loss_scaling.hysteresis=0"], "loss_scaling.hysteresis"),
         (["loss_scaling=dynamic", "loss_scaling.min_scale=1e9"], "loss_scaling.min_scale"),
+        (["loss_scaling=hysteresis", "loss_scaling.growth_factor=1"], "growth_factor"),
         (["loss_scaling=dynamic", "loss_scaling.on_min_scale=ignore"], "on_min_scale"),
         (["loss_scaling=calibrated", "loss_scaling.margin=0.5"], "loss_scaling.margin"),
         (["loss_scaling=calibrated", "loss_scaling.calibration_steps=0"], "calibration_steps"),
