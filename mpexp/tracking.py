@@ -1,7 +1,8 @@
 """Where metrics go: `metrics.jsonl` and `summary.json` in the run dir always, W&B when enabled.
 
 Metric names are a contract read by dashboards and the report:
-  per step   step, train/loss, amp/scale, amp/skipped_steps (cumulative), lr
+  per step   step, train/loss, amp/scale, amp/skipped_steps (cumulative), lr; with
+             trainer.on_nonfinite_loss=skip also amp/nonfinite_loss_steps (cumulative)
   per epoch  epoch, train/epoch_loss, val/loss, val/acc, perf/epoch_time_s, perf/samples_per_s,
              mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU)
   diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/diagnostics.py)
