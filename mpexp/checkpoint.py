@@ -133,7 +133,15 @@ class Checkpointer:
     """Saves one run's training state into `<run dir>/checkpoints`, keeping the newest few."""
 
     def __init__(
-        self, cfg: DictConfig, overrides: list[str], device, model, optimizer, scaler, tracker
+        self,
+        cfg: DictConfig,
+        overrides: list[str],
+        device,
+        model,
+        optimizer,
+        scaler,
+        tracker,
+        schedule=None,
     ):
         self.run_dir = Path(tracker.run_dir)
         self.directory = self.run_dir / SUBDIR
@@ -142,7 +150,7 @@ class Checkpointer:
         self.config = OmegaConf.to_container(cfg, resolve=True)
         self.overrides = [o for o in overrides if not o.startswith("trainer.resume=")]
         self.device, self.model, self.optimizer = device, model, optimizer
-        self.scaler, self.tracker = scaler, tracker
+        self.scaler, self.tracker, self.schedule = scaler, tracker, schedule
 
     def due(self, step: int) -> bool:
         """True when `trainer.checkpoint_every_steps` asks for a checkpoint after this step."""
@@ -158,6 +166,7 @@ class Checkpointer:
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(),
+                "schedule": self.schedule.state_dict() if self.schedule is not None else None,
                 "rng": rng_state(self.device),
                 "log": log_state,
                 "metrics_bytes": self.tracker.flush(),
@@ -282,11 +291,13 @@ class Resume:
             for path in later:
                 path.unlink()
 
-    def restore(self, model, optimizer, scaler, device: torch.device) -> Position:
+    def restore(self, model, optimizer, scaler, device: torch.device, schedule=None) -> Position:
         """Load the saved state into freshly built objects and the RNGs; return the position."""
         model.load_state_dict(self.state["model"])
         optimizer.load_state_dict(self.state["optimizer"])
         scaler.load_state_dict(self.state["scaler"])
+        if schedule is not None:
+            schedule.load_state_dict(self.state["schedule"])
         restore_rng(self.state["rng"], device)
         return self.position
 

@@ -21,3 +21,10 @@ class DataError(UserError):
 
 class OutputError(UserError):
     """The run directory cannot be written: permissions, a full disk."""
+
+
+class NumericsError(UserError):
+    """Training became numerically unusable (a non-finite loss, a loss scale at its floor).
+
+    Raised when the per-step values are read back, so the message names the step it happened at.
+    """

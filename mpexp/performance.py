@@ -28,20 +28,22 @@ def configure_backends(device: torch.device, trainer: DictConfig) -> None:
     )
 
 
-def build_optimizer(
-    cfg: DictConfig, model: nn.Module, device: torch.device, strategy: str = "single"
-):
-    """The optimizer of a config group, with fused kernels on CUDA unless `fused` says otherwise.
+def build_optimizer(cfg: DictConfig, model: nn.Module, device: torch.device, scaler):
+    """The `optimizer` group's optimizer, fused on CUDA unless `optimizer.fused` says otherwise.
 
-    Fused Adam/AdamW/SGD take GradScaler's unscale and inf check into the update kernel, so an fp16
-    step needs no host read of the overflow flag; the unfused path has GradScaler call `.item()`.
-    Under FSDP the default stays unfused: the overflow flags of sharded gradients must be combined
-    across ranks before the step, which the unfused path does (see mpexp.distributed).
+    Fused Adam/AdamW/SGD skip an overflowing step inside the update kernel, so an fp16 step needs
+    no host read of the overflow flag; on the unfused path GradScaler reads it every step. The
+    automatic choice stays unfused where that read is needed: under FSDP (overflow flags of
+    sharded gradients are combined across ranks first, see mpexp.distributed) and with a learning
+    rate schedule under loss scaling (the schedule advances only on steps really taken).
     """
-    fused = cfg.get("fused")
+    fused = cfg.optimizer.get("fused")
     if fused is None:
-        fused = device.type == "cuda" and strategy != "fsdp"
-    return instantiate(cfg, fused=bool(fused))(model.parameters())
+        scheduled = cfg.scheduler.name != "none" and scaler.is_enabled()
+        fused = device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
+        if device.type == "cuda" and not fused:
+            log.info("Unfused optimizer: GradScaler reads the overflow flag on the host per step.")
+    return instantiate(cfg.optimizer, fused=bool(fused))(model.parameters())
 
 
 def memory_format(channels_last: bool) -> torch.memory_format:

@@ -4,33 +4,65 @@ Every strategy is a GradScaler (scale, unscale_, step, update, state_dict), so t
 is the same code whatever the strategy: a disabled scaler is a no-op. Each one also exposes the
 scale it applied and whether the last step was skipped as device tensors, so the loop can keep a
 complete scale history without a host-device synchronisation per step.
+
+  none        GradScaler disabled: no scaling, nothing skipped
+  static      a constant scale; overflowing steps are skipped
+  dynamic     GradScaler's rule: back off on every overflow, grow after growth_interval clean steps
+  hysteresis  DeepSpeed's rule: back off only from the `hysteresis`-th overflow in a row
+  calibrated  measure max |grad| over warm-up steps at scale 1, then fix a power of two (static)
+
+dynamic and hysteresis stop at a floor, `min_scale`. Every scaler also skips a step whose loss is
+not finite; such a step is not an overflow (the loss is computed before scaling, so the scale can
+neither cause nor cure it) and leaves the scale and its counters alone.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from omegaconf import DictConfig
+from torch.amp.grad_scaler import OptState
 
+from mpexp.errors import NumericsError
 from mpexp.precision import Precision
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("auto", "none", "static", "dynamic")
+STRATEGIES = ("auto", "none", "static", "dynamic", "hysteresis", "calibrated")
+FLOOR_POLICIES = ("raise", "continue")
+FP16_MAX = 65504.0
+
+
+def grad_max_abs(grads: list[torch.Tensor]) -> torch.Tensor:
+    """max |g| of each gradient, as one device tensor (inf or NaN where one is not finite)."""
+    return torch.stack([torch.linalg.vector_norm(g, float("inf")) for g in grads])
+
+
+def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    params = (p for group in optimizer.param_groups for p in group["params"])
+    return [p.grad for p in params if p.grad is not None]
 
 
 class LossScaler(torch.amp.GradScaler):
-    """GradScaler plus device-side views of the current scale and the last step's overflow."""
+    """GradScaler plus device-side views of the current scale and the last step's overflow.
 
-    strategy = "dynamic"
+    Enabled, it is the base of every strategy; disabled, it is the `none` strategy.
+    """
+
+    strategy = "none"
+    min_scale = 0.0  # no floor
 
     def __init__(self, device: torch.device, **kwargs):
         super().__init__(device.type, **kwargs)
-        self._device = device
+        self.device = device
         self._found_inf = torch.zeros((), device=device)
         self._one = torch.ones((), device=device)
         self._sum_overflow_over_ranks = False
+        # replaced, never changed in place, so one tensor serves every step's reset
+        self._all_finite = torch.ones((), dtype=torch.bool, device=device)
+        self._loss_finite = self._all_finite
 
     def scale_tensor(self) -> torch.Tensor:
         """The current scale as a device tensor (1.0 when disabled).
@@ -41,11 +73,11 @@ class LossScaler(torch.amp.GradScaler):
         if not self._enabled:
             return self._one
         if self._scale is None:
-            self._lazy_init_scale_growth_tracker(self._device)
+            self._lazy_init_scale_growth_tracker(self.device)
         return self._scale
 
     def found_inf(self) -> torch.Tensor:
-        """1.0 if the last `step` was skipped for non-finite gradients, else 0.0 (device tensor)."""
+        """1.0 if the last `step` was skipped (non-finite gradients or loss), else 0.0 (device)."""
         return self._found_inf
 
     def skip_together(self) -> None:
@@ -64,25 +96,158 @@ class LossScaler(torch.amp.GradScaler):
             for found_inf in per_device.values():
                 torch.distributed.all_reduce(found_inf)  # on the device: no host sync
 
+    def floor_hit(self) -> torch.Tensor:
+        """1.0 if the last `update` wanted to back off from a scale already at the floor."""
+        return torch.zeros((), device=self.device)
+
+    def scale(self, outputs):
+        if self._enabled and isinstance(outputs, torch.Tensor):
+            # every micro-batch's loss passes here: a non-finite one marks the whole step
+            self._loss_finite = self._loss_finite & torch.isfinite(outputs.detach()).all()
+        return super().scale(outputs)
+
     def step(self, optimizer, *args, **kwargs):
+        if not self._enabled:
+            return super().step(optimizer, *args, **kwargs)
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        # A non-finite loss skips the step even if its gradients happen to be finite.
+        bad_loss = (~self._loss_finite).float()
+        for found in state["found_inf_per_device"].values():
+            torch.maximum(found, bad_loss.to(found.device), out=found)
         result = super().step(optimizer, *args, **kwargs)
-        if self._enabled:
-            per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            # sum of per-device flags: stays on the device, read in the next metrics flush
-            self._found_inf = sum(v.to(self._device) for v in per_device.values()).clamp(max=1)
+        # sum of per-device flags: stays on the device, read in the next metrics flush
+        self._found_inf = sum(v.to(self.device) for v in state["found_inf_per_device"].values())
+        self._found_inf = self._found_inf.clamp(max=1)
         return result
+
+    def update(self, new_scale=None) -> None:
+        super().update(new_scale)
+        self._loss_finite = self._all_finite
+
+    def _overflow(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(overflow, clean) for this step, as device booleans, over every optimizer stepped.
+
+        A step skipped only for its loss is neither: the scale rule ignores it.
+        """
+        flags = [
+            found.to(self.device)
+            for state in self._per_optimizer_states.values()
+            for found in state["found_inf_per_device"].values()
+        ]
+        if not flags:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        skipped = torch.stack(flags).sum() > 0
+        return skipped & self._loss_finite, ~skipped
 
     def describe(self) -> dict:
         """The scaler's settings for the run record."""
-        if not self._enabled:
-            return {"loss_scaling": "none"}
-        return {
+        return {"loss_scaling": self.strategy}
+
+    def outcome(self) -> dict:
+        """What the run settled on, for the summary (read at the end of training)."""
+        return {}
+
+
+class DynamicLossScaler(LossScaler):
+    """`dynamic` (hysteresis=1: GradScaler's rule) and `hysteresis` (DeepSpeed's rule).
+
+    An overflowing step is always skipped. The scale backs off by `backoff_factor` on an overflow
+    that is the `hysteresis`-th or later in an unbroken run of overflows (so a run of n overflows
+    backs off n - hysteresis + 1 times), and grows by `growth_factor` after `growth_interval` clean
+    steps in a row; any overflow restarts that count. The scale never goes below `min_scale`; a
+    back-off due at the floor sets `floor_hit()`, which the loop turns into an error or a warning.
+    The whole rule runs on the device.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        init_scale: float,
+        growth_factor: float,
+        backoff_factor: float,
+        growth_interval: int,
+        hysteresis: int = 1,
+        min_scale: float = 0.0,
+        on_min_scale: str = "raise",
+        strategy: str = "dynamic",
+    ):
+        super().__init__(
+            device,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+        )
+        self.strategy = strategy
+        self.hysteresis = hysteresis
+        self.min_scale = float(min_scale)
+        self.on_min_scale = on_min_scale
+        self._overflow_run = torch.zeros((), dtype=torch.int32, device=device)
+        self._floor_hit = torch.zeros((), device=device)
+
+    def floor_hit(self) -> torch.Tensor:
+        return self._floor_hit
+
+    def update(self, new_scale=None) -> None:
+        if new_scale is not None:  # GradScaler's manual override
+            super().update(new_scale)
+            return
+        scale, tracker = self._check_scale_growth_tracker("update")
+        overflow, clean = self._overflow()
+
+        run = self._overflow_run
+        run = torch.where(overflow, run + 1, torch.where(clean, 0, run))
+        back_off = overflow & (run >= self.hysteresis)
+        self._floor_hit = (back_off & (scale <= self.min_scale)).float()
+
+        count = torch.where(clean, tracker + 1, torch.where(overflow, 0, tracker))
+        grown = scale * self._growth_factor
+        grow = clean & (count >= self._growth_interval) & torch.isfinite(grown)
+        lowered = torch.clamp(scale * self._backoff_factor, min=self.min_scale)
+        new = torch.where(back_off, lowered, torch.where(grow, grown, scale))
+
+        self._growth_tracker.copy_(torch.where(grow, 0, count))
+        self._overflow_run.copy_(run)
+        super().update(new)
+
+    def describe(self) -> dict:
+        described = {
             "loss_scaling": self.strategy,
             "init_scale": self._init_scale,
             "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor,
             "growth_interval": self._growth_interval,
+            "min_scale": self.min_scale,
+            "on_min_scale": self.on_min_scale,
         }
+        if self.strategy == "hysteresis":
+            described["hysteresis"] = self.hysteresis
+        return described
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["overflow_run"] = int(self._overflow_run)  # checkpoints only: one read
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._overflow_run.fill_(state_dict.get("overflow_run", 0))
+
+
+def min_scale_error(step: int, min_scale: float) -> NumericsError:
+    """The message for a run stopped at the loss-scale floor."""
+    return NumericsError(
+        f"Loss scale hit its floor at step {step}: gradients overflowed (inf/NaN) although the "
+        f"scale was already at loss_scaling.min_scale={min_scale:g}, so scaling cannot help and "
+        "every further step would be skipped.\n"
+        "The numbers themselves are too large. Usual remedies: lower the learning rate "
+        "(optimizer.lr=...), clip gradients (trainer.clip_grad_norm=1.0), or train in bf16 "
+        "(precision=bf16), whose range needs no loss scaling. "
+        "diagnostics.overflow_attribution=true names the parameters that overflow; "
+        "loss_scaling.on_min_scale=continue keeps training at the floor."
+    )
 
 
 class StaticLossScaler(LossScaler):
@@ -90,8 +255,9 @@ class StaticLossScaler(LossScaler):
 
     strategy = "static"
 
-    def __init__(self, device: torch.device, scale: float):
+    def __init__(self, device: torch.device, scale: float, strategy: str = "static"):
         super().__init__(device, init_scale=scale)
+        self.strategy = strategy
         self._static_scale = float(scale)
 
     def update(self, new_scale=None) -> None:
@@ -99,14 +265,110 @@ class StaticLossScaler(LossScaler):
         super().update(self._static_scale if new_scale is None else new_scale)
 
     def describe(self) -> dict:
-        return {"loss_scaling": "static", "scale": self._static_scale}
+        if self.strategy == "none":  # the scale-1 guard that lets on_nonfinite_loss=skip skip
+            return {"loss_scaling": "none", "nonfinite_guard": True}
+        return {"loss_scaling": self.strategy, "scale": self._static_scale}
+
+
+def calibrated_scale(max_grad: float, margin: float) -> float:
+    """The largest power of two S with max_grad * S < 65504 / margin (fp16's largest value)."""
+    limit = FP16_MAX / margin
+    exponent = math.floor(math.log2(limit / max_grad))
+    # log2 may round either way; powers of two multiply exactly, so settle it with products
+    while max_grad * 2.0**exponent >= limit:
+        exponent -= 1
+    while max_grad * 2.0 ** (exponent + 1) < limit:
+        exponent += 1
+    return 2.0**exponent
+
+
+class CalibratedLossScaler(StaticLossScaler):
+    """Static scaling at a measured scale (the procedure in Alex Minnaar's "Deep Learning GPU
+    Performance Analysis: Mixed Precision Training").
+
+    The first `calibration_steps` steps train at scale 1 (overflowing ones skipped) while the
+    largest finite |gradient| is tracked on the device. At the end of them the scale becomes the
+    largest power of two keeping that maximum, scaled, under 65504 / margin, and stays there.
+    """
+
+    def __init__(self, device: torch.device, calibration_steps: int, margin: float):
+        super().__init__(device, scale=1.0, strategy="calibrated")
+        self.calibration_steps = calibration_steps
+        self.margin = float(margin)
+        self.max_grad: float | None = None
+        self.chosen_scale: float | None = None
+        self._updates = 0
+        self._max = torch.zeros((), device=device)
+
+    def unscale_(self, optimizer) -> None:
+        super().unscale_(optimizer)
+        grads = optimizer_grads(optimizer)
+        if self.chosen_scale is None and grads:
+            peak = grad_max_abs(grads).max()
+            self._max = torch.maximum(self._max, torch.where(torch.isfinite(peak), peak, 0.0))
+
+    def update(self, new_scale=None) -> None:
+        if self.chosen_scale is None and new_scale is None:
+            self._updates += 1
+            if self._updates == self.calibration_steps:
+                self._fix_scale()
+        super().update(new_scale)
+
+    def _fix_scale(self) -> None:
+        self.max_grad = float(self._max)  # the run's one read of it, when calibration ends
+        if not self.max_grad > 0:
+            raise NumericsError(
+                f"loss_scaling=calibrated saw no finite non-zero gradient in its "
+                f"{self.calibration_steps} calibration steps, so there is nothing to calibrate "
+                "against. Check the loss and learning rate, or use loss_scaling=dynamic."
+            )
+        self.chosen_scale = calibrated_scale(self.max_grad, self.margin)
+        self._static_scale = self.chosen_scale
+        log.info(
+            "Calibrated loss scale: 2^%d = %g (max |grad| %.4g over %d steps, margin %g: "
+            "scaled max %.4g < %.4g)",
+            round(math.log2(self.chosen_scale)),
+            self.chosen_scale,
+            self.max_grad,
+            self.calibration_steps,
+            self.margin,
+            self.max_grad * self.chosen_scale,
+            FP16_MAX / self.margin,
+        )
+
+    def describe(self) -> dict:
+        return {
+            "loss_scaling": "calibrated",
+            "calibration_steps": self.calibration_steps,
+            "margin": self.margin,
+        }
+
+    def outcome(self) -> dict:
+        return {"calibrated_scale": self.chosen_scale, "calibration_max_grad": self.max_grad}
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["chosen_scale"] = self.chosen_scale
+        state["max_grad"] = self.max_grad
+        state["calibration_updates"] = self._updates
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.chosen_scale = state_dict.get("chosen_scale")
+        self.max_grad = state_dict.get("max_grad")
+        self._updates = state_dict.get("calibration_updates", 0)
+        if self.chosen_scale is not None:
+            self._static_scale = self.chosen_scale
+        if self.max_grad is not None:
+            self._max.fill_(self.max_grad)
 
 
 def resolve_strategy(name: str, precision: Precision) -> str:
     """Turn `auto` into a concrete strategy and warn about unusual explicit choices."""
     if name == "auto":
         return "dynamic" if precision.autocast_dtype is torch.float16 else "none"
-    if name in ("static", "dynamic") and precision.autocast_dtype is not torch.float16:
+    if name != "none" and precision.autocast_dtype is not torch.float16:
         log.warning(
             "loss_scaling=%s under precision=%s: gradients in %s do not underflow like fp16's, "
             "so the scaler only adds work. Honoured as asked; loss_scaling=auto picks none here.",
@@ -119,17 +381,32 @@ def resolve_strategy(name: str, precision: Precision) -> str:
     return name
 
 
-def build_scaler(cfg: DictConfig, precision: Precision, device: torch.device) -> LossScaler:
-    """The scaler for a `loss_scaling` config under a precision mode."""
+def build_scaler(
+    cfg: DictConfig, precision: Precision, device: torch.device, skip_nonfinite_loss: bool = False
+) -> LossScaler:
+    """The scaler for a `loss_scaling` config under a precision mode.
+
+    skip_nonfinite_loss (trainer.on_nonfinite_loss=skip) needs a scaler to skip steps even without
+    loss scaling: `none` then becomes a scale-1 static scaler, exact and otherwise inert.
+    """
     strategy = resolve_strategy(cfg.name, precision)
     if strategy == "none":
+        if skip_nonfinite_loss:
+            return StaticLossScaler(device, scale=1.0, strategy="none")
         return LossScaler(device, enabled=False)
     if strategy == "static":
         return StaticLossScaler(device, scale=cfg.scale)
-    return LossScaler(
+    if strategy == "calibrated":
+        return CalibratedLossScaler(device, cfg.calibration_steps, cfg.margin)
+    return DynamicLossScaler(
         device,
         init_scale=cfg.init_scale,
         growth_factor=cfg.growth_factor,
         backoff_factor=cfg.backoff_factor,
         growth_interval=cfg.growth_interval,
+        hysteresis=cfg.hysteresis if strategy == "hysteresis" else 1,
+        # configs written in code may leave the floor out: none then, as in GradScaler
+        min_scale=cfg.get("min_scale", 0.0),
+        on_min_scale=cfg.get("on_min_scale", "raise"),
+        strategy=strategy,
     )

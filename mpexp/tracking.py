@@ -1,9 +1,11 @@
 """Where metrics go: `metrics.jsonl` and `summary.json` in the run dir always, W&B when enabled.
 
 Metric names are a contract read by dashboards and the report:
-  per step   step, train/loss, amp/scale, amp/skipped_steps (cumulative), lr
+  per step   step, train/loss, amp/scale, amp/skipped_steps (cumulative), lr; with
+             trainer.on_nonfinite_loss=skip also amp/nonfinite_loss_steps (cumulative)
   per epoch  epoch, train/epoch_loss, val/loss, val/acc, perf/epoch_time_s, perf/samples_per_s,
              mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU)
+  diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/diagnostics.py)
 W&B is optional at every point: if it cannot start or stops accepting data, training goes on with
 the local files and one warning.
 """
@@ -23,8 +25,17 @@ from mpexp.errors import UserError
 
 log = logging.getLogger(__name__)
 
-STEP_METRICS = ("train/loss", "amp/*", "lr")
+STEP_METRICS = ("train/loss", "amp/*", "lr", "diag/*")
 EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Counts over bins (len(edges) == len(counts) + 1): a W&B histogram in W&B, and
+    {"edges": [...], "counts": [...]} in metrics.jsonl."""
+
+    counts: list[float]
+    edges: list[float]
 
 
 @dataclass
@@ -129,10 +140,10 @@ class Tracker:
 
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (it must hold `step` or `epoch`)."""
-        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.write(json.dumps(row, default=_histogram_json) + "\n")
         if self._wandb is not None:
             try:
-                self._wandb.log(row)
+                self._wandb.log(_for_wandb(row))
             except Exception as err:
                 log.warning("W&B stopped accepting data (%s); local metrics continue.", err)
                 self._wandb = None
@@ -204,6 +215,23 @@ def record_failure(run_dir: Path, error: BaseException) -> None:
         tmp.replace(path)
     except OSError as err:
         log.warning("Could not record the failure in %s (%s).", path, err)
+
+
+def _histogram_json(value: Any) -> dict:
+    if isinstance(value, Histogram):
+        return {"edges": value.edges, "counts": value.counts}
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _for_wandb(row: dict[str, Any]) -> dict[str, Any]:
+    if not any(isinstance(v, Histogram) for v in row.values()):
+        return row
+    import wandb
+
+    return {
+        k: wandb.Histogram(np_histogram=(v.counts, v.edges)) if isinstance(v, Histogram) else v
+        for k, v in row.items()
+    }
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -27,12 +28,14 @@ from tqdm import tqdm
 from mpexp import __version__, performance
 from mpexp.checkpoint import Checkpointer, Position, Preempted, StopSignals, open_resume
 from mpexp.data.base import InMemoryData
+from mpexp.diagnostics import Diagnostics
 from mpexp.distributed import World, hydra_overrides_for_rank, start_world
-from mpexp.errors import ConfigError, UserError
+from mpexp.errors import ConfigError, NumericsError, UserError
 from mpexp.history import StepHistory, StepRow
 from mpexp.hydra_hooks import register_resolvers
-from mpexp.precision import Precision, setup_precision
+from mpexp.precision import Precision, run_in_float32, setup_precision
 from mpexp.scaling import LossScaler, build_scaler
+from mpexp.schedules import build_schedule
 from mpexp.system import (
     PeakMemory,
     device_name,
@@ -42,7 +45,7 @@ from mpexp.system import (
     synchronize,
 )
 from mpexp.tracking import NullTracker, RunContext, Tracker, record_failure
-from mpexp.validate import validate
+from mpexp.validate import validate, validate_run_length
 
 log = logging.getLogger("mpexp")
 register_resolvers()  # conf/train.yaml's hydra.run.dir uses mpexp.run_dir
@@ -54,13 +57,36 @@ def build(node: DictConfig, **extra):
     return get_object(kwargs.pop("_target_"))(**kwargs, **extra)
 
 
-def train_step(model, images, labels, optimizer, scaler: LossScaler, precision: Precision):
-    """One optimizer step; the same code for every precision and loss-scaling strategy."""
-    with precision.autocast():
-        loss = F.cross_entropy(model(images), labels)
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)  # skipped when the scaler finds inf/NaN gradients
-    return loss
+def train_step(
+    model,
+    images,
+    labels,
+    optimizer,
+    scaler: LossScaler,
+    precision: Precision,
+    accumulate: int = 1,
+    clip_grad_norm: float | None = None,
+    inspect=None,
+):
+    """One optimizer step; the same code for every precision and loss-scaling strategy.
+
+    The batch is split into `accumulate` micro-batches, each scaled and back-propagated on its own;
+    their losses are weighted by size so the gradients add up to the whole batch's. `inspect`, if
+    given, sees the gradients in true units before clipping (diagnostics).
+    """
+    total = torch.zeros((), device=labels.device)
+    for x, y in zip(images.chunk(accumulate), labels.chunk(accumulate), strict=True):
+        with precision.autocast():
+            loss = F.cross_entropy(model(x), y) * (len(y) / len(labels))
+        scaler.scale(loss).backward()
+        total += loss.detach()
+    scaler.unscale_(optimizer)  # once, after the last micro-batch: true units from here on
+    if inspect is not None:
+        inspect()
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    scaler.step(optimizer)  # skipped when the gradients (or the loss) are not finite
+    return total
 
 
 @torch.no_grad()
@@ -118,11 +144,16 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume) -> dict:
         image_size=(info.height, info.width),
     ).to(device)
     parameters = sum(p.numel() for p in model.parameters())
+    fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
     performance.apply_memory_format(model, cfg.trainer)  # before DDP/FSDP takes the parameters
     model = world.wrap(model, precision)
-    optimizer = performance.build_optimizer(cfg.optimizer, model, device, cfg.trainer.strategy)
-    scaler = build_scaler(cfg.loss_scaling, precision, device)
+    skip_nonfinite = cfg.trainer.on_nonfinite_loss == "skip"
+    scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip_nonfinite)
     world.prepare_scaler(scaler)
+    optimizer = performance.build_optimizer(cfg, model, device, scaler)
+    total_steps = data.steps_per_epoch() * cfg.trainer.epochs
+    validate_run_length(cfg, total_steps)
+    schedule = build_schedule(cfg.scheduler, optimizer, scaler, total_steps)
     performance.configure_backends(device, cfg.trainer)
     forward = performance.compile_model(model, cfg.trainer)
 
@@ -135,6 +166,10 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume) -> dict:
         **scaler.describe(),
         **performance.describe(optimizer, cfg.trainer),
         **world.record(),
+        "fp32_modules": fp32_modules,
+        "scheduler": cfg.scheduler.name,
+        "accumulate": cfg.trainer.accumulate,
+        "clip_grad_norm": cfg.trainer.clip_grad_norm,
         "parameters": parameters,
         "steps_per_epoch": data.steps_per_epoch(),
         "deterministic": cfg.trainer.deterministic,
@@ -155,7 +190,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume) -> dict:
     config = {**OmegaConf.to_container(cfg, resolve=True), "ran": ran}
     tracker = Tracker(run, config, cfg.wandb) if world.is_main else NullTracker(run.run_dir)
     # rank 0 writes checkpoints; the other ranks hold the same replicated state (DDP)
-    saver = Checkpointer(cfg, run.overrides, device, model, optimizer, scaler, tracker)
+    saver = Checkpointer(cfg, run.overrides, device, model, optimizer, scaler, tracker, schedule)
     try:
         with StopSignals() as stop:
             summary = _fit(
@@ -171,7 +206,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume) -> dict:
                 stop,
                 world,
             )
-        summary["ran"] = {**ran, "final_scale": summary.pop("amp/final_scale")}
+        summary["ran"] = {**ran, "final_scale": summary.pop("amp/final_scale"), **scaler.outcome()}
         summary["ran"].update(world.check_replicas(model))
         tracker.update_summary(summary)
     except (Preempted, KeyboardInterrupt):
@@ -186,28 +221,62 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume) -> dict:
 
 
 class StepLog:
-    """Writes flushed step rows as metrics; keeps the running skip count and the epoch's losses."""
+    """Writes flushed step rows as metrics; keeps the running skip count and the epoch's losses.
 
-    def __init__(self, tracker: Tracker):
+    A non-finite loss stops the run (trainer.on_nonfinite_loss=raise) or is counted (skip: the
+    scaler has already skipped that step on the device).
+    """
+
+    def __init__(self, tracker: Tracker, on_nonfinite_loss: str = "raise"):
         self.tracker = tracker
+        self.skip_nonfinite = on_nonfinite_loss == "skip"
         self.skipped = 0
+        self.nonfinite_losses = 0
+        self.last_finite: tuple[int, float] | None = None
         self.last_scale = float("nan")
         self.losses: list[float] = []
 
     def write(self, rows: list[StepRow]) -> None:
         for r in rows:
+            if math.isfinite(r.loss):
+                self.last_finite = (r.step, r.loss)
+            elif self.skip_nonfinite:
+                self.nonfinite_losses += 1
+            else:
+                raise self._nonfinite_error(r)
             self.skipped += r.skipped
             self.last_scale = r.scale
             self.losses.append(r.loss)
-            self.tracker.log(
-                {
-                    "step": r.step,
-                    "train/loss": r.loss,
-                    "amp/scale": r.scale,
-                    "amp/skipped_steps": self.skipped,
-                    "lr": r.lr,
-                }
-            )
+            row = {
+                "step": r.step,
+                "train/loss": r.loss,
+                "amp/scale": r.scale,
+                "amp/skipped_steps": self.skipped,
+                "lr": r.lr,
+            }
+            if self.skip_nonfinite:
+                row["amp/nonfinite_loss_steps"] = self.nonfinite_losses
+            self.tracker.log(row)
+
+    def epoch_loss(self) -> float:
+        finite = [x for x in self.losses if math.isfinite(x)]
+        return sum(finite) / len(finite) if finite else float("nan")
+
+    def _nonfinite_error(self, row: StepRow) -> NumericsError:
+        last = (
+            f"the last finite loss was {self.last_finite[1]:.4g} at step {self.last_finite[0]}"
+            if self.last_finite
+            else "no earlier step had a finite loss"
+        )
+        return NumericsError(
+            f"The training loss became {row.loss} at step {row.step}; {last}. The loss is computed "
+            "before loss scaling, so scaling neither caused this nor can fix it: the forward pass "
+            "itself produced inf/NaN (diverging weights, or activations beyond the format's "
+            "range). Lower the learning rate (optimizer.lr=...), clip gradients "
+            "(trainer.clip_grad_norm=1.0), run sensitive layers in float32 "
+            "(precision.fp32_modules=[...]) or use bf16 (precision=bf16); "
+            "trainer.on_nonfinite_loss=skip skips such steps and counts them instead."
+        )
 
 
 def _fit(
@@ -217,7 +286,10 @@ def _fit(
     device = world.device
     # in a distributed run each flush averages the losses over ranks (one collective per flush)
     history = StepHistory(reduce_loss=world.mean if world.distributed else None)
-    memory, steps = PeakMemory(device), StepLog(tracker)
+    memory = PeakMemory(device)
+    steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss)
+    diagnostics = Diagnostics(cfg.diagnostics, model, scaler, tracker)
+    accumulate, clip = cfg.trainer.accumulate, cfg.trainer.clip_grad_norm
     hide_bar = {"auto": None, True: False, False: True}[cfg.trainer.progress]
     hide_bar = hide_bar if world.is_main else True
     # FSDP holds each rank's shard of the weights; saving them needs torch.distributed.checkpoint
@@ -228,9 +300,11 @@ def _fit(
         )
     at, row, resumed_time = Position(), None, 0.0
     if resume is not None:
-        at = resume.restore(model, optimizer, scaler, device)
+        at = resume.restore(model, optimizer, scaler, device, saver.schedule)
         carried = resume.log_state
         steps.skipped, steps.last_scale = carried["skipped"], carried["last_scale"]
+        steps.nonfinite_losses = carried["nonfinite_losses"]
+        steps.last_finite = tuple(carried["last_finite"]) if carried["last_finite"] else None
         steps.losses, row = carried["losses"], carried["epoch_row"]
         resumed_time = carried["elapsed"]  # of the epoch in progress, before the checkpoint
     step = at.step
@@ -240,6 +314,8 @@ def _fit(
         log_state = {
             "skipped": steps.skipped,
             "last_scale": steps.last_scale,
+            "nonfinite_losses": steps.nonfinite_losses,
+            "last_finite": steps.last_finite,
             "losses": steps.losses,
             "elapsed": elapsed,
             "epoch_row": row,
@@ -269,15 +345,27 @@ def _fit(
         batches = islice(data.train_batches(epoch, seed, device), done, None)
         for batch, (images, labels) in enumerate(batches, start=done + 1):
             step += 1
-            loss = train_step(model, images, labels, optimizer, scaler, precision)
+            lr = optimizer.param_groups[0]["lr"]  # read first: a real step advances the schedule
+            loss = train_step(
+                model,
+                images,
+                labels,
+                optimizer,
+                scaler,
+                precision,
+                accumulate,
+                clip,
+                inspect=diagnostics.inspector(step),
+            )
             # between step() and update(): the scale this step used and whether it was skipped
-            lr = optimizer.param_groups[0]["lr"]
             history.record(step, lr, loss, scaler.scale_tensor(), scaler.found_inf())
             scaler.update()
+            diagnostics.after_update(step)
             optimizer.zero_grad(set_to_none=True)
             bar.update()
             if step % log_every == 0:
                 steps.write(history.flush())
+                diagnostics.flush()
                 if steps.losses:
                     seen = len(steps.losses) * data.batch_size
                     rate = seen / (time.perf_counter() - start)
@@ -293,6 +381,7 @@ def _fit(
         synchronize(device)
         epoch_time = time.perf_counter() - start
         steps.write(history.flush(wait=True))
+        diagnostics.flush(wait=True)
         bar.close()
 
         val_loss, val_acc = evaluate(model, data, device, precision)
@@ -300,7 +389,7 @@ def _fit(
         row = {
             "epoch": epoch,
             "step": step,
-            "train/epoch_loss": sum(steps.losses) / n_steps,
+            "train/epoch_loss": steps.epoch_loss(),
             "val/loss": val_loss,
             "val/acc": val_acc,
             "perf/epoch_time_s": epoch_time,
@@ -322,7 +411,13 @@ def _fit(
         )
         checkpoint(Position(epoch + 1, 0, step), 0.0, agreed_stop())
 
-    return {**row, "amp/skipped_steps": steps.skipped, "amp/final_scale": steps.last_scale}
+    return {
+        **row,
+        "amp/skipped_steps": steps.skipped,
+        "amp/final_scale": steps.last_scale,
+        **({"amp/nonfinite_loss_steps": steps.nonfinite_losses} if steps.skip_nonfinite else {}),
+        **diagnostics.outcome(),
+    }
 
 
 def run_context(cfg: DictConfig) -> RunContext:

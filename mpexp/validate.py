@@ -10,11 +10,14 @@ from omegaconf import DictConfig
 
 from mpexp.distributed import STRATEGIES
 from mpexp.errors import ConfigError
+from mpexp.scaling import FLOOR_POLICIES
+from mpexp.schedules import SCHEDULES
 
 DEVICES = ("auto", "cuda", "cpu")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 LOADERS = ("device", "dataloader")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+NONFINITE_LOSS = ("raise", "skip")
 
 
 def _number(value: Any, key: str) -> float:
@@ -68,6 +71,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"optimizer.weight_decay={opt.weight_decay} must be >= 0.")
 
     _validate_scaling(ls)
+    _validate_training_loop(cfg)
 
 
 def _validate_scaling(ls: Mapping[str, Any]) -> None:
@@ -77,7 +81,7 @@ def _validate_scaling(ls: Mapping[str, Any]) -> None:
             f"loss_scaling.scale={ls['scale']} must be positive; powers of two such as 1024 "
             "scale without rounding error."
         )
-    if name in ("dynamic", "auto"):
+    if name in ("dynamic", "auto", "hysteresis"):
         if _number(ls["init_scale"], "loss_scaling.init_scale") <= 0:
             raise ConfigError(f"loss_scaling.init_scale={ls['init_scale']} must be positive.")
         if _number(ls["growth_factor"], "loss_scaling.growth_factor") <= 1:
@@ -92,3 +96,78 @@ def _validate_scaling(ls: Mapping[str, Any]) -> None:
                 "(the scale shrinks on overflow), e.g. 0.5."
             )
         _integer(ls["growth_interval"], "loss_scaling.growth_interval", 1)
+        min_scale = _number(ls.get("min_scale", 0.0), "loss_scaling.min_scale")
+        if not 0 <= min_scale <= ls["init_scale"]:
+            raise ConfigError(
+                f"loss_scaling.min_scale={min_scale:g} must lie in [0, init_scale="
+                f"{ls['init_scale']:g}] (0: no floor), e.g. loss_scaling.min_scale=1."
+            )
+        _choice(ls.get("on_min_scale", "raise"), "loss_scaling.on_min_scale", FLOOR_POLICIES)
+    if name == "hysteresis":
+        _integer(ls["hysteresis"], "loss_scaling.hysteresis", 1)
+    if name == "calibrated":
+        _integer(ls["calibration_steps"], "loss_scaling.calibration_steps", 1)
+        if _number(ls["margin"], "loss_scaling.margin") < 1:
+            raise ConfigError(
+                f"loss_scaling.margin={ls['margin']} must be >= 1: below 1 the calibrated scale "
+                "would put the largest gradient above fp16's maximum (65504). 8 leaves 3 bits."
+            )
+
+
+def _validate_training_loop(cfg: DictConfig) -> None:
+    trainer, diag, sched = cfg.trainer, cfg.diagnostics, cfg.scheduler
+    accumulate = _integer(trainer.accumulate, "trainer.accumulate", 1)
+    if accumulate > cfg.dataset.batch_size:
+        raise ConfigError(
+            f"trainer.accumulate={accumulate} splits each batch of dataset.batch_size="
+            f"{cfg.dataset.batch_size} into more micro-batches than it has samples; "
+            "use a value <= the batch size."
+        )
+    clip = trainer.clip_grad_norm
+    if clip is not None and _number(clip, "trainer.clip_grad_norm") <= 0:
+        raise ConfigError(
+            f"trainer.clip_grad_norm={clip} must be positive (null turns clipping off), e.g. 1.0."
+        )
+    _choice(trainer.on_nonfinite_loss, "trainer.on_nonfinite_loss", NONFINITE_LOSS)
+
+    _integer(diag.grad_stats_every, "diagnostics.grad_stats_every", 0)
+    if not isinstance(diag.overflow_attribution, bool):
+        raise ConfigError(
+            f"diagnostics.overflow_attribution={diag.overflow_attribution!r} must be true or false."
+        )
+    _integer(diag.max_names, "diagnostics.max_names", 1)
+
+    modules = cfg.precision.fp32_modules
+    if not all(isinstance(m, str) for m in modules):
+        raise ConfigError(
+            f"precision.fp32_modules={list(modules)!r} must be a list of submodule names, "
+            "e.g. precision.fp32_modules=[classifier]."
+        )
+
+    _choice(sched.name, "scheduler", SCHEDULES)
+    if sched.name == "cosine":
+        _integer(sched.warmup_steps, "scheduler.warmup_steps", 0)
+        ratio = _number(sched.min_lr_ratio, "scheduler.min_lr_ratio")
+        if not 0 <= ratio <= 1:
+            raise ConfigError(f"scheduler.min_lr_ratio={ratio} must lie in [0, 1], e.g. 0.1.")
+    if sched.name == "step":
+        _integer(sched.step_size, "scheduler.step_size", 1)
+        gamma = _number(sched.gamma, "scheduler.gamma")
+        if not 0 < gamma <= 1:
+            raise ConfigError(f"scheduler.gamma={gamma} must lie in (0, 1], e.g. 0.1.")
+
+
+def validate_run_length(cfg: DictConfig, total_steps: int) -> None:
+    """Checks that need the run's number of optimizer steps (known once the data is loaded)."""
+    ls = cfg.loss_scaling
+    if ls.name == "calibrated" and ls.calibration_steps >= total_steps:
+        raise ConfigError(
+            f"loss_scaling.calibration_steps={ls.calibration_steps} leaves no step to train at the "
+            f"calibrated scale: the run has {total_steps} steps. Lower it or train longer."
+        )
+    sched = cfg.scheduler
+    if sched.name == "cosine" and sched.warmup_steps >= total_steps:
+        raise ConfigError(
+            f"scheduler.warmup_steps={sched.warmup_steps} is not shorter than the run "
+            f"({total_steps} steps); lower it."
+        )

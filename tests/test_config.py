@@ -12,7 +12,7 @@ from mpexp.scaling import build_scaler
 from mpexp.train import build
 from tests.conftest import CONF, make_cfg
 
-GROUPS = ["dataset", "model", "precision", "loss_scaling", "optimizer"]
+GROUPS = ["dataset", "model", "precision", "loss_scaling", "optimizer", "scheduler"]
 
 
 def options(group: str) -> list[str]:
@@ -23,8 +23,16 @@ def test_groups_hold_the_documented_options():
     assert options("dataset") == ["cifar10", "fashion_mnist", "mnist", "synthetic"]
     assert options("model") == ["deepcnn", "resnet18", "simplecnn"]
     assert options("precision") == ["bf16", "fp16", "fp32", "tf32"]
-    assert options("loss_scaling") == ["auto", "dynamic", "none", "static"]
+    assert options("loss_scaling") == [
+        "auto",
+        "calibrated",
+        "dynamic",
+        "hysteresis",
+        "none",
+        "static",
+    ]
     assert options("optimizer") == ["adam", "adamw", "sgd"]
+    assert options("scheduler") == ["cosine", "none", "step"]
 
 
 def test_defaults_are_the_world4ai_experiment():

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mpexp.precision import setup_precision
-from mpexp.scaling import build_scaler
+from mpexp.scaling import build_scaler, calibrated_scale
 from mpexp.train import train_step
 
 CPU = torch.device("cpu")
@@ -90,3 +90,144 @@ def test_explicit_scaler_under_bf16_is_honoured_with_a_warning(scaling, caplog):
     scaler = build_scaler(cfg, setup_precision("bf16", CPU), CPU)
     assert scaler.is_enabled()
     assert "does not underflow" in caplog.text or "do not underflow" in caplog.text
+
+
+def run_script(scaling: dict, script: str):
+    """Steps of a scripted sequence ("O": an inf lands in a gradient, "C": clean).
+
+    Returns per step (scale used, skipped, floor hit) and whether the weights changed.
+    """
+    model, optimizer, precision, scaler = setup(scaling)
+    trajectory, moved = [], []
+    for char in script:
+        before = [p.detach().clone() for p in model.parameters()]
+        used, skipped = step(model, optimizer, precision, scaler, poison=char == "O")
+        trajectory.append((used, bool(skipped), bool(scaler.floor_hit().item())))
+        after = list(model.parameters())
+        moved.append(not all(torch.equal(a, b) for a, b in zip(before, after, strict=True)))
+    return trajectory, moved, scaler
+
+
+def test_dynamic_trajectory_follows_gradscalers_rule_down_to_the_floor():
+    scaling = {**DYNAMIC, "min_scale": 256.0, "on_min_scale": "continue"}
+    trajectory, moved, _ = run_script(scaling, "OCCCOOOOC")
+    # back off on every overflow; grow after 2 clean steps; stop at 256 and flag each back-off due
+    # there
+    assert trajectory == [
+        (1024.0, True, False),
+        (512.0, False, False),
+        (512.0, False, False),
+        (1024.0, False, False),
+        (1024.0, True, False),
+        (512.0, True, False),
+        (256.0, True, True),
+        (256.0, True, True),
+        (256.0, False, False),
+    ]
+    assert moved == [not skipped for _, skipped, _ in trajectory]
+
+
+def test_hysteresis_backs_off_only_from_the_nth_overflow_in_a_row():
+    scaling = {**DYNAMIC, "name": "hysteresis", "hysteresis": 2, "growth_interval": 3}
+    trajectory, moved, _ = run_script(scaling, "OCOOOCCCC")
+    # an isolated overflow is skipped without a back-off; from the 2nd in a row each one backs off;
+    # any overflow restarts the 3 clean steps needed to grow
+    assert [(used, skipped) for used, skipped, _ in trajectory] == [
+        (1024.0, True),
+        (1024.0, False),
+        (1024.0, True),
+        (1024.0, True),
+        (512.0, True),
+        (256.0, False),
+        (256.0, False),
+        (256.0, False),
+        (512.0, False),
+    ]
+    assert moved == [not skipped for _, skipped, _ in trajectory]
+
+
+def test_hysteresis_state_survives_a_checkpoint():
+    scaling = {**DYNAMIC, "name": "hysteresis", "hysteresis": 3}
+    _, _, scaler = run_script(scaling, "OO")
+    state = scaler.state_dict()
+    assert (state["scale"], state["overflow_run"]) == (1024.0, 2)
+    _, _, fresh = run_script(scaling, "")
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+
+
+def test_static_trajectory_never_moves():
+    trajectory, moved, _ = run_script({"name": "static", "scale": 256.0}, "OCOOC")
+    assert [(u, s) for u, s, _ in trajectory] == [(256.0, s == "O") for s in "OCOOC"]
+    assert moved == [s == "C" for s in "OCOOC"]
+
+
+@pytest.mark.parametrize(
+    ("max_grad", "margin", "expected"),
+    [
+        (3.0, 2.0, 8192.0),  # 3 * 8192 = 24576 < 32752 <= 3 * 16384
+        (1.0, 1.0, 32768.0),  # strictly under 65504
+        (65504.0 / 1024, 1.0, 512.0),  # 1024 would land exactly on 65504: not under it
+        (100.0, 8.0, 64.0),  # 6400 < 8188 <= 12800
+        (1e5, 1.0, 0.5),  # gradients already above fp16's range: a scale below 1
+    ],
+)
+def test_calibrated_scale_is_the_largest_power_of_two_under_the_limit(max_grad, margin, expected):
+    assert calibrated_scale(max_grad, margin) == expected
+
+
+def test_calibrated_measures_the_largest_gradient_then_stays_static():
+    scaler = build_scaler(
+        OmegaConf.create({"name": "calibrated", "calibration_steps": 3, "margin": 2.0}),
+        setup_precision("fp16", CPU),
+        CPU,
+    )
+    weight = nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    # a hook makes each step's gradient exactly one of these; the inf one is skipped, not measured
+    script = [[0.5, -1.5, 0, 0], [0, 0, -3, 1], [0, torch.inf, 9, 0], [1, 1, 1, 1], [0, 0, 9, 0]]
+    used = []
+    for grad in script:
+        g = torch.tensor(grad, dtype=torch.float32)
+        handle = weight.register_hook(lambda _, g=g: g.clone())
+        scaler.scale((weight * 0).sum()).backward()
+        scaler.step(optimizer)
+        used.append(scaler.scale_tensor().item())
+        scaler.update()
+        optimizer.zero_grad()
+        handle.remove()
+    # max |g| over the 3 calibration steps is 3.0 (the inf step excluded); margin 2 -> 8192
+    assert used == [1.0, 1.0, 1.0, 8192.0, 8192.0]
+    assert scaler.outcome() == {"calibrated_scale": 8192.0, "calibration_max_grad": 3.0}
+
+
+def test_nonfinite_loss_skips_the_step_without_touching_the_scale():
+    model, optimizer, precision, scaler = setup(DYNAMIC)
+    before = [p.detach().clone() for p in model.parameters()]
+    images = torch.full((8, 1, 4, 4), torch.nan)
+    loss = train_step(model, images, torch.randint(4, (8,)), optimizer, scaler, precision)
+    assert loss.isnan() and scaler.found_inf().item() == 1.0
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # not an overflow: no back-off, and the clean-step count goes on (2 more clean steps grow it)
+    assert scaler.get_scale() == 1024.0
+    optimizer.zero_grad()
+    assert [step(model, optimizer, precision, scaler, poison=False)[0] for _ in range(3)] == [
+        1024.0,
+        1024.0,
+        2048.0,
+    ]
+
+
+def test_skip_mode_guards_steps_even_without_loss_scaling():
+    cfg = OmegaConf.create({"name": "none"})
+    scaler = build_scaler(cfg, setup_precision("fp32", CPU), CPU, skip_nonfinite_loss=True)
+    assert scaler.describe() == {"loss_scaling": "none", "nonfinite_guard": True}
+    model = nn.Sequential(nn.Flatten(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    images = torch.full((8, 1, 4, 4), torch.nan)
+    labels = torch.randint(4, (8,))
+    train_step(model, images, labels, optimizer, scaler, setup_precision("fp32", CPU))
+    assert scaler.found_inf().item() == 1.0 and scaler.get_scale() == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -1,0 +1,172 @@
+"""Numerics instruments, off by default and free when off.
+
+- Gradient statistics (`diagnostics.grad_stats_every=N`): every N steps, per layer and in total,
+  what the step's gradients g (true units, after unscale_ and before clipping) become in fp16 at the
+  scale S that step used: the fraction of elements that underflow (g != 0 but S*g is zero or
+  subnormal in fp16), that overflow (S*g is not finite in fp16), that were exactly zero already,
+  and a histogram of log2|S*g|. On that axis fp16's range is fixed: bins -24..-15 are its
+  subnormals, -14..15 its normal numbers, 16 and up overflow. Under fp16 the gradients have already
+  passed through fp16 once, so what was lost shows up as exact zeros; under fp32 the statistics
+  are a what-if for fp16 at that scale.
+- Overflow attribution (`diagnostics.overflow_attribution=true`): the names of the parameters whose
+  gradients were not finite, on each step where any was (a skipped step, under loss scaling).
+- The loss-scale floor of dynamic and hysteresis scaling, checked here because it is read back the
+  same way: a back-off due at `loss_scaling.min_scale` stops the run or warns.
+
+Values are gathered on the device during the step and read back at the metrics flush, with the step
+history, never per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from mpexp.history import DeviceRows
+from mpexp.scaling import LossScaler, grad_max_abs, min_scale_error
+from mpexp.tracking import Histogram, Tracker
+
+log = logging.getLogger(__name__)
+
+FP16_SMALLEST_NORMAL = 2.0**-14
+# log2|S*g| bins, one per power of two; the first and last also hold everything beyond them
+HIST_LOW, HIST_HIGH = -40, 16
+HIST_BINS = HIST_HIGH - HIST_LOW + 1
+HIST_EDGES = [float(e) for e in range(HIST_LOW, HIST_HIGH + 2)]
+COUNTS = ("zero", "underflow", "overflow")
+
+
+def fp16_counts(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[zero, underflow, overflow, *histogram] element counts of one gradient at a loss scale.
+
+    All on the device; int64 so large layers count exactly.
+    """
+    g = grad.detach().float()
+    scaled = g * scale
+    half = scaled.to(torch.float16)
+    zero = g == 0
+    underflow = ~zero & (half.abs() < FP16_SMALLEST_NORMAL)
+    overflow = ~torch.isfinite(half)
+    magnitude = scaled.abs()
+    bins = torch.floor(torch.log2(magnitude)).clamp(HIST_LOW, HIST_HIGH) - HIST_LOW
+    # zeros and non-finite values go to an extra bin that is dropped (masking would sync)
+    bins = torch.where(~zero & torch.isfinite(magnitude), bins, HIST_BINS).long().flatten()
+    hist = torch.zeros(HIST_BINS + 1, dtype=torch.int64, device=g.device)
+    hist.scatter_add_(0, bins, torch.ones_like(bins))
+    totals = torch.stack((zero.sum(), underflow.sum(), overflow.sum()))
+    return torch.cat((totals, hist[:HIST_BINS]))
+
+
+class Diagnostics:
+    """Per-step numerics gathered on the device, reported at each metrics flush."""
+
+    def __init__(self, cfg: DictConfig, model: nn.Module, scaler: LossScaler, tracker: Tracker):
+        self.every = cfg.grad_stats_every
+        self.attribute = cfg.overflow_attribution
+        self.max_names = cfg.max_names
+        self.scaler, self.tracker = scaler, tracker
+        self.watch_floor = scaler.min_scale > 0
+        self.floor_hits = 0
+
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # a layer is the module that owns the parameter ("features.3.0.weight" -> "features.3.0")
+        owners = [name.rpartition(".")[0] or name for name, _ in self.params]
+        self.layers = list(dict.fromkeys(owners))
+        device = scaler.device
+        self._layer_of = torch.tensor([self.layers.index(o) for o in owners], device=device)
+        self._numel = [0] * len(self.layers)
+        for owner, (_, p) in zip(owners, self.params, strict=True):
+            self._numel[self.layers.index(owner)] += p.numel()
+
+        self._stats = DeviceRows()
+        self._steps = DeviceRows()
+        self._flags: torch.Tensor | None = None
+
+    def inspector(self, step: int) -> Callable[[], None] | None:
+        """What to run on the step's unscaled gradients, or None when nothing is due."""
+        stats = self.every > 0 and step % self.every == 0
+        if not (stats or self.attribute):
+            return None
+        return partial(self._inspect, step, stats)
+
+    def _inspect(self, step: int, stats: bool) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.params]
+        if self.attribute:
+            self._flags = (~torch.isfinite(grad_max_abs(grads))).float()
+        if stats:
+            scale = self.scaler.scale_tensor()
+            per_param = torch.stack([fp16_counts(g, scale) for g in grads])
+            per_layer = torch.zeros(
+                (len(self.layers), per_param.shape[1]), dtype=torch.int64, device=per_param.device
+            )
+            per_layer.index_add_(0, self._layer_of, per_param)
+            self._stats.append(step, per_layer.flatten())
+
+    def after_update(self, step: int) -> None:
+        """Record the step's flags (after scaler.update(), which decides the floor)."""
+        parts = []
+        if self.watch_floor:
+            parts.append(self.scaler.floor_hit().reshape(1))
+        if self.attribute and self._flags is not None:
+            parts.append(self._flags)
+        if parts:
+            self._steps.append(step, torch.cat(parts) if len(parts) > 1 else parts[0])
+
+    def flush(self, wait: bool = False) -> None:
+        """Report what has been read back; raise if the scale hit its floor under `raise`."""
+        for step, values in self._steps.flush(wait):
+            floor_hit = self.watch_floor and values[0] > 0
+            if self.attribute:
+                self._attribute(step, values[1:] if self.watch_floor else values)
+            if floor_hit:
+                self._on_floor(step)
+        for step, counts in self._stats.flush(wait):
+            self.tracker.log(self._stats_row(step, counts))
+
+    def outcome(self) -> dict:
+        """Totals for the run summary."""
+        return {"amp/floor_hits": self.floor_hits} if self.watch_floor else {}
+
+    def _attribute(self, step: int, flags: list[float]) -> None:
+        names = [name for (name, _), bad in zip(self.params, flags, strict=True) if bad]
+        if not names:
+            return
+        text = ", ".join(names[: self.max_names])
+        if len(names) > self.max_names:
+            text += f" (+{len(names) - self.max_names} more)"
+        log.info("Step %d: non-finite gradients in %s", step, text)
+        self.tracker.log(
+            {"step": step, "diag/nonfinite_params": text, "diag/nonfinite_param_count": len(names)}
+        )
+
+    def _on_floor(self, step: int) -> None:
+        if self.scaler.on_min_scale == "raise":
+            raise min_scale_error(step, self.scaler.min_scale)
+        if self.floor_hits == 0:
+            log.warning(
+                "Loss scale at its floor loss_scaling.min_scale=%g at step %d and gradients "
+                "still overflow; continuing (loss_scaling.on_min_scale=continue): such steps are "
+                "skipped.",
+                self.scaler.min_scale,
+                step,
+            )
+        self.floor_hits += 1
+
+    def _stats_row(self, step: int, counts: list[int]) -> dict:
+        width = len(COUNTS) + HIST_BINS
+        per_layer = [counts[i * width : (i + 1) * width] for i in range(len(self.layers))]
+        total = [sum(column) for column in zip(*per_layer, strict=True)]
+        row: dict = {"step": step}
+        for name, numel, values in [
+            *zip(self.layers, self._numel, per_layer, strict=True),
+            ("total", sum(self._numel), total),
+        ]:
+            for i, key in enumerate(COUNTS):
+                row[f"diag/{name}/{key}"] = values[i] / numel
+            row[f"diag/{name}/log2_hist"] = Histogram(values[len(COUNTS) :], HIST_EDGES)
+        return row

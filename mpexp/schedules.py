@@ -1,0 +1,66 @@
+"""Learning-rate schedules that advance only on optimizer steps that really happened.
+
+Why a step post-hook, not `scheduler.step()` in the loop: under loss scaling, a step whose gradients
+overflow is skipped, and it must not advance the schedule. The decision is GradScaler's: for the
+usual (non-fused) optimizers, `GradScaler.step` reads the overflow flag on the host itself and
+calls `optimizer.step()` only when it is clear. So "the optimizer really stepped" is exactly
+"optimizer.step() ran", and a post-hook on it advances the schedule with no extra synchronisation
+and no guessing. The alternative, a schedule driven by a device-side count of real steps, would
+need the learning rate as a device tensor inside the optimizer, which only the fused and capturable
+optimizer variants accept (and those differ between torch versions).
+
+Fused optimizers under loss scaling are the exception: they skip on the device inside
+`optimizer.step()`, so the hook would count skipped steps too. That pairing is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from omegaconf import DictConfig
+from torch.optim.lr_scheduler import LambdaLR
+
+from mpexp.errors import ConfigError
+from mpexp.scaling import LossScaler
+
+SCHEDULES = ("none", "cosine", "step")
+
+
+def cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """Linear warm-up to the base rate, then half a cosine down to min_lr_ratio x base."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def step_decay(step_size: int, gamma: float) -> Callable[[int], float]:
+    """Multiply the rate by gamma every step_size real steps."""
+    return lambda step: gamma ** (step // step_size)
+
+
+def build_schedule(
+    cfg: DictConfig, optimizer: torch.optim.Optimizer, scaler: LossScaler, total_steps: int
+) -> LambdaLR | None:
+    """Attach the `scheduler` config's schedule to the optimizer (None for `none`)."""
+    if cfg.name == "none":
+        return None
+    if cfg.name == "cosine":
+        factor = cosine(total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+    else:
+        factor = step_decay(cfg.step_size, cfg.gamma)
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and scaler.is_enabled():
+        raise ConfigError(
+            f"scheduler={cfg.name} with a fused optimizer under loss scaling: the fused step skips "
+            "overflowing steps on the device, so the schedule cannot tell skipped steps from real "
+            "ones without a host read every step. Drop optimizer.fused or use scheduler=none."
+        )
+    schedule = LambdaLR(optimizer, factor)
+    optimizer.register_step_post_hook(lambda *_: schedule.step())
+    return schedule

@@ -1,0 +1,212 @@
+"""Numerics instruments and the run-stopping guards, from constructed tensors to real runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from mpexp.diagnostics import HIST_BINS, HIST_EDGES, HIST_LOW, Diagnostics, fp16_counts
+from mpexp.errors import NumericsError
+from mpexp.precision import setup_precision
+from mpexp.scaling import build_scaler
+from mpexp.tracking import RunContext, Tracker
+from mpexp.train import train
+from tests.conftest import TINY, make_cfg, run_cli
+from tests.test_training import read_metrics
+from tests.test_wandb import history, leet_records
+
+CPU = torch.device("cpu")
+DIAG = OmegaConf.create({"grad_stats_every": 1, "overflow_attribution": True, "max_names": 2})
+
+# Each value times the scale 16, cast to fp16:
+GRAD = [
+    0.0,  # zero already
+    1e-20,  # 1.6e-19: far below fp16's smallest subnormal 2^-24, flushed to 0 -> underflow
+    1e-9,  # 1.6e-8: below 2^-24 as well -> underflow
+    2.0**-20,  # 2^-16: a subnormal (under 2^-14) -> underflow
+    2.0**-10,  # 2^-6: normal
+    -1.0,  # 16: normal
+    100.0,  # 1600: normal
+    -5000.0,  # 80000: above 65504 -> overflow
+    1e5,  # 1.6e6 -> overflow
+]
+
+
+def test_underflow_and_overflow_fractions_are_exact():
+    counts = fp16_counts(torch.tensor(GRAD), torch.tensor(16.0)).tolist()
+    zero, underflow, overflow, hist = counts[0], counts[1], counts[2], counts[3:]
+    assert (zero, underflow, overflow) == (1, 3, 2)
+    # log2 of |16 g|, floored; beyond -40 and 16 the end bins collect
+    expected = {-40: 1, -26: 1, -16: 1, -6: 1, 4: 1, 10: 1, 16: 2}
+    assert {HIST_LOW + i: c for i, c in enumerate(hist) if c} == expected
+    assert len(hist) == HIST_BINS == len(HIST_EDGES) - 1
+
+
+def test_per_layer_and_total_fractions_reach_the_metrics(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1, bias=False))  # 12 and 3 elements
+    tracker = Tracker(RunContext(tmp_path), {}, OmegaConf.create({"mode": "disabled"}))
+    scaler = build_scaler(
+        OmegaConf.create({"name": "static", "scale": 16.0}), setup_precision("fp16", CPU), CPU
+    )
+    diagnostics = Diagnostics(DIAG, model, scaler, tracker)
+    first, second = model
+    first.weight.grad = torch.tensor(GRAD).reshape(3, 3)
+    first.bias.grad = torch.tensor([1.0, 1.0, torch.inf])
+    second.weight.grad = torch.tensor([[1e-9, 1.0, 1.0]])
+    diagnostics.inspector(5)()
+    diagnostics.after_update(5)
+    diagnostics.flush(wait=True)
+    tracker.close()
+
+    steps, _ = read_metrics(tmp_path)
+    (names,) = [r for r in steps if "diag/nonfinite_params" in r]
+    assert names == {"step": 5, "diag/nonfinite_params": "0.bias", "diag/nonfinite_param_count": 1}
+    (stats,) = [r for r in steps if "diag/total/underflow" in r]
+    assert stats["step"] == 5
+    assert (stats["diag/0/zero"], stats["diag/0/underflow"], stats["diag/0/overflow"]) == (
+        1 / 12,
+        3 / 12,
+        3 / 12,  # the two from GRAD and the bias's inf
+    )
+    assert (stats["diag/1/underflow"], stats["diag/1/overflow"]) == (1 / 3, 0.0)
+    assert (stats["diag/total/underflow"], stats["diag/total/overflow"]) == (4 / 15, 3 / 15)
+    histogram = stats["diag/total/log2_hist"]
+    assert histogram["edges"] == HIST_EDGES
+    assert sum(histogram["counts"]) == 15 - 1 - 1  # minus the zero and the inf
+
+
+def test_overflow_run_reports_diagnostics_to_wandb_and_local_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = make_cfg(
+        *TINY,
+        "precision=fp16",
+        "loss_scaling=hysteresis",
+        "loss_scaling.init_scale=67108864",  # 2^26, too high: the first steps overflow
+        "diagnostics.grad_stats_every=4",
+        "diagnostics.overflow_attribution=true",
+        "scheduler=cosine",
+        "wandb.mode=offline",
+        "trainer.epochs=1",
+    )
+    summary = train(cfg, RunContext(tmp_path))
+    steps, _ = read_metrics(tmp_path)
+    per_step = [r for r in steps if "train/loss" in r]
+    counts = [r["amp/skipped_steps"] for r in per_step]
+    previous = [0, *counts[:-1]]
+    skipped = [r["step"] for r, n, m in zip(per_step, previous, counts, strict=True) if m > n]
+    opening = [r["step"] for r in per_step if r["amp/skipped_steps"] == r["step"]]
+    assert opening[0] == 1 and summary["amp/skipped_steps"] == len(skipped)
+
+    # every skipped step names the parameters that overflowed, and only those steps do
+    key = "diag/nonfinite_params"
+    attributed = {r["step"]: r[key] for r in steps if key in r}
+    assert sorted(attributed) == skipped
+    assert "conv1.weight" in attributed[1]
+
+    stats = [r for r in steps if "diag/total/overflow" in r]
+    assert [r["step"] for r in stats] == [4, 8, 12, 16]
+    assert stats[0]["diag/total/overflow"] > 0  # step 4 still overflows at the scale it used
+    # the cosine schedule moves only on real steps: the overflowing steps and the first real one
+    # all run at the base rate
+    assert {r["lr"] for r in per_step[: len(opening) + 1]} == {3e-3}
+    assert per_step[-1]["lr"] < 3e-3
+
+    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    rows = history(leet_records(wandb_dir))
+    wandb_stats = [r for r in rows if "diag/total/overflow" in r]
+    assert [r["diag/total/overflow"] for r in wandb_stats] == [
+        r["diag/total/overflow"] for r in stats
+    ]
+    assert (
+        wandb_stats[0]["diag/conv1/log2_hist.values"] == stats[0]["diag/conv1/log2_hist"]["counts"]
+    )
+    assert wandb_stats[0]["diag/conv1/log2_hist.bins"] == HIST_EDGES
+    assert [r["diag/nonfinite_params"] for r in rows if "diag/nonfinite_params" in r] == list(
+        attributed.values()
+    )
+
+
+def test_calibrated_run_trains_at_the_measured_scale_and_records_it(tmp_path, caplog):
+    cfg = make_cfg(
+        *TINY,
+        "precision=fp16",
+        "loss_scaling=calibrated",
+        "loss_scaling.calibration_steps=5",
+        "loss_scaling.margin=8",
+        "trainer.epochs=1",
+    )
+    with caplog.at_level("INFO"):
+        summary = train(cfg, RunContext(tmp_path))
+    ran = summary["ran"]
+    chosen, max_grad = ran["calibrated_scale"], ran["calibration_max_grad"]
+    assert chosen == 2.0 ** round(torch.log2(torch.tensor(chosen)).item())
+    assert max_grad * chosen < 65504 / 8 <= max_grad * chosen * 2
+    steps, _ = read_metrics(tmp_path)
+    assert [r["amp/scale"] for r in steps] == [1.0] * 5 + [chosen] * 11
+    assert f"{chosen:g}" in caplog.text
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["ran"]["calibrated_scale"] == chosen
+
+
+FLOOR = [
+    "precision=fp16",
+    "loss_scaling=dynamic",
+    "loss_scaling.init_scale=1e30",  # every step overflows, and the floor is right here
+    "loss_scaling.min_scale=1e30",
+]
+
+
+def test_the_min_scale_floor_stops_the_run_naming_step_cause_and_remedies(tmp_path):
+    with pytest.raises(NumericsError) as err:
+        train(make_cfg(*TINY, *FLOOR), RunContext(tmp_path))
+    message = str(err.value)
+    assert "floor at step 1" in message and "min_scale=1e+30" in message
+    for remedy in ("optimizer.lr", "trainer.clip_grad_norm", "precision=bf16"):
+        assert remedy in message
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+def test_the_floor_can_be_ridden_out_with_continue(tmp_path):
+    summary = train(
+        make_cfg(*TINY, *FLOOR, "loss_scaling.on_min_scale=continue", "trainer.epochs=1"),
+        RunContext(tmp_path),
+    )
+    assert summary["amp/floor_hits"] == summary["amp/skipped_steps"] == 16
+    assert summary["ran"]["final_scale"] == pytest.approx(1e30)
+
+
+def test_floor_error_reaches_the_user_without_a_traceback(tmp_path):
+    result = run_cli("mpexp.train", "experiment=quickstart", *TINY, *FLOOR, cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in output
+    assert "Loss scale hit its floor at step 1" in output
+
+
+# fp16's forward pass overflows within two steps at this learning rate
+DIVERGE = ["precision=fp16", "loss_scaling=none", "optimizer=sgd", "optimizer.lr=1e4"]
+
+
+def test_nonfinite_loss_stops_the_run_with_step_and_last_finite_loss(tmp_path):
+    with pytest.raises(NumericsError) as err:
+        train(make_cfg(*TINY, *DIVERGE), RunContext(tmp_path))
+    steps, _ = read_metrics(tmp_path)
+    last = steps[-1]
+    assert f"at step {last['step'] + 1}" in str(err.value)
+    assert f"last finite loss was {last['train/loss']:.4g} at step {last['step']}" in str(err.value)
+
+
+def test_nonfinite_loss_skip_counts_the_skipped_steps(tmp_path):
+    summary = train(
+        make_cfg(*TINY, *DIVERGE, "trainer.on_nonfinite_loss=skip", "trainer.epochs=1"),
+        RunContext(tmp_path),
+    )
+    steps, epochs = read_metrics(tmp_path)
+    nonfinite = [r["step"] for r in steps if r["train/loss"] != r["train/loss"]]
+    assert nonfinite and summary["amp/nonfinite_loss_steps"] == len(nonfinite)
+    assert [r["amp/nonfinite_loss_steps"] for r in steps][-1] == len(nonfinite)
+    assert summary["ran"]["nonfinite_guard"] is True
+    assert epochs[0]["train/epoch_loss"] == epochs[0]["train/epoch_loss"]  # finite steps only

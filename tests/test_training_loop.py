@@ -1,0 +1,153 @@
+"""Training-loop practice: clipping after unscale_, gradient accumulation, schedules that skip
+skipped steps, and modules kept out of autocast."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from mpexp.errors import ConfigError
+from mpexp.models.simplecnn import SimpleCNN
+from mpexp.precision import run_in_float32, setup_precision
+from mpexp.scaling import build_scaler
+from mpexp.schedules import build_schedule, cosine
+from mpexp.train import train_step
+
+CPU = torch.device("cpu")
+NONE = OmegaConf.create({"name": "none"})
+
+
+def small_cnn() -> SimpleCNN:
+    torch.manual_seed(0)
+    return SimpleCNN(in_channels=1, num_classes=4, image_size=(8, 8), width=4)
+
+
+def batch(n: int = 64):
+    generator = torch.Generator().manual_seed(1)
+    return torch.rand(n, 1, 8, 8, generator=generator), torch.randint(4, (n,), generator=generator)
+
+
+def grad_norm(model: nn.Module) -> float:
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+
+
+def test_clipping_acts_on_unscaled_gradients():
+    precision = setup_precision("fp16", CPU)
+    scaling = OmegaConf.create(
+        {"name": "static", "scale": 4096.0}  # large enough that clipping scaled grads would show
+    )
+    images, labels = batch()
+    unclipped, clipped = small_cnn(), small_cnn()
+    for model, clip in ((unclipped, None), (clipped, 0.05)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler = build_scaler(scaling, precision, CPU)
+        train_step(model, images, labels, optimizer, scaler, precision, clip_grad_norm=clip)
+        assert scaler.found_inf().item() == 0.0
+    true_norm = grad_norm(unclipped)
+    assert true_norm > 0.05  # so the clip has something to do
+    # after step() the gradients are in true units: clipped to the threshold, not to 0.05 / 4096
+    assert grad_norm(clipped) == pytest.approx(0.05, rel=1e-3)
+
+
+@pytest.mark.parametrize("n", [64, 63])  # 63: uneven micro-batches are weighted by their size
+def test_accumulated_micro_batches_match_one_large_batch_in_fp32(n):
+    precision = setup_precision("fp32", CPU)
+    images, labels = batch(n)
+    whole, parts = small_cnn(), small_cnn()
+    runs = []
+    for model, k in ((whole, 1), (parts, 4)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        scaler = build_scaler(NONE, precision, CPU)
+        losses = []
+        for _ in range(3):
+            losses.append(train_step(model, images, labels, optimizer, scaler, precision, k).item())
+            optimizer.zero_grad()
+        runs.append(losses)
+    assert runs[1] == pytest.approx(runs[0], rel=1e-5)
+    for a, b in zip(whole.parameters(), parts.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(whole.fc.weight, small_cnn().fc.weight)  # it did train
+
+
+def test_schedule_advances_only_on_steps_the_optimizer_took():
+    precision = setup_precision("fp16", CPU)
+    model = small_cnn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = build_scaler(
+        OmegaConf.create(
+            {
+                "name": "dynamic",
+                "init_scale": 1024.0,
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 1000,
+            }
+        ),
+        precision,
+        CPU,
+    )
+    halve_each_step = OmegaConf.create({"name": "step", "step_size": 1, "gamma": 0.5})
+    build_schedule(halve_each_step, optimizer, scaler, total_steps=10)
+    images, labels = batch(8)
+    rates = []
+    for overflow in (False, True, False, True, True, False):
+        rates.append(optimizer.param_groups[0]["lr"])
+        handle = model.fc.weight.register_hook(lambda g: g * torch.inf) if overflow else None
+        train_step(model, images, labels, optimizer, scaler, precision)
+        scaler.update()
+        optimizer.zero_grad()
+        if handle:
+            handle.remove()
+    assert rates == [1.0, 0.5, 0.5, 0.25, 0.25, 0.25]
+    assert optimizer.param_groups[0]["lr"] == 0.125
+
+
+def test_cosine_warms_up_then_falls_to_the_floor():
+    factor = cosine(total_steps=10, warmup_steps=2, min_lr_ratio=0.1)
+    assert [factor(s) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert factor(6) == pytest.approx(0.55)  # halfway through the decay: (1 + 0.1) / 2
+    assert factor(10) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(("mode", "low"), [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_fp32_modules_run_in_float32_inside_autocast(mode, low):
+    precision = setup_precision(mode, CPU)
+    model = small_cnn()
+    assert run_in_float32(model, ["fc"], precision) == ["fc"]
+    seen = {}
+    for name in ("conv2", "fc"):
+        getattr(model, name).register_forward_hook(
+            lambda _, inputs, out, name=name: seen.update({name: (inputs[0].dtype, out.dtype)})
+        )
+    with precision.autocast():
+        model(batch(2)[0])
+    assert seen["conv2"][1] == low  # the rest of the model is still autocast
+    # fc receives conv2's low-precision activations and computes in float32 all the same
+    assert seen["fc"] == (low, torch.float32)
+
+
+def test_fp32_modules_must_exist_and_warn_where_nothing_is_autocast(caplog):
+    with pytest.raises(ConfigError, match=r"'head'.*conv1, conv2, fc"):
+        run_in_float32(small_cnn(), ["head"], setup_precision("fp16", CPU))
+    with caplog.at_level(logging.WARNING):
+        assert run_in_float32(small_cnn(), ["fc"], setup_precision("fp32", CPU)) == []
+    assert "no effect under precision=fp32" in caplog.text
+
+
+def test_schedule_refuses_a_fused_optimizer_under_loss_scaling():
+    model = small_cnn()
+    optimizer = torch.optim.Adam(model.parameters(), fused=True)
+    scaler = build_scaler(
+        OmegaConf.create({"name": "static", "scale": 8.0}), setup_precision("fp16", CPU), CPU
+    )
+    cosine_cfg = OmegaConf.create({"name": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.0})
+    with pytest.raises(ConfigError, match="fused"):
+        build_schedule(cosine_cfg, optimizer, scaler, total_steps=10)
+    # without scaling every step is real, so the same schedule is fine
+    plain = build_scaler(NONE, setup_precision("fp32", CPU), CPU)
+    assert build_schedule(cosine_cfg, copy.deepcopy(optimizer), plain, 10) is not None
