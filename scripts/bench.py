@@ -193,8 +193,8 @@ def time_bare(args, root: Path, precision: str) -> dict:
     data = MNISTData(root=str(root), download=False, batch_size=args.batch_size)
     data.setup(device)
     model = fresh_model(args, device)
-    optimizer = build_optimizer(cfg.optimizer, model, device)
     scaler = build_scaler(cfg.loss_scaling, mode, device)
+    optimizer = build_optimizer(cfg, model, device, scaler)
     times = []
     for epoch in range(args.epochs + 1):
         synchronize(device)
