@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 
@@ -55,6 +55,41 @@ def build(node: DictConfig, **extra):
     """Instantiate a group's `_target_` with its keys, except the descriptive `name`."""
     kwargs = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "name"}
     return get_object(kwargs.pop("_target_"))(**kwargs, **extra)
+
+
+@dataclass
+class Stepper:
+    """What one training step touches; `step` is the loop's whole per-step work."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    precision: Precision
+    history: StepHistory
+    diagnostics: Diagnostics
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
+
+    def step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> None:
+        """The optimizer step, its history row and the scale update. No host-device
+        synchronisation: a GPU test runs this in CUDA's sync-debug error mode."""
+        lr = self.optimizer.param_groups[0]["lr"]  # read first: a real step advances the schedule
+        loss = train_step(
+            self.model,
+            images,
+            labels,
+            self.optimizer,
+            self.scaler,
+            self.precision,
+            self.accumulate,
+            self.clip_grad_norm,
+            inspect=self.diagnostics.inspector(step),
+        )
+        # between step() and update(): the scale this step used and whether it was skipped
+        self.history.record(step, lr, loss, self.scaler.scale_tensor(), self.scaler.found_inf())
+        self.scaler.update()
+        self.diagnostics.after_update(step)
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def train_step(
@@ -289,7 +324,16 @@ def _fit(
     memory = PeakMemory(device)
     steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss)
     diagnostics = Diagnostics(cfg.diagnostics, model, scaler, tracker)
-    accumulate, clip = cfg.trainer.accumulate, cfg.trainer.clip_grad_norm
+    stepper = Stepper(
+        model,
+        optimizer,
+        scaler,
+        precision,
+        history,
+        diagnostics,
+        cfg.trainer.accumulate,
+        cfg.trainer.clip_grad_norm,
+    )
     hide_bar = {"auto": None, True: False, False: True}[cfg.trainer.progress]
     hide_bar = hide_bar if world.is_main else True
     # FSDP holds each rank's shard of the weights; saving them needs torch.distributed.checkpoint
@@ -345,23 +389,7 @@ def _fit(
         batches = islice(data.train_batches(epoch, seed, device), done, None)
         for batch, (images, labels) in enumerate(batches, start=done + 1):
             step += 1
-            lr = optimizer.param_groups[0]["lr"]  # read first: a real step advances the schedule
-            loss = train_step(
-                model,
-                images,
-                labels,
-                optimizer,
-                scaler,
-                precision,
-                accumulate,
-                clip,
-                inspect=diagnostics.inspector(step),
-            )
-            # between step() and update(): the scale this step used and whether it was skipped
-            history.record(step, lr, loss, scaler.scale_tensor(), scaler.found_inf())
-            scaler.update()
-            diagnostics.after_update(step)
-            optimizer.zero_grad(set_to_none=True)
+            stepper.step(step, images, labels)
             bar.update()
             if step % log_every == 0:
                 steps.write(history.flush())

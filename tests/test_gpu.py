@@ -66,3 +66,37 @@ def test_channels_last_and_compile_paths_train_on_cuda(tmp_path, switch):
     key = switch.split("=")[0].split(".")[1]
     assert saved["ran"][key] and saved["ran"]["fused_optimizer"]
     assert saved["val/loss"] < 2.3
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "fp32"])
+def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode):
+    """The loop's whole per-step work, run in CUDA's sync-debug mode set to error."""
+    from mpexp.diagnostics import Diagnostics
+    from mpexp.history import StepHistory
+    from mpexp.performance import build_optimizer
+    from mpexp.scaling import build_scaler
+    from mpexp.tracking import NullTracker
+    from mpexp.train import Stepper, build
+
+    device = cuda()
+    cfg = make_cfg(*TINY, f"precision={mode}", "trainer.device=cuda")
+    precision = setup_precision(mode, device)
+    data = build(cfg.dataset)
+    info = data.setup(device)
+    model = build(cfg.model, in_channels=info.channels, num_classes=info.num_classes,
+                  image_size=(info.height, info.width)).to(device)  # fmt: skip
+    scaler = build_scaler(cfg.loss_scaling, precision, device)
+    optimizer = build_optimizer(cfg, model, device, scaler)
+    assert optimizer.defaults["fused"]  # the path that keeps GradScaler off the host
+    diagnostics = Diagnostics(cfg.diagnostics, model, scaler, NullTracker(tmp_path))
+    stepper = Stepper(model, optimizer, scaler, precision, StepHistory(), diagnostics)
+    batches = list(data.train_batches(1, 0, device))
+    for step, (images, labels) in enumerate(batches[:3], start=1):  # lazy state is made here
+        stepper.step(step, images, labels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step, (images, labels) in enumerate(batches[3:10], start=4):
+            stepper.step(step, images, labels)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
