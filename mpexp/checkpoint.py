@@ -30,6 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mpexp.errors import ConfigError, OutputError
+from mpexp.tracking import flatten
 
 log = logging.getLogger(__name__)
 
@@ -335,8 +336,8 @@ def load(path: Path, mmap: bool = False) -> dict:
 
 def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
     """Refuse to resume under a config that would make the result a different experiment."""
-    saved = _flatten(state["config"])
-    now = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    saved = flatten(state["config"], sep=".")
+    now = flatten(OmegaConf.to_container(cfg, resolve=True), sep=".")
     missing = object()
     changed = sorted(
         key
@@ -369,13 +370,3 @@ def open_resume(cfg: DictConfig, mmap: bool = False) -> Resume | None:
     state = load(path, mmap=mmap)
     check_config(state, cfg, target)
     return Resume(path, state)
-
-
-def _flatten(values: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

@@ -153,7 +153,7 @@ class Tracker:
         self._write_summary()
         if self._wandb is not None:
             try:
-                self._wandb.summary.update(_flatten(values))
+                self._wandb.summary.update(flatten(values))
             except Exception as err:
                 log.warning("W&B summary not updated (%s).", err)
 
@@ -234,11 +234,12 @@ def _for_wandb(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(values: dict[str, Any], sep: str = "/", prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one level: {"ran": {"device": x}} -> {"ran/device": x}."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}/"))
+            flat.update(flatten(value, sep, f"{prefix}{key}{sep}"))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
