@@ -344,6 +344,13 @@ def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
         for key in saved.keys() | now.keys()
         if key not in RESUMABLE_KEYS and saved.get(key, missing) != now.get(key, missing)
     )
+    if (
+        not changed
+        and saved.get("scheduler.name") == "cosine"
+        and (saved.get("trainer.epochs") != now.get("trainer.epochs"))
+    ):
+        # a cosine schedule spans the whole run: more epochs would bend the curve mid-run
+        changed = ["trainer.epochs"]
     if not changed:
         return
 

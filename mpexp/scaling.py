@@ -94,7 +94,8 @@ class LossScaler(torch.amp.GradScaler):
         if self._enabled and self._sum_overflow_over_ranks:
             per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
             for found_inf in per_device.values():
-                torch.distributed.all_reduce(found_inf)  # on the device: no host sync
+                # MAX, not SUM: fused optimizers skip a step only for a flag of exactly 1.0
+                torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
 
     def floor_hit(self) -> torch.Tensor:
         """1.0 if the last `update` wanted to back off from a scale already at the floor."""
@@ -114,6 +115,10 @@ class LossScaler(torch.amp.GradScaler):
             self.unscale_(optimizer)
         # A non-finite loss skips the step even if its gradients happen to be finite.
         bad_loss = (~self._loss_finite).float()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # every rank must skip (and keep its scale) alike, or the replicas drift apart
+            torch.distributed.all_reduce(bad_loss, op=torch.distributed.ReduceOp.MAX)
+            self._loss_finite = bad_loss == 0
         for found in state["found_inf_per_device"].values():
             torch.maximum(found, bad_loss.to(found.device), out=found)
         result = super().step(optimizer, *args, **kwargs)
@@ -350,6 +355,8 @@ class CalibratedLossScaler(StaticLossScaler):
         state = super().state_dict()
         state["chosen_scale"] = self.chosen_scale
         state["max_grad"] = self.max_grad
+        # mid-calibration, the running maximum is only on the device: one read per checkpoint
+        state["running_max_grad"] = float(self._max)
         state["calibration_updates"] = self._updates
         return state
 
@@ -360,8 +367,7 @@ class CalibratedLossScaler(StaticLossScaler):
         self._updates = state_dict.get("calibration_updates", 0)
         if self.chosen_scale is not None:
             self._static_scale = self.chosen_scale
-        if self.max_grad is not None:
-            self._max.fill_(self.max_grad)
+        self._max.fill_(state_dict.get("running_max_grad", self.max_grad or 0.0))
 
 
 def resolve_strategy(name: str, precision: Precision) -> str:

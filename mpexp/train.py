@@ -344,10 +344,11 @@ def _fit(
         )
     at, row, resumed_time = Position(), None, 0.0
     if resume is not None:
-        at = resume.restore(model, optimizer, scaler, device, saver.schedule)
+        at = resume.restore(saver.model, optimizer, scaler, device, saver.schedule)
         carried = resume.log_state
         steps.skipped, steps.last_scale = carried["skipped"], carried["last_scale"]
         steps.nonfinite_losses = carried["nonfinite_losses"]
+        diagnostics.floor_hits = carried["floor_hits"]
         steps.last_finite = tuple(carried["last_finite"]) if carried["last_finite"] else None
         steps.losses, row = carried["losses"], carried["epoch_row"]
         resumed_time = carried["elapsed"]  # of the epoch in progress, before the checkpoint
@@ -360,6 +361,7 @@ def _fit(
             "last_scale": steps.last_scale,
             "nonfinite_losses": steps.nonfinite_losses,
             "last_finite": steps.last_finite,
+            "floor_hits": diagnostics.floor_hits,
             "losses": steps.losses,
             "elapsed": elapsed,
             "epoch_row": row,
@@ -402,6 +404,7 @@ def _fit(
             stopping = agreed_stop() if not world.distributed or step % log_every == 0 else False
             if saver.due(step) or stopping:
                 steps.write(history.flush(wait=True))
+                diagnostics.flush(wait=True)
                 began = time.perf_counter()
                 checkpoint(Position(epoch, batch, step), began - start, stopping)
                 start += time.perf_counter() - began  # writing checkpoints is not training time

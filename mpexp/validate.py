@@ -49,6 +49,8 @@ def validate(cfg: DictConfig) -> None:
     _integer(trainer.seed, "trainer.seed", 0)
     _choice(trainer.device, "trainer.device", DEVICES)
     _choice(trainer.strategy, "trainer.strategy", STRATEGIES)
+    if trainer.strategy == "fsdp":
+        _validate_fsdp(cfg)
     _choice(cfg.wandb.mode, "wandb.mode", WANDB_MODES)
     _choice(trainer.compile_mode, "trainer.compile_mode", COMPILE_MODES)
     _integer(trainer.keep_checkpoints, "trainer.keep_checkpoints", 1)
@@ -170,4 +172,19 @@ def validate_run_length(cfg: DictConfig, total_steps: int) -> None:
         raise ConfigError(
             f"scheduler.warmup_steps={sched.warmup_steps} is not shorter than the run "
             f"({total_steps} steps); lower it."
+        )
+
+
+def _validate_fsdp(cfg: DictConfig) -> None:
+    """Combinations FSDP cannot run correctly yet."""
+    if cfg.optimizer.get("fused"):
+        raise ConfigError(
+            "optimizer.fused=true with trainer.strategy=fsdp: sharded gradients need their "
+            "overflow flags combined across ranks before the step. Leave optimizer.fused=null."
+        )
+    if cfg.precision.get("fp32_modules") and cfg.precision.name in ("fp16", "bf16"):
+        raise ConfigError(
+            "precision.fp32_modules with trainer.strategy=fsdp: FSDP gathers those modules' "
+            f"weights in {cfg.precision.name}, so they cannot run in float32. Use "
+            "trainer.strategy=ddp, or drop precision.fp32_modules."
         )

@@ -207,3 +207,20 @@ def test_a_checkpoint_write_that_dies_halfway_leaves_the_previous_one(
     steps, epochs = read_metrics(tmp_path)
     assert [r["step"] for r in steps] == list(range(1, 17)) and len(epochs) == 2
     assert status(tmp_path) == "finished"
+
+
+def test_a_cosine_run_cannot_be_resumed_with_more_epochs():
+    from omegaconf import OmegaConf
+
+    from mpexp.checkpoint import check_config
+    from mpexp.errors import ConfigError
+
+    def state(*overrides):
+        cfg = make_cfg(*TINY, *overrides)
+        return {"config": OmegaConf.to_container(cfg, resolve=True), "overrides": list(overrides)}
+
+    # more epochs are fine for a constant rate, but would bend a cosine schedule mid-run
+    check_config(state(), make_cfg(*TINY, "trainer.epochs=5"), "run")
+    saved = state("scheduler=cosine")
+    with pytest.raises(ConfigError, match=r"trainer\.epochs"):
+        check_config(saved, make_cfg(*TINY, "scheduler=cosine", "trainer.epochs=5"), "run")

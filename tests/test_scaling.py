@@ -176,29 +176,43 @@ def test_calibrated_scale_is_the_largest_power_of_two_under_the_limit(max_grad, 
     assert calibrated_scale(max_grad, margin) == expected
 
 
-def test_calibrated_measures_the_largest_gradient_then_stays_static():
-    scaler = build_scaler(
-        OmegaConf.create({"name": "calibrated", "calibration_steps": 3, "margin": 2.0}),
-        setup_precision("fp16", CPU),
-        CPU,
-    )
+CALIBRATION = OmegaConf.create({"name": "calibrated", "calibration_steps": 3, "margin": 2.0})
+# a hook makes each step's gradient exactly one of these; the inf one is skipped, not measured
+GRADIENTS = [[0.5, -1.5, 0, 0], [0, 0, -3, 1], [0, torch.inf, 9, 0], [1, 1, 1, 1], [0, 0, 9, 0]]
+
+
+def calibrated_steps(grads, scaler=None):
+    """Scales used over scripted gradient steps; a saved scaler state may be passed in."""
+    fresh = build_scaler(CALIBRATION, setup_precision("fp16", CPU), CPU)
+    if scaler is not None:
+        fresh.load_state_dict(scaler.state_dict())
     weight = nn.Parameter(torch.zeros(4))
     optimizer = torch.optim.SGD([weight], lr=0.0)
-    # a hook makes each step's gradient exactly one of these; the inf one is skipped, not measured
-    script = [[0.5, -1.5, 0, 0], [0, 0, -3, 1], [0, torch.inf, 9, 0], [1, 1, 1, 1], [0, 0, 9, 0]]
     used = []
-    for grad in script:
+    for grad in grads:
         g = torch.tensor(grad, dtype=torch.float32)
         handle = weight.register_hook(lambda _, g=g: g.clone())
-        scaler.scale((weight * 0).sum()).backward()
-        scaler.step(optimizer)
-        used.append(scaler.scale_tensor().item())
-        scaler.update()
+        fresh.scale((weight * 0).sum()).backward()
+        fresh.step(optimizer)
+        used.append(fresh.scale_tensor().item())
+        fresh.update()
         optimizer.zero_grad()
         handle.remove()
+    return used, fresh
+
+
+def test_calibrated_measures_the_largest_gradient_then_stays_static():
+    used, scaler = calibrated_steps(GRADIENTS)
     # max |g| over the 3 calibration steps is 3.0 (the inf step excluded); margin 2 -> 8192
     assert used == [1.0, 1.0, 1.0, 8192.0, 8192.0]
     assert scaler.outcome() == {"calibrated_scale": 8192.0, "calibration_max_grad": 3.0}
+
+
+def test_calibration_resumed_midway_chooses_the_same_scale():
+    _, halfway = calibrated_steps(GRADIENTS[:2])  # a checkpoint after two calibration steps
+    used, resumed = calibrated_steps(GRADIENTS[2:], scaler=halfway)
+    assert used == [1.0, 8192.0, 8192.0]
+    assert resumed.outcome()["calibration_max_grad"] == 3.0
 
 
 def test_nonfinite_loss_skips_the_step_without_touching_the_scale():
