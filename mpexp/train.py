@@ -110,10 +110,14 @@ def train_step(
     given, sees the gradients in true units before clipping (diagnostics).
     """
     total = torch.zeros((), device=labels.device)
-    for x, y in zip(images.chunk(accumulate), labels.chunk(accumulate), strict=True):
-        with precision.autocast():
-            loss = F.cross_entropy(model(x), y) * (len(y) / len(labels))
-        scaler.scale(loss).backward()
+    chunks = list(zip(images.chunk(accumulate), labels.chunk(accumulate), strict=True))
+    for i, (x, y) in enumerate(chunks):
+        # under DDP, all-reduce the gradients once, with the last micro-batch's backward
+        last = i == len(chunks) - 1
+        with _no_grad_sync(model, last):
+            with precision.autocast():  # forward only: backward runs outside autocast
+                loss = F.cross_entropy(model(x), y) * (len(y) / len(labels))
+            scaler.scale(loss).backward()
         total += loss.detach()
     scaler.unscale_(optimizer)  # once, after the last micro-batch: true units from here on
     if inspect is not None:
@@ -122,6 +126,12 @@ def train_step(
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
     scaler.step(optimizer)  # skipped when the gradients (or the loss) are not finite
     return total
+
+
+def _no_grad_sync(model, last: bool) -> contextlib.AbstractContextManager:
+    if last or not hasattr(model, "no_sync"):  # DDP has no_sync; a plain module needs none
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
 @torch.no_grad()

@@ -242,3 +242,15 @@ def test_two_gpus_train_over_nccl(tmp_path, strategy):
     assert ran.get("replicas_identical", True) is True
     _, epochs = read_metrics(run_dir)
     assert "mem/peak_allocated_mib" in epochs[0]
+
+
+def test_ddp_with_accumulation_matches_one_process(tmp_path):
+    """Micro-batches skip DDP's gradient all-reduce until the last one: still the same result."""
+    cwd = tmp_path / "ddp"
+    cwd.mkdir()
+    args = ["trainer.strategy=ddp", *ONE_EPOCH, PER_RANK, "trainer.accumulate=2"]
+    result = run_cli(*TORCHRUN, "-m", "mpexp.train", *args, cwd=cwd)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    train(make_cfg(*ONE_EPOCH, GLOBAL, "trainer.accumulate=4"), RunContext(tmp_path / "one"))
+    ddp, single = losses(only_run_dir(cwd)), losses(tmp_path / "one")
+    assert ddp == pytest.approx(single, rel=1e-4)
