@@ -27,9 +27,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from mpexp.config import to_dict
 from mpexp.errors import ConfigError, OutputError
+from mpexp.schedules import spans_run
 from mpexp.tracking import flatten
 
 log = logging.getLogger(__name__)
@@ -148,7 +150,8 @@ class Checkpointer:
         self.directory = self.run_dir / SUBDIR
         self.keep = cfg.trainer.keep_checkpoints
         self.every_steps = cfg.trainer.checkpoint_every_steps
-        self.config = OmegaConf.to_container(cfg, resolve=True)
+        self.upload = cfg.wandb.get("log_checkpoints", False)
+        self.config = to_dict(cfg)
         self.overrides = [o for o in overrides if not o.startswith("trainer.resume=")]
         self.device, self.model, self.optimizer = device, model, optimizer
         self.scaler, self.tracker, self.schedule = scaler, tracker, schedule
@@ -183,6 +186,8 @@ class Checkpointer:
             raise OutputError(self._failure(path, err)) from err
         for old in checkpoint_files(self.run_dir)[: -self.keep]:
             old.unlink()
+        if self.upload:
+            self.tracker.log_checkpoint(path, position.step)
         return path
 
     def _failure(self, path: Path, err: OSError) -> str:
@@ -337,7 +342,7 @@ def load(path: Path, mmap: bool = False) -> dict:
 def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
     """Refuse to resume under a config that would make the result a different experiment."""
     saved = flatten(state["config"], sep=".")
-    now = flatten(OmegaConf.to_container(cfg, resolve=True), sep=".")
+    now = flatten(to_dict(cfg), sep=".")
     missing = object()
     changed = sorted(
         key
@@ -346,10 +351,10 @@ def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
     )
     if (
         not changed
-        and saved.get("scheduler.name") == "cosine"
+        and spans_run(saved.get("scheduler._target_"))
         and (saved.get("trainer.epochs") != now.get("trainer.epochs"))
     ):
-        # a cosine schedule spans the whole run: more epochs would bend the curve mid-run
+        # e.g. a cosine schedule spans the whole run: more epochs would bend the curve mid-run
         changed = ["trainer.epochs"]
     if not changed:
         return

@@ -1,10 +1,11 @@
-"""What mpexp adds to Hydra: where a resumed run writes, and checks before Hydra writes anything.
+"""What mpexp adds to Hydra: where a resumed run writes, checks before Hydra writes anything, and
+the name a sweep's job goes by.
 
 `hydra.run.dir` in conf/train.yaml goes through the `mpexp.run_dir` resolver, so
 `trainer.resume=<run dir>` continues in that directory: one metrics.jsonl, one train.log. The
 `RunChecks` callback stops a run with one message, before Hydra creates or writes anything, when
-the output directory cannot be written or `trainer.resume` cannot continue under this config; a
-rejected resume so leaves the run's `.hydra/` record as it was.
+a value cannot work, the output directory cannot be written or `trainer.resume` cannot continue
+under this config; a rejected resume so leaves the run's `.hydra/` record as it was.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from mpexp import checkpoint
 from mpexp.errors import OutputError, UserError
+from mpexp.validate import check_schema, validate
 
 
 def resumed_run_dir(resume: str | None, default: str) -> str:
@@ -56,12 +59,47 @@ class RunChecks(Callback):
     """Checks that need the whole config, made before Hydra sets up the run directory."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        task = OmegaConf.masked_copy(config, [key for key in config if key != "hydra"])
+        task = _task(config)
+        _exit_on_user_error(lambda: validate(task))
         _exit_on_user_error(lambda: checkpoint.open_resume(task, mmap=True))
         _exit_on_user_error(lambda: check_writable(config.hydra.run.dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        # the values a sweep varies are checked per job; unknown keys fail every job alike
+        _exit_on_user_error(lambda: check_schema(_task(config)))
         _exit_on_user_error(lambda: check_writable(config.hydra.sweep.dir))
+
+
+def _task(config: DictConfig) -> DictConfig:
+    """The job's own config, without Hydra's node, with its schema types kept."""
+    return OmegaConf.masked_copy(config, [key for key in config if key != "hydra"])
+
+
+def sweep_job_name(hydra_cfg: DictConfig) -> str:
+    """A sweep job's name: its overrides of the keys that the sweep varies (`precision=fp16`),
+    read from the sweep's multirun.yaml (command-line sweeps and `hydra.sweeper.params`)."""
+    task = list(hydra_cfg.overrides.task)
+    varying = swept_keys(Path(hydra_cfg.sweep.dir) / "multirun.yaml")
+    parser = OverridesParser.create()
+    named = [o for o, parsed in zip(task, parser.parse_overrides(task), strict=True)
+             if parsed.key_or_group in varying]  # fmt: skip
+    return ",".join(named) or hydra_cfg.job.override_dirname or f"job {hydra_cfg.job.num}"
+
+
+def swept_keys(multirun_yaml: Path) -> set[str]:
+    """The keys a sweep varies, from the multirun.yaml Hydra writes into the sweep folder."""
+    try:
+        saved = OmegaConf.load(multirun_yaml)
+    except (OSError, ValueError):
+        return set()
+    overrides = [str(o) for o in OmegaConf.select(saved, "hydra.overrides.task", default=[])]
+    keys = {
+        o.key_or_group
+        for o in OverridesParser.create().parse_overrides(overrides)
+        if o.is_sweep_override()
+    }
+    params = OmegaConf.select(saved, "hydra.sweeper.params", default=None) or {}
+    return keys | set(params)
 
 
 def _exit_on_user_error(check: Callable[[], object]) -> None:

@@ -39,7 +39,7 @@ def build_optimizer(cfg: DictConfig, model: nn.Module, device: torch.device, sca
     """
     fused = cfg.optimizer.get("fused")
     if fused is None:
-        scheduled = cfg.scheduler.name != "none" and scaler.is_enabled()
+        scheduled = cfg.scheduler.get("_target_") is not None and scaler.is_enabled()
         fused = device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
         if device.type == "cuda" and not fused:
             log.info("Unfused optimizer: GradScaler reads the overflow flag on the host per step.")

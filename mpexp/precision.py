@@ -1,7 +1,8 @@
-"""The one place where precision modes are defined: autocast dtype and TF32 switches.
+"""The one place where precision switches are set: autocast dtype and TF32.
 
-A mode is decided once at setup and returned as a `Precision`; the training loop only enters
-`precision.autocast()` and never re-decides anything.
+A `precision` option (conf/precision/*.yaml) says what it does: `autocast` (float16, bfloat16 or
+null) and `tf32`. It is applied once at setup and returned as a `Precision`; the training loop
+only enters `precision.autocast()` and never re-decides anything.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,13 +21,15 @@ from mpexp.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# mode -> (autocast dtype, TF32 wanted)
-MODES: dict[str, tuple[torch.dtype | None, bool]] = {
-    "fp32": (None, False),
-    "tf32": (None, True),
-    "fp16": (torch.float16, False),
-    "bf16": (torch.bfloat16, False),
-}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+SHORT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def mode_name(autocast_dtype: torch.dtype | None, tf32: bool) -> str:
+    """fp32, tf32, fp16 or bf16; a 16-bit mode that also asks for TF32 is e.g. `fp16+tf32`."""
+    if autocast_dtype is None:
+        return "tf32" if tf32 else "fp32"
+    return SHORT_NAMES[autocast_dtype] + ("+tf32" if tf32 else "")
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class Precision:
     effective: str
     device_type: str
     autocast_dtype: torch.dtype | None
+    emulated: bool = False  # 16-bit autocast on a CPU without native instructions for it
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward-pass context: autocast to the mode's dtype, or nothing."""
@@ -50,6 +56,7 @@ class Precision:
             "autocast_dtype": str(self.autocast_dtype).removeprefix("torch.")
             if self.autocast_dtype
             else "none",
+            "emulated": self.emulated,
             **tf32_flags(),
         }
 
@@ -73,22 +80,27 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
-def setup_precision(mode: str, device: torch.device) -> Precision:
-    """Apply a precision mode's global switches for `device` and describe what will run."""
-    if mode not in MODES:
-        raise ConfigError(f"precision={mode!r} is not a mode; choose one of: {', '.join(MODES)}.")
-    dtype, tf32 = MODES[mode]
+def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
+    """Apply a `precision` config's switches for `device` and describe what will run.
+
+    Nothing falls back silently: TF32 where it cannot take effect runs (and is recorded) as strict
+    fp32 with a warning; 16-bit autocast that this CPU only emulates warns once that it is slow.
+    """
+    dtype = DTYPES[str(cfg["autocast"])] if cfg["autocast"] is not None else None
+    tf32 = bool(cfg["tf32"])
+    mode = mode_name(dtype, tf32)
     set_tf32(tf32)
     effective = mode
 
     if tf32 and not _tf32_capable(device):
         where = "on CPU" if device.type == "cpu" else f"on {torch.cuda.get_device_name(device)}"
+        effective = mode_name(dtype, False)
         log.warning(
-            "precision=tf32 has no effect %s (TF32 needs an Ampere or newer CUDA GPU): "
-            "this run computes in strict fp32 and is recorded as effective_precision=fp32.",
+            "TF32 has no effect %s (it needs an Ampere or newer CUDA GPU): this run computes "
+            "float32 work in strict fp32 and is recorded as effective_precision=%s.",
             where,
+            effective,
         )
-        effective = "fp32"
 
     # bf16 autocast needs Ampere (sm80) or newer; older GPUs only emulate it, slowly.
     if dtype is torch.bfloat16 and device.type == "cuda" and not _ampere_or_newer(device):
@@ -97,8 +109,53 @@ def setup_precision(mode: str, device: torch.device) -> Precision:
             f"{torch.cuda.get_device_name(device)} has none.\n"
             "Use precision=fp16 (with loss scaling) or precision=fp32."
         )
+    emulated = dtype is not None and device.type == "cpu" and not cpu_has_native(dtype)
+    if emulated:
+        _warn_emulated_once(dtype)
 
-    return Precision(mode=mode, effective=effective, device_type=device.type, autocast_dtype=dtype)
+    return Precision(
+        mode=mode,
+        effective=effective,
+        device_type=device.type,
+        autocast_dtype=dtype,
+        emulated=emulated,
+    )
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU computes `dtype` matrix work natively (oneDNN's own test: AVX-512 BF16 or
+    AMX for bfloat16, AVX-512 FP16 or AMX-FP16 for float16)."""
+    probe = {
+        torch.bfloat16: "_is_mkldnn_bf16_supported",
+        torch.float16: "_is_mkldnn_fp16_supported",
+    }[dtype]
+    try:
+        return bool(getattr(torch.ops.mkldnn, probe)())
+    except (AttributeError, RuntimeError):  # an older torch or a build without oneDNN
+        return False
+
+
+_warned_emulated: set[torch.dtype] = set()
+
+
+def _warn_emulated_once(dtype: torch.dtype) -> None:
+    # once per process: a sweep runs its jobs in one process and the warning says the same each time
+    if dtype in _warned_emulated:
+        return
+    _warned_emulated.add(dtype)
+    other = torch.bfloat16 if dtype is torch.float16 else torch.float16
+    hint = (
+        f"precision={SHORT_NAMES[other]} runs natively here"
+        if cpu_has_native(other)
+        else "precision=fp32 is the fast choice on this CPU"
+    )
+    log.warning(
+        "%s autocast is emulated on this CPU (no native %s matrix instructions): the numerics are "
+        "real, but expect epochs several times slower than fp32; %s. Recorded as emulated=true.",
+        SHORT_NAMES[dtype],
+        str(dtype).removeprefix("torch."),
+        hint,
+    )
 
 
 def _tf32_capable(device: torch.device) -> bool:

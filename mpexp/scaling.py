@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from hydra.utils import get_object
 from torch.amp.grad_scaler import OptState
 
+from mpexp.config import to_dict
 from mpexp.errors import NumericsError
 from mpexp.precision import Precision
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("auto", "none", "static", "dynamic", "hysteresis", "calibrated")
-FLOOR_POLICIES = ("raise", "continue")
 FP16_MAX = 65504.0
 
 
@@ -156,7 +157,7 @@ class LossScaler(torch.amp.GradScaler):
 
 
 class DynamicLossScaler(LossScaler):
-    """`dynamic` (hysteresis=1: GradScaler's rule) and `hysteresis` (DeepSpeed's rule).
+    """`dynamic` (hysteresis=1: GradScaler's rule), and the base of `hysteresis` (DeepSpeed's).
 
     An overflowing step is always skipped. The scale backs off by `backoff_factor` on an overflow
     that is the `hysteresis`-th or later in an unbroken run of overflows (so a run of n overflows
@@ -165,6 +166,8 @@ class DynamicLossScaler(LossScaler):
     back-off due at the floor sets `floor_hit()`, which the loop turns into an error or a warning.
     The whole rule runs on the device.
     """
+
+    strategy = "dynamic"
 
     def __init__(
         self,
@@ -176,7 +179,6 @@ class DynamicLossScaler(LossScaler):
         hysteresis: int = 1,
         min_scale: float = 0.0,
         on_min_scale: str = "raise",
-        strategy: str = "dynamic",
     ):
         super().__init__(
             device,
@@ -185,7 +187,6 @@ class DynamicLossScaler(LossScaler):
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
         )
-        self.strategy = strategy
         self.hysteresis = hysteresis
         self.min_scale = float(min_scale)
         self.on_min_scale = on_min_scale
@@ -241,6 +242,16 @@ class DynamicLossScaler(LossScaler):
         self._overflow_run.fill_(state_dict.get("overflow_run", 0))
 
 
+class HysteresisLossScaler(DynamicLossScaler):
+    """`hysteresis`: DeepSpeed's rule, the dynamic rule with a tolerance of `hysteresis - 1`
+    overflows in a row before the scale backs off."""
+
+    strategy = "hysteresis"
+
+    def __init__(self, device: torch.device, hysteresis: int = 2, **dynamic):
+        super().__init__(device, hysteresis=hysteresis, **dynamic)
+
+
 def min_scale_error(step: int, min_scale: float) -> NumericsError:
     """The message for a run stopped at the loss-scale floor."""
     return NumericsError(
@@ -260,9 +271,8 @@ class StaticLossScaler(LossScaler):
 
     strategy = "static"
 
-    def __init__(self, device: torch.device, scale: float, strategy: str = "static"):
+    def __init__(self, device: torch.device, scale: float):
         super().__init__(device, init_scale=scale)
-        self.strategy = strategy
         self._static_scale = float(scale)
 
     def update(self, new_scale=None) -> None:
@@ -270,9 +280,20 @@ class StaticLossScaler(LossScaler):
         super().update(self._static_scale if new_scale is None else new_scale)
 
     def describe(self) -> dict:
-        if self.strategy == "none":  # the scale-1 guard that lets on_nonfinite_loss=skip skip
-            return {"loss_scaling": "none", "nonfinite_guard": True}
         return {"loss_scaling": self.strategy, "scale": self._static_scale}
+
+
+class NonfiniteGuard(StaticLossScaler):
+    """No loss scaling, but a scale-1 scaler all the same, so that steps with a non-finite loss
+    can be skipped (trainer.on_nonfinite_loss=skip). Exact: multiplying by 1 changes nothing."""
+
+    strategy = "none"
+
+    def __init__(self, device: torch.device):
+        super().__init__(device, scale=1.0)
+
+    def describe(self) -> dict:
+        return {"loss_scaling": "none", "nonfinite_guard": True}
 
 
 def calibrated_scale(max_grad: float, margin: float) -> float:
@@ -296,8 +317,10 @@ class CalibratedLossScaler(StaticLossScaler):
     largest power of two keeping that maximum, scaled, under 65504 / margin, and stays there.
     """
 
+    strategy = "calibrated"
+
     def __init__(self, device: torch.device, calibration_steps: int, margin: float):
-        super().__init__(device, scale=1.0, strategy="calibrated")
+        super().__init__(device, scale=1.0)
         self.calibration_steps = calibration_steps
         self.margin = float(margin)
         self.max_grad: float | None = None
@@ -370,49 +393,33 @@ class CalibratedLossScaler(StaticLossScaler):
         self._max.fill_(state_dict.get("running_max_grad", self.max_grad or 0.0))
 
 
-def resolve_strategy(name: str, precision: Precision) -> str:
-    """Turn `auto` into a concrete strategy and warn about unusual explicit choices."""
-    if name == "auto":
-        return "dynamic" if precision.autocast_dtype is torch.float16 else "none"
-    if name != "none" and precision.autocast_dtype is not torch.float16:
+def build_scaler(
+    cfg: Mapping[str, Any],
+    precision: Precision,
+    device: torch.device,
+    skip_nonfinite_loss: bool = False,
+) -> LossScaler:
+    """The scaler a `loss_scaling` config asks for under a precision mode.
+
+    `_target_` names the scaler class (none: no scaling); `only_under_fp16` (the `auto` option)
+    keeps it for fp16 and drops it otherwise. skip_nonfinite_loss (trainer.on_nonfinite_loss=skip)
+    needs a scaler to skip steps even without loss scaling: a scale-1 guard then stands in.
+    """
+    settings = {k: v for k, v in to_dict(cfg).items() if k not in ("_target_", "only_under_fp16")}
+    target = cfg.get("_target_")
+    fp16 = precision.autocast_dtype is torch.float16
+    if cfg.get("only_under_fp16") and not fp16:
+        target = None
+    elif target is not None and not fp16:
         log.warning(
-            "loss_scaling=%s under precision=%s: gradients in %s do not underflow like fp16's, "
+            "Loss scaling (%s) under precision=%s: gradients in %s do not underflow like fp16's, "
             "so the scaler only adds work. Honoured as asked; loss_scaling=auto picks none here.",
-            name,
+            target.rpartition(".")[2],
             precision.mode,
             "bfloat16" if precision.autocast_dtype is torch.bfloat16 else "float32",
         )
-    if name == "none" and precision.autocast_dtype is torch.float16:
+    elif target is None and fp16:
         log.info("fp16 without loss scaling: small gradients will underflow to zero (as intended?)")
-    return name
-
-
-def build_scaler(
-    cfg: DictConfig, precision: Precision, device: torch.device, skip_nonfinite_loss: bool = False
-) -> LossScaler:
-    """The scaler for a `loss_scaling` config under a precision mode.
-
-    skip_nonfinite_loss (trainer.on_nonfinite_loss=skip) needs a scaler to skip steps even without
-    loss scaling: `none` then becomes a scale-1 static scaler, exact and otherwise inert.
-    """
-    strategy = resolve_strategy(cfg.name, precision)
-    if strategy == "none":
-        if skip_nonfinite_loss:
-            return StaticLossScaler(device, scale=1.0, strategy="none")
-        return LossScaler(device, enabled=False)
-    if strategy == "static":
-        return StaticLossScaler(device, scale=cfg.scale)
-    if strategy == "calibrated":
-        return CalibratedLossScaler(device, cfg.calibration_steps, cfg.margin)
-    return DynamicLossScaler(
-        device,
-        init_scale=cfg.init_scale,
-        growth_factor=cfg.growth_factor,
-        backoff_factor=cfg.backoff_factor,
-        growth_interval=cfg.growth_interval,
-        hysteresis=cfg.hysteresis if strategy == "hysteresis" else 1,
-        # configs written in code may leave the floor out: none then, as in GradScaler
-        min_scale=cfg.get("min_scale", 0.0),
-        on_min_scale=cfg.get("on_min_scale", "raise"),
-        strategy=strategy,
-    )
+    if target is None:
+        return NonfiniteGuard(device) if skip_nonfinite_loss else LossScaler(device, enabled=False)
+    return get_object(target)(device, **settings)

@@ -15,17 +15,18 @@ Fused optimizers under loss scaling are the exception: they skip on the device i
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from hydra.utils import get_object
 from torch.optim.lr_scheduler import LambdaLR
 
+from mpexp.config import to_dict
 from mpexp.errors import ConfigError
 from mpexp.scaling import LossScaler
-
-SCHEDULES = ("none", "cosine", "step")
 
 
 def cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
@@ -45,19 +46,34 @@ def step_decay(step_size: int, gamma: float) -> Callable[[int], float]:
     return lambda step: gamma ** (step // step_size)
 
 
+def spans_run(target: str | None) -> bool:
+    """Whether a schedule is laid out over the run's length (it takes `total_steps`), so that
+    training for more epochs would change its shape."""
+    return target is not None and "total_steps" in inspect.signature(get_object(target)).parameters
+
+
 def build_schedule(
-    cfg: DictConfig, optimizer: torch.optim.Optimizer, scaler: LossScaler, total_steps: int
+    cfg: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler,
+    total_steps: int,
 ) -> LambdaLR | None:
-    """Attach the `scheduler` config's schedule to the optimizer (None for `none`)."""
-    if cfg.name == "none":
+    """Attach the `scheduler` config's schedule to the optimizer (None without one).
+
+    `_target_` is a function of the config's other keys (and of `total_steps`, if it takes it)
+    that returns the learning-rate factor for each real optimizer step.
+    """
+    target = cfg.get("_target_")
+    if target is None:
         return None
-    if cfg.name == "cosine":
-        factor = cosine(total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
-    else:
-        factor = step_decay(cfg.step_size, cfg.gamma)
+    settings = {k: v for k, v in to_dict(cfg).items() if k != "_target_"}
+    if spans_run(target):
+        settings["total_steps"] = total_steps
+    factor = get_object(target)(**settings)
     if getattr(optimizer, "_step_supports_amp_scaling", False) and scaler.is_enabled():
+        name = target.rpartition(".")[2]
         raise ConfigError(
-            f"scheduler={cfg.name} with a fused optimizer under loss scaling: the fused step skips "
+            f"The {name} schedule with a fused optimizer under loss scaling: the fused step skips "
             "overflowing steps on the device, so the schedule cannot tell skipped steps from real "
             "ones without a host read every step. Drop optimizer.fused or use scheduler=none."
         )

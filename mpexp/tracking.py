@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 STEP_METRICS = ("train/loss", "amp/*", "lr", "diag/*")
 EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
+BEST_OF = {"val/acc": "max", "val/loss": "min"}  # W&B summarises these as the best epoch's
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,17 @@ class RunContext:
     tags: list[str] = field(default_factory=list)
     wandb_id: str | None = None  # set to continue an existing W&B run (a resumed training run)
     overrides: list[str] = field(default_factory=list)  # the command line's, to say how to resume
+    choices: dict[str, str | None] = field(default_factory=dict)  # option per group (Hydra's)
+    in_sweep: bool = False  # a multirun job: the sweep prints one `wandb sync` for all its jobs
+
+
+def wandb_tags(ran: dict[str, Any], choices: dict[str, str | None], extra: list[str]) -> list[str]:
+    """What a run is, as W&B tags to filter by: precision, loss scaling (what ran, `auto`
+    resolved), model, dataset and experiment, then the user's `wandb.tags`."""
+    tags = [f"precision={ran['precision']}", f"loss_scaling={ran['loss_scaling']}"]
+    tags += [f"{group}={choices[group]}" for group in ("model", "dataset", "experiment")
+             if choices.get(group)]  # fmt: skip
+    return [*tags, *(t for t in extra if t not in tags)]
 
 
 def has_wandb_key() -> bool:
@@ -78,6 +90,7 @@ class Tracker:
         self._summary: dict[str, Any] = {"status": "running", "ran": config.get("ran", {})}
         self._write_summary()
         self.wandb_mode = resolve_wandb_mode(wandb_cfg.mode)
+        self._announce_sync = False
         self._wandb = (
             self._start_wandb(run, config, wandb_cfg) if self.wandb_mode != "disabled" else None
         )
@@ -91,13 +104,17 @@ class Tracker:
                 entity=wandb_cfg.entity,
                 group=run.group,
                 name=run.name,
-                tags=list(run.tags),
+                job_type="train",
+                tags=wandb_tags(config.get("ran", {}), run.choices, list(run.tags)),
                 config=config,
                 dir=str(self.run_dir),
                 mode=self.wandb_mode,
                 id=run.wandb_id,
                 resume="allow" if run.wandb_id else None,
-                settings=wandb.Settings(init_timeout=wandb_cfg.get("init_timeout", 90)),
+                # W&B's own console lines are quieted; mpexp says where the run is, once
+                settings=wandb.Settings(
+                    init_timeout=wandb_cfg.get("init_timeout", 90), silent=True
+                ),
             )
         except Exception as err:  # W&B must never stop a training run
             log.warning("W&B could not start (%s); logging to %s only.", err, self.run_dir)
@@ -108,6 +125,9 @@ class Tracker:
             wb.define_metric(pattern, step_metric="step")
         for pattern in EPOCH_METRICS:
             wb.define_metric(pattern, step_metric="epoch")
+        # the run's summary holds the best of these, not whatever the last epoch gave
+        for name, best in BEST_OF.items():
+            wb.define_metric(name, step_metric="epoch", summary=best)
         # the report reads this to log its table into the same project and group
         self._summary["wandb"] = {
             "mode": self.wandb_mode,
@@ -117,11 +137,7 @@ class Tracker:
             "id": wb.id,
         }
         self._write_summary()
-        if self.wandb_mode == "offline":
-            where = Path(wb.dir).parent  # wb.dir is the run's files/ folder
-            log.info(
-                "W&B offline: run kept in %s; upload it later with `wandb sync %s`", where, where
-            )
+        self._announce_sync = self.wandb_mode == "offline" and not run.in_sweep
         return wb
 
     @property
@@ -138,6 +154,19 @@ class Tracker:
         os.fsync(self._metrics.fileno())
         return os.fstat(self._metrics.fileno()).st_size
 
+    def log_checkpoint(self, path: Path, step: int) -> None:
+        """Upload a checkpoint as a W&B artifact of the run (wandb.log_checkpoints=true)."""
+        if self._wandb is None:
+            return
+        try:
+            import wandb
+
+            artifact = wandb.Artifact(f"checkpoint-{self._wandb.id}", type="model")
+            artifact.add_file(str(path))
+            self._wandb.log_artifact(artifact, aliases=["latest", f"step-{step}"])
+        except Exception as err:
+            log.warning("W&B did not take the checkpoint %s (%s).", path, err)
+
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (it must hold `step` or `epoch`)."""
         self._metrics.write(json.dumps(row, default=_histogram_json) + "\n")
@@ -153,7 +182,9 @@ class Tracker:
         self._write_summary()
         if self._wandb is not None:
             try:
-                self._wandb.summary.update(flatten(values))
+                self._wandb.summary.update(
+                    {k: v for k, v in flatten(values).items() if k not in BEST_OF}
+                )
             except Exception as err:
                 log.warning("W&B summary not updated (%s).", err)
 
@@ -163,10 +194,15 @@ class Tracker:
         finally:  # even when summary.json cannot be written (a full disk)
             self._metrics.close()
             if self._wandb is not None:
+                where = self.wandb_run_dir
                 try:
                     self._wandb.finish(exit_code=0 if status == "finished" else 1)
                 except Exception as err:
                     log.warning("W&B did not finish cleanly (%s).", err)
+                if self._announce_sync:
+                    log.info(
+                        "W&B run kept offline in %s; upload it with `wandb sync %s`", where, where
+                    )
 
     def _write_summary(self) -> None:
         tmp = self.run_dir / "summary.json.tmp"
@@ -191,6 +227,9 @@ class NullTracker:
 
     def flush(self) -> int:
         return 0
+
+    def log_checkpoint(self, path: Path, step: int) -> None:
+        pass
 
     def close(self, status: str = "finished") -> None:
         pass

@@ -1,4 +1,5 @@
-"""Checks of config values that Hydra cannot check, run before any work starts."""
+"""Checks of config values that the schema (mpexp/config.py) cannot express: ranges, and values
+that depend on each other. Run before any work starts; each names the key and the fix."""
 
 from __future__ import annotations
 
@@ -8,16 +9,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mpexp.distributed import STRATEGIES
+from mpexp.config import TrainConfig, unknown_keys
 from mpexp.errors import ConfigError
-from mpexp.scaling import FLOOR_POLICIES
-from mpexp.schedules import SCHEDULES
 
-DEVICES = ("auto", "cuda", "cpu")
-WANDB_MODES = ("auto", "online", "offline", "disabled")
-LOADERS = ("device", "dataloader")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
-NONFINITE_LOSS = ("raise", "skip")
 
 
 def _number(value: Any, key: str) -> float:
@@ -40,29 +35,35 @@ def _choice(value: Any, key: str, options: tuple[str, ...]) -> str:
     return value
 
 
+def check_schema(cfg: DictConfig) -> None:
+    """Refuse keys that no schema declares (Hydra's `+key=value` adds them past the schema)."""
+    unknown = unknown_keys(cfg, schema=TrainConfig)
+    if unknown:
+        raise ConfigError(
+            f"Unknown config key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}. "
+            "`python -m mpexp.train --cfg job` lists every key."
+        )
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError naming the first value that cannot work, and the fix."""
-    trainer, data, opt, ls = cfg.trainer, cfg.dataset, cfg.optimizer, cfg.loss_scaling
+    check_schema(cfg)
+    trainer, data, opt = cfg.trainer, cfg.dataset, cfg.optimizer
 
     _integer(trainer.epochs, "trainer.epochs", 1)
     _integer(trainer.log_every, "trainer.log_every", 1)
     _integer(trainer.seed, "trainer.seed", 0)
-    _choice(trainer.device, "trainer.device", DEVICES)
-    _choice(trainer.strategy, "trainer.strategy", STRATEGIES)
     if trainer.strategy == "fsdp":
         _validate_fsdp(cfg)
-    _choice(cfg.wandb.mode, "wandb.mode", WANDB_MODES)
     _choice(trainer.compile_mode, "trainer.compile_mode", COMPILE_MODES)
     _integer(trainer.keep_checkpoints, "trainer.keep_checkpoints", 1)
     if trainer.checkpoint_every_steps is not None:
         _integer(trainer.checkpoint_every_steps, "trainer.checkpoint_every_steps", 1)
-    if not isinstance(trainer.deterministic, bool):
-        raise ConfigError(f"trainer.deterministic={trainer.deterministic!r} must be true or false.")
     if _number(cfg.wandb.init_timeout, "wandb.init_timeout") <= 0:
         raise ConfigError(f"wandb.init_timeout={cfg.wandb.init_timeout} must be positive seconds.")
 
     _integer(data.batch_size, "dataset.batch_size", 1)
-    _choice(data.get("loader", "device"), "dataset.loader", LOADERS)
+    _integer(data.get("num_workers", 0), "dataset.num_workers", 0)
     for key in ("train_size", "val_size"):
         if key in data:
             _integer(data[key], f"dataset.{key}", 1)
@@ -72,18 +73,18 @@ def validate(cfg: DictConfig) -> None:
     if _number(opt.get("weight_decay", 0.0), "optimizer.weight_decay") < 0:
         raise ConfigError(f"optimizer.weight_decay={opt.weight_decay} must be >= 0.")
 
-    _validate_scaling(ls)
+    _validate_scaling(cfg.loss_scaling)
     _validate_training_loop(cfg)
+    _validate_scheduler(cfg.scheduler)
 
 
 def _validate_scaling(ls: Mapping[str, Any]) -> None:
-    name = ls["name"]
-    if name == "static" and _number(ls["scale"], "loss_scaling.scale") <= 0:
+    if "scale" in ls and _number(ls["scale"], "loss_scaling.scale") <= 0:
         raise ConfigError(
             f"loss_scaling.scale={ls['scale']} must be positive; powers of two such as 1024 "
             "scale without rounding error."
         )
-    if name in ("dynamic", "auto", "hysteresis"):
+    if "backoff_factor" in ls:  # dynamic, hysteresis (and auto, which is dynamic under fp16)
         if _number(ls["init_scale"], "loss_scaling.init_scale") <= 0:
             raise ConfigError(f"loss_scaling.init_scale={ls['init_scale']} must be positive.")
         if _number(ls["growth_factor"], "loss_scaling.growth_factor") <= 1:
@@ -104,10 +105,9 @@ def _validate_scaling(ls: Mapping[str, Any]) -> None:
                 f"loss_scaling.min_scale={min_scale:g} must lie in [0, init_scale="
                 f"{ls['init_scale']:g}] (0: no floor), e.g. loss_scaling.min_scale=1."
             )
-        _choice(ls.get("on_min_scale", "raise"), "loss_scaling.on_min_scale", FLOOR_POLICIES)
-    if name == "hysteresis":
+    if "hysteresis" in ls:
         _integer(ls["hysteresis"], "loss_scaling.hysteresis", 1)
-    if name == "calibrated":
+    if "calibration_steps" in ls:
         _integer(ls["calibration_steps"], "loss_scaling.calibration_steps", 1)
         if _number(ls["margin"], "loss_scaling.margin") < 1:
             raise ConfigError(
@@ -117,7 +117,7 @@ def _validate_scaling(ls: Mapping[str, Any]) -> None:
 
 
 def _validate_training_loop(cfg: DictConfig) -> None:
-    trainer, diag, sched = cfg.trainer, cfg.diagnostics, cfg.scheduler
+    trainer, diag = cfg.trainer, cfg.diagnostics
     accumulate = _integer(trainer.accumulate, "trainer.accumulate", 1)
     if accumulate > cfg.dataset.batch_size:
         raise ConfigError(
@@ -130,47 +130,37 @@ def _validate_training_loop(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.clip_grad_norm={clip} must be positive (null turns clipping off), e.g. 1.0."
         )
-    _choice(trainer.on_nonfinite_loss, "trainer.on_nonfinite_loss", NONFINITE_LOSS)
-
     _integer(diag.grad_stats_every, "diagnostics.grad_stats_every", 0)
-    if not isinstance(diag.overflow_attribution, bool):
-        raise ConfigError(
-            f"diagnostics.overflow_attribution={diag.overflow_attribution!r} must be true or false."
-        )
     _integer(diag.max_names, "diagnostics.max_names", 1)
 
-    modules = cfg.precision.fp32_modules
-    if not all(isinstance(m, str) for m in modules):
-        raise ConfigError(
-            f"precision.fp32_modules={list(modules)!r} must be a list of submodule names, "
-            "e.g. precision.fp32_modules=[classifier]."
-        )
 
-    _choice(sched.name, "scheduler", SCHEDULES)
-    if sched.name == "cosine":
-        _integer(sched.warmup_steps, "scheduler.warmup_steps", 0)
-        ratio = _number(sched.min_lr_ratio, "scheduler.min_lr_ratio")
+def _validate_scheduler(sched: Mapping[str, Any]) -> None:
+    if "warmup_steps" in sched:
+        _integer(sched["warmup_steps"], "scheduler.warmup_steps", 0)
+    if "min_lr_ratio" in sched:
+        ratio = _number(sched["min_lr_ratio"], "scheduler.min_lr_ratio")
         if not 0 <= ratio <= 1:
             raise ConfigError(f"scheduler.min_lr_ratio={ratio} must lie in [0, 1], e.g. 0.1.")
-    if sched.name == "step":
-        _integer(sched.step_size, "scheduler.step_size", 1)
-        gamma = _number(sched.gamma, "scheduler.gamma")
+    if "step_size" in sched:
+        _integer(sched["step_size"], "scheduler.step_size", 1)
+    if "gamma" in sched:
+        gamma = _number(sched["gamma"], "scheduler.gamma")
         if not 0 < gamma <= 1:
             raise ConfigError(f"scheduler.gamma={gamma} must lie in (0, 1], e.g. 0.1.")
 
 
 def validate_run_length(cfg: DictConfig, total_steps: int) -> None:
     """Checks that need the run's number of optimizer steps (known once the data is loaded)."""
-    ls = cfg.loss_scaling
-    if ls.name == "calibrated" and ls.calibration_steps >= total_steps:
+    steps = cfg.loss_scaling.get("calibration_steps")
+    if steps is not None and steps >= total_steps:
         raise ConfigError(
-            f"loss_scaling.calibration_steps={ls.calibration_steps} leaves no step to train at the "
+            f"loss_scaling.calibration_steps={steps} leaves no step to train at the "
             f"calibrated scale: the run has {total_steps} steps. Lower it or train longer."
         )
-    sched = cfg.scheduler
-    if sched.name == "cosine" and sched.warmup_steps >= total_steps:
+    warmup = cfg.scheduler.get("warmup_steps")
+    if warmup is not None and warmup >= total_steps:
         raise ConfigError(
-            f"scheduler.warmup_steps={sched.warmup_steps} is not shorter than the run "
+            f"scheduler.warmup_steps={warmup} is not shorter than the run "
             f"({total_steps} steps); lower it."
         )
 
@@ -182,9 +172,9 @@ def _validate_fsdp(cfg: DictConfig) -> None:
             "optimizer.fused=true with trainer.strategy=fsdp: sharded gradients need their "
             "overflow flags combined across ranks before the step. Leave optimizer.fused=null."
         )
-    if cfg.precision.get("fp32_modules") and cfg.precision.name in ("fp16", "bf16"):
+    if cfg.precision.get("fp32_modules") and cfg.precision.get("autocast") is not None:
         raise ConfigError(
             "precision.fp32_modules with trainer.strategy=fsdp: FSDP gathers those modules' "
-            f"weights in {cfg.precision.name}, so they cannot run in float32. Use "
+            f"weights in {cfg.precision.autocast}, so they cannot run in float32. Use "
             "trainer.strategy=ddp, or drop precision.fp32_modules."
         )

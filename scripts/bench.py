@@ -38,6 +38,7 @@ from torchvision import transforms as T
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mpexp import config  # noqa: E402
 from mpexp.data.mnist import MNISTData, write_mnist_files  # noqa: E402
 from mpexp.data.synthetic import SyntheticData  # noqa: E402
 from mpexp.performance import build_optimizer  # noqa: E402
@@ -134,7 +135,8 @@ def mpexp_config(args, root: Path, precision: str, epochs: int):
         "wandb.mode=disabled",
         *args.overrides,
     ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    config.register()
+    with initialize_config_dir(config_dir=str(config.config_dir()), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 
@@ -157,7 +159,7 @@ def fresh_model(args, device):
 def time_tutorial(args, root: Path, precision: str) -> dict:
     """The tutorial's loop, with the precision mode's autocast and TF32 switches."""
     device = args.device
-    mode = setup_precision(precision, device)
+    mode = setup_precision(mpexp_config(args, root, precision, 1).precision, device)
     dataset = datasets.MNIST(str(root), train=True, download=False, transform=T.ToTensor())
     loader = DataLoader(
         dataset, batch_size=args.batch_size, shuffle=True, num_workers=2, drop_last=True
@@ -189,7 +191,7 @@ def time_bare(args, root: Path, precision: str) -> dict:
     """mpexp's model, optimizer, scaler and device-resident batches with no metrics at all."""
     device = args.device
     cfg = mpexp_config(args, root, precision, 1)
-    mode = setup_precision(precision, device)
+    mode = setup_precision(cfg.precision, device)
     data = MNISTData(root=str(root), download=False, batch_size=args.batch_size)
     data.setup(device)
     model = fresh_model(args, device)

@@ -9,8 +9,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from mpexp import config
+from mpexp.precision import Precision, setup_precision
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+CPU = torch.device("cpu")
+config.register()
 
 # A run small enough for a test on 2 CPU cores: ~1 s an epoch.
 TINY = [
@@ -33,6 +38,18 @@ def make_cfg(*overrides: str):
     """The composed `train` config, as `python -m mpexp.train <overrides>` would see it."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides))
+
+
+def precision_of(mode: str, device: torch.device = CPU) -> Precision:
+    """`precision=<mode>` set up on `device`, from its YAML as a run would."""
+    return setup_precision(make_cfg(f"precision={mode}").precision, device)
+
+
+def scaling_cfg(option: str, **values):
+    """The composed `loss_scaling=<option>` config with `values` overridden."""
+    return make_cfg(
+        f"loss_scaling={option}", *(f"loss_scaling.{k}={v}" for k, v in values.items())
+    ).loss_scaling
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpexp.distributed import start_world
-from mpexp.precision import setup_precision
 from mpexp.scaling import LossScaler
+from tests.conftest import precision_of
 
 
 def small_model(seed: int) -> nn.Module:
@@ -42,7 +42,7 @@ def weights(model: nn.Module) -> list[float]:
 
 def ddp_overflow_on_one_rank(world) -> dict:
     """Rank 1's batch overflows; with DDP's all-reduced gradients both ranks must skip."""
-    model = world.wrap(small_model(0), setup_precision("fp32", world.device))
+    model = world.wrap(small_model(0), precision_of("fp32", world.device))
     before = weights(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler(world.device, init_scale=1024.0)
@@ -60,7 +60,7 @@ def fsdp_overflow_in_one_shard(world) -> dict:
     """FSDP2 under fp16: weights gathered in fp16 (BatchNorm's in fp32), and an inf in rank 1's
     gradient shard makes both ranks skip."""
     fsdp = replace(world, strategy="fsdp")
-    precision = setup_precision("fp16", world.device)
+    precision = precision_of("fp16", world.device)
     model = fsdp.wrap(small_model(0), precision)
     seen = {}
 

@@ -1,18 +1,28 @@
-"""Every option of every config group composes and builds."""
+"""Every option of every config group composes and builds; every preset composes with every model
+and dataset; the schema behind the YAML types what it declares."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
+from mpexp.config import (
+    AdamConfig,
+    Device,
+    SimpleCNNConfig,
+    TorchvisionDatasetConfig,
+    TrainerConfig,
+    unknown_keys,
+)
 from mpexp.data.base import InMemoryData
 from mpexp.precision import setup_precision
 from mpexp.scaling import build_scaler
 from mpexp.train import build
-from tests.conftest import CONF, make_cfg
+from tests.conftest import CONF, CPU, make_cfg
 
-GROUPS = ["dataset", "model", "precision", "loss_scaling", "optimizer", "scheduler"]
+GROUPS = ["dataset", "model", "precision", "loss_scaling", "optimizer", "scheduler", "experiment"]
 
 
 def options(group: str) -> list[str]:
@@ -21,7 +31,7 @@ def options(group: str) -> list[str]:
 
 def test_groups_hold_the_documented_options():
     assert options("dataset") == ["cifar10", "fashion_mnist", "mnist", "synthetic"]
-    assert options("model") == ["deepcnn", "resnet18", "simplecnn"]
+    assert options("model") == ["deepcnn", "resnet18", "simplecnn", "simplecnn_small"]
     assert options("precision") == ["bf16", "fp16", "fp32", "tf32"]
     assert options("loss_scaling") == [
         "auto",
@@ -33,16 +43,54 @@ def test_groups_hold_the_documented_options():
     ]
     assert options("optimizer") == ["adam", "adamw", "sgd"]
     assert options("scheduler") == ["cosine", "none", "step"]
+    assert options("experiment") == ["hparams_search", "precision_grid", "quickstart", "world4ai"]
 
 
 def test_defaults_are_the_world4ai_experiment():
     cfg = make_cfg()
-    assert (cfg.dataset.name, cfg.model.name, cfg.precision.name) == ("mnist", "deepcnn", "fp32")
+    assert cfg.dataset._target_.endswith("MNISTData") and cfg.model._target_.endswith("DeepCNN")
+    assert (cfg.precision.autocast, cfg.precision.tf32) == (None, False)  # strict fp32
     assert cfg.optimizer._target_ == "torch.optim.Adam"
     assert cfg.optimizer.lr == 1e-4
     assert cfg.dataset.batch_size == 256 and cfg.dataset.drop_last
     assert cfg.trainer.epochs == 10
-    assert cfg.loss_scaling.name == "auto"
+    assert cfg.loss_scaling.only_under_fp16
+
+
+@pytest.mark.parametrize("group", GROUPS[:-1])
+def test_no_group_option_carries_a_descriptive_name_key(group):
+    """The chosen option is Hydra's record (hydra.runtime.choices), not a key that can disagree."""
+    for option in options(group):
+        assert "name" not in make_cfg(f"{group}={option}")[group], option
+
+
+@pytest.mark.parametrize(
+    ("node", "schema"),
+    [
+        ("trainer", TrainerConfig),
+        ("dataset", TorchvisionDatasetConfig),
+        ("optimizer", AdamConfig),
+    ],
+)
+def test_each_node_is_backed_by_its_schema(node, schema):
+    assert OmegaConf.get_type(make_cfg()[node]) is schema
+    assert OmegaConf.get_type(make_cfg("model=simplecnn").model) is SimpleCNNConfig
+
+
+def test_closed_choices_compose_to_their_values():
+    cfg = make_cfg("trainer.device=cpu")
+    assert cfg.trainer.device is Device.cpu
+    assert cfg.trainer.device == "cpu" and f"{cfg.trainer.device}" == "cpu"
+
+
+def test_keys_added_past_the_schema_are_found_with_the_closest_declared_one():
+    cfg = make_cfg("+trainer.epoch=3", "+model.depth=2", "+wandb.projct=x")
+    assert unknown_keys(cfg) == [
+        "model.depth",
+        "trainer.epoch (did you mean trainer.epochs?)",
+        "wandb.projct (did you mean wandb.project?)",
+    ]
+    assert unknown_keys(make_cfg()) == []
 
 
 @pytest.mark.parametrize("option", options("dataset"))
@@ -74,14 +122,34 @@ def test_optimizer_options_build(option):
 @pytest.mark.parametrize("scaling", options("loss_scaling"))
 def test_every_precision_and_scaling_pair_builds(precision, scaling):
     cfg = make_cfg(f"precision={precision}", f"loss_scaling={scaling}")
-    device = torch.device("cpu")
-    scaler = build_scaler(cfg.loss_scaling, setup_precision(cfg.precision.name, device), device)
+    mode = setup_precision(cfg.precision, CPU)
+    assert mode.mode == precision
+    scaler = build_scaler(cfg.loss_scaling, mode, CPU)
     expected = {"auto": "dynamic" if precision == "fp16" else "none"}.get(scaling, scaling)
     assert scaler.describe()["loss_scaling"] == expected
     assert scaler.is_enabled() == (expected != "none")
 
 
+@pytest.mark.parametrize("experiment", options("experiment"))
+@pytest.mark.parametrize("model", options("model"))
+@pytest.mark.parametrize("dataset", options("dataset"))
+def test_every_preset_composes_and_builds_with_every_model_and_dataset(experiment, model, dataset):
+    cfg = make_cfg(f"experiment={experiment}", f"model={model}", f"dataset={dataset}")
+    assert unknown_keys(cfg) == []
+    net = build(cfg.model, in_channels=3, num_classes=10, image_size=(32, 32))
+    assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
 def test_quickstart_experiment_is_offline_and_small():
     cfg = make_cfg("experiment=quickstart")
-    assert cfg.dataset.name == "synthetic" and cfg.model.name == "simplecnn"
+    assert cfg.dataset._target_.endswith("SyntheticData")
+    assert cfg.model.width == 16
     assert cfg.wandb.mode == "offline"
+
+
+def test_world4ai_is_the_tutorials_experiment_as_a_seeded_sweep():
+    cfg = make_cfg("experiment=world4ai", "model=simplecnn")  # a preset never pins the model
+    assert cfg.model._target_.endswith("SimpleCNN")
+    cfg = make_cfg("experiment=world4ai")
+    assert cfg.model._target_.endswith("DeepCNN") and cfg.dataset._target_.endswith("MNISTData")
+    assert (cfg.optimizer.lr, cfg.dataset.batch_size, cfg.trainer.epochs) == (1e-4, 256, 10)

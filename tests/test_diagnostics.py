@@ -11,15 +11,13 @@ from torch import nn
 
 from mpexp.diagnostics import HIST_BINS, HIST_EDGES, HIST_LOW, Diagnostics, fp16_counts
 from mpexp.errors import NumericsError
-from mpexp.precision import setup_precision
 from mpexp.scaling import build_scaler
 from mpexp.tracking import RunContext, Tracker
 from mpexp.train import train
-from tests.conftest import TINY, make_cfg, run_cli
+from tests.conftest import CPU, TINY, make_cfg, precision_of, run_cli
 from tests.test_training import read_metrics
 from tests.test_wandb import history, leet_records
 
-CPU = torch.device("cpu")
 DIAG = OmegaConf.create({"grad_stats_every": 1, "overflow_attribution": True, "max_names": 2})
 
 # Each value times the scale 16, cast to fp16:
@@ -50,7 +48,9 @@ def test_per_layer_and_total_fractions_reach_the_metrics(tmp_path):
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1, bias=False))  # 12 and 3 elements
     tracker = Tracker(RunContext(tmp_path), {}, OmegaConf.create({"mode": "disabled"}))
     scaler = build_scaler(
-        OmegaConf.create({"name": "static", "scale": 16.0}), setup_precision("fp16", CPU), CPU
+        OmegaConf.create({"_target_": "mpexp.scaling.StaticLossScaler", "scale": 16.0}),
+        precision_of("fp16"),
+        CPU,
     )
     diagnostics = Diagnostics(DIAG, model, scaler, tracker)
     first, second = model

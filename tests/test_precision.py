@@ -8,9 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpexp.precision import setup_precision
-
-CPU = torch.device("cpu")
+from tests.conftest import precision_of
 
 
 def dtypes_inside_forward(mode: str) -> dict[str, torch.dtype]:
@@ -18,7 +16,7 @@ def dtypes_inside_forward(mode: str) -> dict[str, torch.dtype]:
     seen: dict[str, torch.dtype] = {}
     for name, module in model.named_children():
         module.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o.dtype))
-    precision = setup_precision(mode, CPU)
+    precision = precision_of(mode)
     with precision.autocast():
         model(torch.randn(2, 1, 28, 28))
     return {"conv": seen["0"], "linear": seen["2"]}
@@ -44,7 +42,7 @@ def test_tf32_switches_follow_the_mode_for_matmul_and_cudnn(mode, tf32):
     # start from the opposite state so a mode that forgot one switch is caught
     torch.backends.cuda.matmul.allow_tf32 = not tf32
     torch.backends.cudnn.allow_tf32 = not tf32
-    record = setup_precision(mode, CPU).record()
+    record = precision_of(mode).record()
     assert torch.backends.cuda.matmul.allow_tf32 is tf32
     assert torch.backends.cudnn.allow_tf32 is tf32
     assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
@@ -53,13 +51,13 @@ def test_tf32_switches_follow_the_mode_for_matmul_and_cudnn(mode, tf32):
 
 def test_strict_fp32_turns_off_cudnn_tf32_that_pytorch_leaves_on():
     torch.backends.cudnn.allow_tf32 = True  # PyTorch's own default
-    setup_precision("fp32", CPU)
+    precision_of("fp32")
     assert torch.backends.cudnn.allow_tf32 is False
 
 
 def test_tf32_on_cpu_warns_and_records_fp32(caplog):
     with caplog.at_level(logging.WARNING):
-        precision = setup_precision("tf32", CPU)
+        precision = precision_of("tf32")
     assert precision.effective == "fp32"
     assert precision.record()["effective_precision"] == "fp32"
     assert any("no effect" in r.getMessage() for r in caplog.records)

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from matplotlib.image import imread
 
-from mpexp import report
-from tests.conftest import ROOT, run_cli
+from mpexp.report import cli as report
+from mpexp.report.table import DEFAULT_TOLERANCE, build_report
+from tests.conftest import run_cli
 from tests.test_training import read_metrics
 from tests.test_wandb import leet_records
 
@@ -93,7 +91,7 @@ def test_multirun_ends_with_the_report_and_its_plots(precision_sweep):
 def test_table_holds_the_numbers_in_the_runs_metrics(precision_sweep):
     sweep, _ = precision_sweep
     table = read_table(sweep / "report.md")
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    jobs = sorted(p for p in sweep.iterdir() if p.name.isdigit())
     assert [row["run"] for row in table] == [f"{i} precision={p}" for i, p in enumerate(PRECISIONS)]
 
     def numbers(job: Path) -> dict:
@@ -113,7 +111,7 @@ def test_table_holds_the_numbers_in_the_runs_metrics(precision_sweep):
         shown = precision if ran["effective_precision"] == precision else "tf32 (ran as fp32)"
         assert row["precision"] == shown
         assert row["loss scaling"] == ("dynamic" if precision == "fp16" else "none")
-        assert (row["model"], row["dataset"]) == ("simplecnn", "synthetic")
+        assert (row["model"], row["dataset"]) == ("simplecnn_small", "synthetic")
 
         n = numbers(job)
         assert row["epoch time (s)"] == f"{n['time']:.2f}"
@@ -150,14 +148,14 @@ def test_wandb_runs_hold_what_ran_and_plot_against_epoch_and_step(precision_swee
                 "tf32_cudnn", "loss_scaling", "final_scale"):  # fmt: skip
         assert final[f"ran/{key}"] == local["ran"][key], key
     assert final["ran/autocast_dtype"] == "float16" and final["ran/loss_scaling"] == "dynamic"
-    assert final["val/acc"] == local["val/acc"]
+    assert final["val/acc"] == {"max": max(e["val/acc"] for e in read_metrics(fp16_job)[1])}
 
 
 def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     sweep, _ = precision_sweep
-    # offline on request; `auto` logs only when the sweep's runs were online
-    assert report.main([str(sweep), "--wandb", "offline", "--out", str(tmp_path)]) == 0
+    # `auto` logs the way the sweep's runs were logged; here offline, into --out
+    assert report.main([str(sweep), "--out", str(tmp_path)]) == 0
 
     (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     (run,) = [r["run"] for r in leet_records(wandb_dir) if r["type"] == "run"]
@@ -175,7 +173,7 @@ def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, tmp_p
 
 def test_failed_run_is_named_and_the_rest_reported(sweep_with_a_failure):
     sweep, result = sweep_with_a_failure
-    assert "optimizer.lr=-1 must be positive" in result.stderr
+    assert "optimizer.lr=-1.0 must be positive" in result.stderr
     assert f"Sweep report: {sweep / 'report.md'}" in result.stdout
 
     text = (sweep / "report.md").read_text()
@@ -185,19 +183,19 @@ def test_failed_run_is_named_and_the_rest_reported(sweep_with_a_failure):
     ]
     not_reported = text.split("## Not reported", 1)[1]
     assert "`2 optimizer.lr=-1`: it never started training" in not_reported
-    assert "optimizer.lr=-1 must be positive" in not_reported
+    assert "optimizer.lr=-1.0 must be positive" in not_reported
 
 
 def test_run_far_below_fp32_accuracy_is_flagged(sweep_with_a_failure):
     sweep, _ = sweep_with_a_failure
     accs = [read_metrics(sweep / job)[1][-1]["val/acc"] for job in ("0", "1")]
     gap = 100 * (accs[0] - accs[1])  # the lr=1e-9 run never learns
-    assert gap > report.DEFAULT_TOLERANCE
+    assert gap > DEFAULT_TOLERANCE
 
-    flagged = report.build_report([sweep], report.DEFAULT_TOLERANCE).flagged
+    flagged = build_report([sweep], DEFAULT_TOLERANCE).flagged
     assert [r.label for r in flagged] == ["1 optimizer.lr=1e-09"]
     assert "**flagged** `1 optimizer.lr=1e-09`" in (sweep / "report.md").read_text()
-    assert report.build_report([sweep], tolerance=gap + 1).flagged == []
+    assert build_report([sweep], tolerance=gap + 1).flagged == []
 
 
 def test_incomplete_and_unreadable_runs_are_named(sweep_with_a_failure, tmp_path, capsys):
@@ -223,7 +221,7 @@ def test_without_an_fp32_run_nothing_is_compared(precision_sweep, tmp_path):
     (row,) = read_table(run / "report.md")
     assert row["precision"] == "fp16" and row["run"] == "fp16_only"
     assert row["speedup"] == row["memory vs fp32"] == row["Δ val acc (points)"] == "n/a"
-    assert "no fp32 run of simplecnn on synthetic" in (run / "report.md").read_text()
+    assert "no fp32 run of simplecnn_small on synthetic" in (run / "report.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -240,35 +238,23 @@ def test_bad_path_gives_one_message_and_fails(tmp_path, make_path, message):
     assert not (tmp_path / "report.md").exists()
 
 
-def run_script(script: str, *args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    """A scripts/*.sh as a user runs it, with this interpreter first on PATH."""
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    env = {**os.environ, "PATH": path, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", **env}
-    return subprocess.run(
-        ["bash", str(ROOT / "scripts" / script), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 SMALL = [
     "dataset=synthetic",
     "dataset.train_size=128",
     "dataset.val_size=32",
     "dataset.batch_size=64",
+    "model=simplecnn",
     "model.width=4",
     "trainer.epochs=2",
     "trainer.progress=false",
+    "wandb.mode=disabled",
 ]
 
 
-def test_precision_grid_script_compares_the_grid_with_plain_fp32(tmp_path):
-    result = run_script(
-        "precision_grid.sh", "simplecnn", *SMALL, cwd=tmp_path,
-        PRECISIONS="bf16,fp32", SCALINGS="static,none",
+def test_precision_grid_preset_compares_the_grid_with_plain_fp32(tmp_path):
+    result = run_cli(
+        "mpexp.train", "-m", "experiment=precision_grid", "precision=bf16,fp32",
+        "loss_scaling=static,none", *SMALL, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     sweep = sweep_dir(tmp_path)
@@ -284,13 +270,20 @@ def test_precision_grid_script_compares_the_grid_with_plain_fp32(tmp_path):
     assert reference["speedup"] == "1.00x" and reference["Δ val acc (points)"] == "+0.00"
 
 
-def test_seed_experiment_script_is_fp32_against_fp16_in_one_sweep(tmp_path):
-    result = run_script("seed_experiment.sh", *SMALL, "model=simplecnn", cwd=tmp_path)
+def test_world4ai_preset_is_fp32_against_fp16_over_three_seeds(tmp_path):
+    result = run_cli("mpexp.train", "-m", "experiment=world4ai", *SMALL, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    table = read_table(sweep_dir(tmp_path) / "report.md")
+    sweep = sweep_dir(tmp_path)
+    table = read_table(sweep / "report.md")
     assert [(r["precision"], r["loss scaling"]) for r in table] == [
         ("fp32", "none"),
+        ("fp32", "none"),
+        ("fp32", "none"),
+        ("fp16", "dynamic"),
+        ("fp16", "dynamic"),
         ("fp16", "dynamic"),
     ]
-    config = (sweep_dir(tmp_path) / "0" / ".hydra" / "config.yaml").read_text()
-    assert "epochs: 2" in config  # the caller's overrides win over the script's
+    seeds = [(sweep / str(job) / ".hydra" / "overrides.yaml").read_text() for job in range(6)]
+    assert ["trainer.seed=0" in s for s in seeds] == [True, False, False, True, False, False]
+    config = (sweep / "0" / ".hydra" / "config.yaml").read_text()
+    assert "epochs: 2" in config  # the caller's overrides win over the preset's

@@ -7,18 +7,16 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from mpexp.precision import setup_precision
+from mpexp.loop import train_step
 from mpexp.scaling import build_scaler, calibrated_scale
-from mpexp.train import train_step
-
-CPU = torch.device("cpu")
+from tests.conftest import CPU, precision_of, scaling_cfg
 
 
 def setup(scaling: dict):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(16, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    precision = setup_precision("fp16", CPU)
+    precision = precision_of("fp16")
     scaler = build_scaler(OmegaConf.create(scaling), precision, CPU)
     return model, optimizer, precision, scaler
 
@@ -41,7 +39,7 @@ def step(model, optimizer, precision, scaler, poison: bool):
 
 
 DYNAMIC = {
-    "name": "dynamic",
+    "_target_": "mpexp.scaling.DynamicLossScaler",
     "init_scale": 1024.0,
     "growth_factor": 2.0,
     "backoff_factor": 0.5,
@@ -67,7 +65,9 @@ def test_dynamic_scale_grows_after_growth_interval_clean_steps():
 
 
 def test_static_inf_gradient_skips_without_changing_the_scale():
-    model, optimizer, precision, scaler = setup({"name": "static", "scale": 256.0})
+    model, optimizer, precision, scaler = setup(
+        {"_target_": "mpexp.scaling.StaticLossScaler", "scale": 256.0}
+    )
     before = [p.detach().clone() for p in model.parameters()]
     assert step(model, optimizer, precision, scaler, poison=True) == (256.0, 1.0)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
@@ -78,16 +78,13 @@ def test_static_inf_gradient_skips_without_changing_the_scale():
 
 
 def test_without_scaling_the_scale_reads_one_and_nothing_is_skipped():
-    model, optimizer, precision, scaler = setup({"name": "none"})
+    model, optimizer, precision, scaler = setup({"_target_": None})
     assert step(model, optimizer, precision, scaler, poison=False) == (1.0, 0.0)
 
 
 @pytest.mark.parametrize("scaling", ["static", "dynamic"])
 def test_explicit_scaler_under_bf16_is_honoured_with_a_warning(scaling, caplog):
-    cfg = OmegaConf.create(
-        {"name": scaling, "scale": 8.0, **{k: v for k, v in DYNAMIC.items() if k != "name"}}
-    )
-    scaler = build_scaler(cfg, setup_precision("bf16", CPU), CPU)
+    scaler = build_scaler(scaling_cfg(scaling), precision_of("bf16"), CPU)
     assert scaler.is_enabled()
     assert "does not underflow" in caplog.text or "do not underflow" in caplog.text
 
@@ -128,7 +125,12 @@ def test_dynamic_trajectory_follows_gradscalers_rule_down_to_the_floor():
 
 
 def test_hysteresis_backs_off_only_from_the_nth_overflow_in_a_row():
-    scaling = {**DYNAMIC, "name": "hysteresis", "hysteresis": 2, "growth_interval": 3}
+    scaling = {
+        **DYNAMIC,
+        "_target_": "mpexp.scaling.HysteresisLossScaler",
+        "hysteresis": 2,
+        "growth_interval": 3,
+    }
     trajectory, moved, _ = run_script(scaling, "OCOOOCCCC")
     # an isolated overflow is skipped without a back-off; from the 2nd in a row each one backs off;
     # any overflow restarts the 3 clean steps needed to grow
@@ -147,7 +149,7 @@ def test_hysteresis_backs_off_only_from_the_nth_overflow_in_a_row():
 
 
 def test_hysteresis_state_survives_a_checkpoint():
-    scaling = {**DYNAMIC, "name": "hysteresis", "hysteresis": 3}
+    scaling = {**DYNAMIC, "_target_": "mpexp.scaling.HysteresisLossScaler", "hysteresis": 3}
     _, _, scaler = run_script(scaling, "OO")
     state = scaler.state_dict()
     assert (state["scale"], state["overflow_run"]) == (1024.0, 2)
@@ -157,7 +159,9 @@ def test_hysteresis_state_survives_a_checkpoint():
 
 
 def test_static_trajectory_never_moves():
-    trajectory, moved, _ = run_script({"name": "static", "scale": 256.0}, "OCOOC")
+    trajectory, moved, _ = run_script(
+        {"_target_": "mpexp.scaling.StaticLossScaler", "scale": 256.0}, "OCOOC"
+    )
     assert [(u, s) for u, s, _ in trajectory] == [(256.0, s == "O") for s in "OCOOC"]
     assert moved == [s == "C" for s in "OCOOC"]
 
@@ -176,14 +180,16 @@ def test_calibrated_scale_is_the_largest_power_of_two_under_the_limit(max_grad, 
     assert calibrated_scale(max_grad, margin) == expected
 
 
-CALIBRATION = OmegaConf.create({"name": "calibrated", "calibration_steps": 3, "margin": 2.0})
+CALIBRATION = OmegaConf.create(
+    {"_target_": "mpexp.scaling.CalibratedLossScaler", "calibration_steps": 3, "margin": 2.0}
+)
 # a hook makes each step's gradient exactly one of these; the inf one is skipped, not measured
 GRADIENTS = [[0.5, -1.5, 0, 0], [0, 0, -3, 1], [0, torch.inf, 9, 0], [1, 1, 1, 1], [0, 0, 9, 0]]
 
 
 def calibrated_steps(grads, scaler=None):
     """Scales used over scripted gradient steps; a saved scaler state may be passed in."""
-    fresh = build_scaler(CALIBRATION, setup_precision("fp16", CPU), CPU)
+    fresh = build_scaler(CALIBRATION, precision_of("fp16"), CPU)
     if scaler is not None:
         fresh.load_state_dict(scaler.state_dict())
     weight = nn.Parameter(torch.zeros(4))
@@ -234,14 +240,14 @@ def test_nonfinite_loss_skips_the_step_without_touching_the_scale():
 
 
 def test_skip_mode_guards_steps_even_without_loss_scaling():
-    cfg = OmegaConf.create({"name": "none"})
-    scaler = build_scaler(cfg, setup_precision("fp32", CPU), CPU, skip_nonfinite_loss=True)
+    cfg = OmegaConf.create({"_target_": None})
+    scaler = build_scaler(cfg, precision_of("fp32"), CPU, skip_nonfinite_loss=True)
     assert scaler.describe() == {"loss_scaling": "none", "nonfinite_guard": True}
     model = nn.Sequential(nn.Flatten(), nn.Linear(16, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
     images = torch.full((8, 1, 4, 4), torch.nan)
     labels = torch.randint(4, (8,))
-    train_step(model, images, labels, optimizer, scaler, setup_precision("fp32", CPU))
+    train_step(model, images, labels, optimizer, scaler, precision_of("fp32"))
     assert scaler.found_inf().item() == 1.0 and scaler.get_scale() == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -12,14 +12,14 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mpexp.errors import ConfigError
+from mpexp.loop import train_step
 from mpexp.models.simplecnn import SimpleCNN
-from mpexp.precision import run_in_float32, setup_precision
+from mpexp.precision import run_in_float32
 from mpexp.scaling import build_scaler
 from mpexp.schedules import build_schedule, cosine
-from mpexp.train import train_step
+from tests.conftest import CPU, precision_of
 
-CPU = torch.device("cpu")
-NONE = OmegaConf.create({"name": "none"})
+NONE = OmegaConf.create({"_target_": None})
 
 
 def small_cnn() -> SimpleCNN:
@@ -37,9 +37,12 @@ def grad_norm(model: nn.Module) -> float:
 
 
 def test_clipping_acts_on_unscaled_gradients():
-    precision = setup_precision("fp16", CPU)
+    precision = precision_of("fp16")
     scaling = OmegaConf.create(
-        {"name": "static", "scale": 4096.0}  # large enough that clipping scaled grads would show
+        {
+            "_target_": "mpexp.scaling.StaticLossScaler",
+            "scale": 4096.0,
+        }  # large enough that clipping scaled grads would show
     )
     images, labels = batch()
     unclipped, clipped = small_cnn(), small_cnn()
@@ -56,7 +59,7 @@ def test_clipping_acts_on_unscaled_gradients():
 
 @pytest.mark.parametrize("n", [64, 63])  # 63: uneven micro-batches are weighted by their size
 def test_accumulated_micro_batches_match_one_large_batch_in_fp32(n):
-    precision = setup_precision("fp32", CPU)
+    precision = precision_of("fp32")
     images, labels = batch(n)
     whole, parts = small_cnn(), small_cnn()
     runs = []
@@ -75,13 +78,13 @@ def test_accumulated_micro_batches_match_one_large_batch_in_fp32(n):
 
 
 def test_schedule_advances_only_on_steps_the_optimizer_took():
-    precision = setup_precision("fp16", CPU)
+    precision = precision_of("fp16")
     model = small_cnn()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scaler = build_scaler(
         OmegaConf.create(
             {
-                "name": "dynamic",
+                "_target_": "mpexp.scaling.DynamicLossScaler",
                 "init_scale": 1024.0,
                 "growth_factor": 2.0,
                 "backoff_factor": 0.5,
@@ -91,7 +94,9 @@ def test_schedule_advances_only_on_steps_the_optimizer_took():
         precision,
         CPU,
     )
-    halve_each_step = OmegaConf.create({"name": "step", "step_size": 1, "gamma": 0.5})
+    halve_each_step = OmegaConf.create(
+        {"_target_": "mpexp.schedules.step_decay", "step_size": 1, "gamma": 0.5}
+    )
     build_schedule(halve_each_step, optimizer, scaler, total_steps=10)
     images, labels = batch(8)
     rates = []
@@ -116,7 +121,7 @@ def test_cosine_warms_up_then_falls_to_the_floor():
 
 @pytest.mark.parametrize(("mode", "low"), [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_fp32_modules_run_in_float32_inside_autocast(mode, low):
-    precision = setup_precision(mode, CPU)
+    precision = precision_of(mode)
     model = small_cnn()
     assert run_in_float32(model, ["fc"], precision) == ["fc"]
     seen = {}
@@ -133,9 +138,9 @@ def test_fp32_modules_run_in_float32_inside_autocast(mode, low):
 
 def test_fp32_modules_must_exist_and_warn_where_nothing_is_autocast(caplog):
     with pytest.raises(ConfigError, match=r"'head'.*conv1, conv2, fc"):
-        run_in_float32(small_cnn(), ["head"], setup_precision("fp16", CPU))
+        run_in_float32(small_cnn(), ["head"], precision_of("fp16"))
     with caplog.at_level(logging.WARNING):
-        assert run_in_float32(small_cnn(), ["fc"], setup_precision("fp32", CPU)) == []
+        assert run_in_float32(small_cnn(), ["fc"], precision_of("fp32")) == []
     assert "no effect under precision=fp32" in caplog.text
 
 
@@ -143,11 +148,15 @@ def test_schedule_refuses_a_fused_optimizer_under_loss_scaling():
     model = small_cnn()
     optimizer = torch.optim.Adam(model.parameters(), fused=True)
     scaler = build_scaler(
-        OmegaConf.create({"name": "static", "scale": 8.0}), setup_precision("fp16", CPU), CPU
+        OmegaConf.create({"_target_": "mpexp.scaling.StaticLossScaler", "scale": 8.0}),
+        precision_of("fp16"),
+        CPU,
     )
-    cosine_cfg = OmegaConf.create({"name": "cosine", "warmup_steps": 0, "min_lr_ratio": 0.0})
+    cosine_cfg = OmegaConf.create(
+        {"_target_": "mpexp.schedules.cosine", "warmup_steps": 0, "min_lr_ratio": 0.0}
+    )
     with pytest.raises(ConfigError, match="fused"):
         build_schedule(cosine_cfg, optimizer, scaler, total_steps=10)
     # without scaling every step is real, so the same schedule is fine
-    plain = build_scaler(NONE, setup_precision("fp32", CPU), CPU)
+    plain = build_scaler(NONE, precision_of("fp32"), CPU)
     assert build_schedule(cosine_cfg, copy.deepcopy(optimizer), plain, 10) is not None

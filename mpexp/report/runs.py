@@ -31,6 +31,7 @@ class Run:
     status: str
     config: dict[str, Any] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
+    choices: dict[str, Any] = field(default_factory=dict)  # Hydra's: the option of each group
     summary: dict[str, Any] = field(default_factory=dict)
     steps: list[dict[str, Any]] = field(default_factory=list)
     epochs: list[dict[str, Any]] = field(default_factory=list)
@@ -42,7 +43,7 @@ class Run:
 
     def chosen(self, group: str) -> str:
         """The option picked for a config group (`precision`, `model`, ...), '?' if unknown."""
-        return str(self.config.get(group, {}).get("name", "?"))
+        return str(self.choices.get(group) or self.ran.get("choices", {}).get(group) or "?")
 
 
 def is_run_dir(path: Path) -> bool:
@@ -89,6 +90,8 @@ def load_run(path: Path) -> Run:
     try:
         run.config = _read_yaml(hydra_dir / "config.yaml") or {}
         run.overrides = [str(o) for o in _read_yaml(hydra_dir / "overrides.yaml") or []]
+        hydra = _read_yaml(hydra_dir / "hydra.yaml") or {}
+        run.choices = hydra.get("hydra", {}).get("runtime", {}).get("choices", {})
     except (OSError, YAMLError) as err:
         run.problem = f"its Hydra config cannot be read ({err})"
         return run

@@ -14,11 +14,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from mpexp.errors import UserError
-from mpexp.runs import find_run_dirs
+from mpexp.report.runs import find_run_dirs
 
 
 class SweepReport(Callback):
-    """`python -m mpexp.report <sweep dir>`, run by Hydra at the end of every multirun."""
+    """`mpexp-report <sweep dir>`, run by Hydra at the end of every multirun."""
 
     def __init__(self, tolerance: float = 0.5, wandb_mode: str = "auto"):
         self.tolerance = tolerance
@@ -44,7 +44,7 @@ class SweepReport(Callback):
         self.write()
 
     def write(self) -> None:
-        from mpexp.report import make_report  # plotting imports only when a sweep ends
+        from mpexp.report.cli import make_report  # plotting imports only when a sweep ends
 
         try:
             make_report([self.sweep_dir], self.tolerance, wandb_mode=self.wandb_mode)

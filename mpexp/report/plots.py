@@ -7,13 +7,11 @@ the process's backend or global figure state (the report also runs inside a Hydr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-if TYPE_CHECKING:
-    from mpexp.report import Row
+from mpexp.report.table import Row
 
 
 def _colour(index: int) -> str:

@@ -1,0 +1,315 @@
+"""The typed schema behind conf/'s YAML: what each key is, so that Hydra checks it while composing.
+
+People edit YAML; these dataclasses sit behind it (through `defaults:` entries naming
+`/schema/<group>/<kind>`), so a wrong type (`trainer.epochs=abc`) or a value outside a closed
+choice (`trainer.device=gpu`) is refused by Hydra itself, before a run directory exists. Hydra's `+`
+prefix can still add keys a schema does not have; `unknown_keys` finds those. Range and cross-field
+checks (a positive learning rate, a batch larger than the accumulation count) live in
+`mpexp.validate`.
+
+A group option without a schema (a user's own model YAML, say) is composed as Hydra always does.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+# Optional[...] rather than `X | None`: OmegaConf reads these annotations at runtime, and the
+# `|` form is not understood there on every Python version the project supports.
+# ruff: noqa: UP045
+
+GROUPS = ("dataset", "model", "precision", "loss_scaling", "optimizer", "scheduler", "experiment")
+
+
+class Choice(str, Enum):
+    """A closed set of strings. A str, so `cfg.trainer.device == "cpu"` holds, and it prints and
+    serialises as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Device(Choice):
+    auto = "auto"  # CUDA when present
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class Strategy(Choice):
+    single = "single"
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
+class WandbMode(Choice):
+    auto = "auto"  # online with an API key, else offline
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+class Loader(Choice):
+    device = "device"
+    dataloader = "dataloader"
+
+
+class AutocastDtype(Choice):
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+# `raise` is a keyword, so these two are built by name
+NonfiniteLoss = Choice("NonfiniteLoss", {"raise": "raise", "skip": "skip"})
+FloorPolicy = Choice("FloorPolicy", {"raise": "raise", "continue": "continue"})
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 10
+    device: Device = Device.auto
+    seed: int = 42
+    log_every: int = 50
+    progress: Optional[bool] = None  # null: a bar on a terminal only
+    strategy: Strategy = Strategy.single
+    cudnn_benchmark: bool = True
+    channels_last: bool = False
+    compile: bool = False
+    compile_mode: str = "default"  # torch.compile's names contain '-': checked in mpexp.validate
+    deterministic: bool = False
+    checkpoint_every_steps: Optional[int] = None
+    keep_checkpoints: int = 1
+    resume: Optional[str] = None
+    accumulate: int = 1
+    clip_grad_norm: Optional[float] = None
+    on_nonfinite_loss: NonfiniteLoss = NonfiniteLoss["raise"]
+
+
+@dataclass
+class DiagnosticsConfig:
+    grad_stats_every: int = 0
+    overflow_attribution: bool = False
+    max_names: int = 8
+
+
+@dataclass
+class WandbConfig:
+    mode: WandbMode = WandbMode.auto
+    project: str = "mpexp"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    init_timeout: float = 90.0
+    log_checkpoints: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """The whole `train` config. Groups are `Any` here: each option brings its own schema."""
+
+    dataset: Any = MISSING
+    model: Any = MISSING
+    precision: Any = MISSING
+    loss_scaling: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+# --- dataset -------------------------------------------------------------------------------------
+
+
+@dataclass
+class DatasetConfig:
+    _target_: str = MISSING
+    batch_size: int = 256
+    drop_last: bool = True
+    loader: Loader = Loader.device
+    num_workers: int = 2
+
+
+@dataclass
+class TorchvisionDatasetConfig(DatasetConfig):
+    root: str = "data"
+    download: bool = True
+
+
+@dataclass
+class SyntheticDatasetConfig(DatasetConfig):
+    train_size: int = 8192
+    val_size: int = 1024
+    channels: int = 1
+    height: int = 28
+    width: int = 28
+    num_classes: int = 10
+    noise: float = 0.8
+    seed: int = 0
+
+
+# --- model ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING
+
+
+@dataclass
+class SimpleCNNConfig(ModelConfig):
+    width: int = 64
+
+
+# --- precision -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PrecisionConfig:
+    autocast: Optional[AutocastDtype] = None  # the forward pass's dtype; null: no autocast
+    tf32: bool = False  # TF32 tensor-core math for float32 matmul and convolutions
+    fp32_modules: list[str] = field(default_factory=list)
+
+
+# --- loss scaling --------------------------------------------------------------------------------
+
+
+@dataclass
+class LossScalingConfig:
+    _target_: Optional[str] = None  # the scaler class; null: no scaling
+    only_under_fp16: bool = False  # `auto`: this strategy under fp16, no scaling otherwise
+
+
+@dataclass
+class StaticScalingConfig(LossScalingConfig):
+    scale: float = 1024.0
+
+
+@dataclass
+class DynamicScalingConfig(LossScalingConfig):
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = 1.0
+    on_min_scale: FloorPolicy = FloorPolicy["raise"]
+
+
+@dataclass
+class HysteresisScalingConfig(DynamicScalingConfig):
+    hysteresis: int = 2
+
+
+@dataclass
+class CalibratedScalingConfig(LossScalingConfig):
+    calibration_steps: int = 20
+    margin: float = 8.0
+
+
+# --- optimizer -----------------------------------------------------------------------------------
+
+
+@dataclass
+class OptimizerConfig:
+    _target_: str = MISSING
+    _partial_: bool = True  # built once the model's parameters exist
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    fused: Optional[bool] = None  # null: the fused kernel on CUDA, off on CPU
+
+
+@dataclass
+class AdamConfig(OptimizerConfig):
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    momentum: float = 0.9
+
+
+# --- scheduler -----------------------------------------------------------------------------------
+
+
+@dataclass
+class SchedulerConfig:
+    _target_: Optional[str] = None  # a function of the run's total steps giving lr factors
+
+
+@dataclass
+class CosineConfig(SchedulerConfig):
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class StepDecayConfig(SchedulerConfig):
+    step_size: int = 1000
+    gamma: float = 0.1
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "dataset": {"torchvision": TorchvisionDatasetConfig, "synthetic": SyntheticDatasetConfig},
+    "model": {"base": ModelConfig, "simplecnn": SimpleCNNConfig},
+    "precision": {"base": PrecisionConfig},
+    "loss_scaling": {
+        "none": LossScalingConfig,
+        "static": StaticScalingConfig,
+        "dynamic": DynamicScalingConfig,
+        "hysteresis": HysteresisScalingConfig,
+        "calibrated": CalibratedScalingConfig,
+    },
+    "optimizer": {"adam": AdamConfig, "sgd": SGDConfig},
+    "scheduler": {"none": SchedulerConfig, "cosine": CosineConfig, "step": StepDecayConfig},
+}
+
+
+def register() -> None:
+    """Put the schemas into Hydra's ConfigStore, where conf/'s `defaults:` entries find them."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    for group, schemas in SCHEMAS.items():
+        for name, schema in schemas.items():
+            store.store(group=f"schema/{group}", name=name, node=schema)
+
+
+def config_dir() -> Path:
+    """conf/: shipped inside the package in a wheel, at the repository's top in a checkout."""
+    packaged = Path(__file__).with_name("conf")
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[1] / "conf"
+
+
+def to_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A config (or any mapping) as plain Python values, choices as their strings: what JSON, W&B,
+    checkpoints and the constructors that `_target_` names are given."""
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return dict(cfg)
+
+
+def unknown_keys(cfg: DictConfig, prefix: str = "", schema: type | None = None) -> list[str]:
+    """Keys that a node's schema (its own, or `schema`) does not declare: added with Hydra's `+`
+    prefix, which bypasses the schema. Each comes with the closest declared key, if one is close."""
+    found = []
+    schema = schema or OmegaConf.get_type(cfg)
+    declared = {f.name for f in fields(schema)} if is_dataclass(schema) else None
+    for key in cfg:
+        name = f"{prefix}{key}"
+        if declared is not None and key not in declared:
+            close = difflib.get_close_matches(str(key), sorted(declared), n=1)
+            found.append(f"{name} (did you mean {prefix}{close[0]}?)" if close else name)
+            continue
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+            found += unknown_keys(node, f"{name}.")
+    return found

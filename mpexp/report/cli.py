@@ -1,0 +1,87 @@
+"""`python -m mpexp.report` / `mpexp-report`: write the report for run folders, and log it to W&B.
+
+mpexp-report <run dir or multirun dir> [more dirs] [--tolerance 0.5] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mpexp.errors import UserError
+from mpexp.report.markdown import render_markdown
+from mpexp.report.table import DEFAULT_TOLERANCE, Report, build_report
+from mpexp.report.wandb_run import log_to_wandb
+
+
+def write_report(report: Report) -> Path:
+    """Write report.md and the plots into `report.out_dir`; return report.md's path."""
+    from mpexp.report import plots  # matplotlib is only needed once there is something to draw
+
+    try:
+        report.out_dir.mkdir(parents=True, exist_ok=True)
+        if report.rows:
+            report.plots = plots.draw_all(report.rows, report.out_dir)
+        report.path.write_text(render_markdown(report) + "\n")
+    except OSError as err:
+        raise UserError(
+            f"Cannot write the report to {report.out_dir} ({err.strerror}); "
+            "choose a writable folder with --out."
+        ) from None
+    return report.path
+
+
+def make_report(
+    paths: list[Path],
+    tolerance: float = DEFAULT_TOLERANCE,
+    out_dir: Path | None = None,
+    wandb_mode: str = "auto",
+) -> Report:
+    """Build, write and (when the runs were online) log the report; print where it is."""
+    report = build_report(paths, tolerance, out_dir)
+    write_report(report)
+    print("\n".join(report.console_lines()))
+    log_to_wandb(report, wandb_mode)
+    return report
+
+
+def _tolerance(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a non-negative number of points")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mpexp-report",
+        description="Compare runs against the fp32 run: report.md and PNG plots from local files.",
+    )
+    parser.add_argument("dirs", nargs="+", type=Path, help="run directories or multirun folders")
+    parser.add_argument(
+        "--tolerance",
+        type=_tolerance,
+        default=DEFAULT_TOLERANCE,
+        help="val accuracy points a run may fall below fp32 before it is flagged (default 0.5)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="where to write (default: the directory given, or their parent)"
+    )
+    parser.add_argument(
+        "--wandb",
+        choices=("auto", "online", "offline", "disabled"),
+        default="auto",
+        help="log the table to W&B; auto: only when the runs were logged online (default)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        make_report(args.dirs, args.tolerance, args.out, args.wandb)
+    except UserError as err:
+        print(f"mpexp.report: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
