@@ -52,9 +52,12 @@ def scaling_cfg(option: str, **values):
     ).loss_scaling
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -m <args>` in a subprocess, from `cwd`, offline."""
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": str(ROOT)}
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 300, pythonpath: Path | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m <args>` in a subprocess, from `cwd`, offline; `pythonpath` is importable too."""
+    path = os.pathsep.join(str(p) for p in (ROOT, pythonpath) if p)
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": path}
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
         [sys.executable, "-m", *args],

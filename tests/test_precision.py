@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import precision_of
+from mpexp.precision import setup_precision
+from tests.conftest import CPU, make_cfg, precision_of
 
 
 def dtypes_inside_forward(mode: str) -> dict[str, torch.dtype]:
@@ -61,3 +62,25 @@ def test_tf32_on_cpu_warns_and_records_fp32(caplog):
     assert precision.effective == "fp32"
     assert precision.record()["effective_precision"] == "fp32"
     assert any("no effect" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_16_bit_autocast_that_this_cpu_emulates_warns_once_and_is_recorded(mode, caplog):
+    from mpexp import precision as module
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[mode]
+    native = module.cpu_has_native(dtype)
+    module._warned_emulated.discard(dtype)
+    with caplog.at_level(logging.WARNING):
+        first, second = precision_of(mode), precision_of(mode)
+    warnings = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert first.record()["emulated"] is second.emulated is (not native)
+    assert len(warnings) == (0 if native else 1)  # once per process, not once per sweep job
+    if not native:
+        assert f"{mode} autocast is emulated on this CPU" in warnings[0]
+
+
+def test_a_16_bit_mode_that_asks_for_tf32_says_so_in_its_name():
+    cfg = make_cfg("precision=fp16", "precision.tf32=true").precision
+    precision = setup_precision(cfg, CPU)
+    assert precision.mode == "fp16+tf32" and precision.effective == "fp16"  # no TF32 on a CPU

@@ -52,3 +52,17 @@ def test_offline_run_holds_loss_scale_and_epoch_time(tmp_path, monkeypatch):
     assert run_record["display_name"] == "wandb-test" and run_record["run_group"] == "g"
     ran = run_record["config"]["update"]["ran"]
     assert ran["precision"] == "fp16" and ran["loss_scaling"] == "dynamic"
+
+
+def test_checkpoints_go_to_wandb_as_artifacts_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for asked in (False, True):
+        run_dir = tmp_path / str(asked)
+        overrides = [*TINY, "wandb.mode=offline", f"wandb.log_checkpoints={str(asked).lower()}"]
+        train(make_cfg(*overrides), RunContext(run_dir))
+        (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
+        artifacts = [r["artifact"] for r in leet_records(wandb_dir) if r["type"] == "artifact"]
+        models = [a for a in artifacts if a.get("type") == "model"]
+        assert len(models) == (2 if asked else 0)  # one checkpoint per epoch
+        if asked:
+            assert "step-32" in models[-1]["aliases"] and "latest" in models[-1]["aliases"]

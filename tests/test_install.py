@@ -1,0 +1,109 @@
+"""mpexp as a user installs it: a wheel built from the repository, installed apart from it, trains
+and reports from another folder; the console scripts complete in bash; users add config groups
+through Hydra's searchpath."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info")
+SMALL = [
+    "experiment=quickstart",
+    "trainer.epochs=1",
+    "dataset.train_size=128",
+    "dataset.val_size=32",
+    "trainer.progress=false",
+]
+
+
+def run(cmd: list[str], cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> tuple[Path, dict]:
+    """The wheel installed into a folder of its own; the environment that uses it."""
+    tmp = tmp_path_factory.mktemp("install")
+    source = tmp / "source"  # what a source distribution holds; the build leaves its files here
+    source.mkdir()
+    for part in ("pyproject.toml", "README.md", "conf", "mpexp"):
+        copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy
+        copy(ROOT / part, source / part, **({"ignore": IGNORE} if copy is shutil.copytree else {}))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR")}
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    run([*build, "-w", str(tmp / "dist"), str(source)], cwd=tmp, env=env)
+    (wheel,) = (tmp / "dist").glob("mpexp-*.whl")
+    target = tmp / "site"
+    run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)],
+        cwd=tmp, env=env)  # fmt: skip
+    env = {
+        **env,
+        "PYTHONPATH": str(target),
+        "PATH": f"{target / 'bin'}{os.pathsep}{env['PATH']}",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+    }
+    return target, env
+
+
+def test_the_wheel_ships_the_configs_and_runs_from_any_folder(installed, tmp_path):
+    target, env = installed
+    where = run(
+        [sys.executable, "-c", "import mpexp.config as c; print(c.config_dir())"], tmp_path, env
+    )
+    assert Path(where.stdout.strip()) == target / "mpexp" / "conf"  # not the repository's conf/
+    assert (target / "mpexp" / "conf" / "precision" / "fp16.yaml").is_file()
+
+    run(["mpexp-train", *SMALL, "precision=bf16"], tmp_path, env)
+    run([sys.executable, "-m", "mpexp.train", *SMALL, "precision=fp32"], tmp_path, env)
+    runs = sorted((tmp_path / "outputs").glob("*/*"))
+    assert len(runs) == 2
+    for run_dir in runs:
+        assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+    reported = run(["mpexp-report", *map(str, runs), "--out", str(tmp_path / "cmp")], tmp_path, env)
+    assert "runs reported: 2" in reported.stdout
+    assert (tmp_path / "cmp" / "report.md").is_file()
+
+
+def test_bash_completion_of_the_console_script(installed, tmp_path):
+    _, env = installed
+    script = run(["mpexp-train", "-sc", "install=bash"], tmp_path, env).stdout
+    probe = 'COMP_LINE="mpexp-train precision=f"; COMP_POINT=${#COMP_LINE}; COMP_CWORD=1; '
+    probe += 'hydra_bash_completion; echo "${COMPREPLY[@]}"'
+    completed = run(["bash", "-c", f"{script}\n{probe}"], tmp_path, env).stdout.split()
+    assert completed == ["precision=fp16", "precision=fp32"]
+
+
+def test_a_users_own_config_group_option_through_the_searchpath(tmp_path):
+    (tmp_path / "my_models.py").write_text(
+        "from torch import nn\n\n"
+        "def tiny_mlp(in_channels, num_classes, image_size, hidden=32):\n"
+        "    h, w = image_size\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * h * w, hidden),\n"
+        "                         nn.ReLU(), nn.Linear(hidden, num_classes))\n"
+    )
+    option = tmp_path / "my_conf" / "model" / "tiny_mlp.yaml"
+    option.parent.mkdir(parents=True)
+    option.write_text("_target_: my_models.tiny_mlp\nhidden: 16\n")
+
+    result = run_cli(
+        "mpexp.train", *SMALL, f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]",
+        "model=tiny_mlp", "wandb.mode=disabled", cwd=tmp_path, pythonpath=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ran"]["choices"]["model"] == "tiny_mlp"
+    assert summary["ran"]["parameters"] == 28 * 28 * 16 + 16 + 16 * 10 + 10
