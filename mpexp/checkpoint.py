@@ -15,6 +15,7 @@ once per step and stops at the step boundary with a checkpoint.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import random
@@ -64,10 +65,28 @@ class Position:
     step: int = 0
 
 
+def rerun_command(overrides: list[str]) -> str:
+    """The command line that runs the same configuration again, as a user would type it."""
+    return shlex.join(["python", "-m", "mpexp.train", *overrides])
+
+
 def resume_command(overrides: list[str], target: str | Path) -> str:
     """The command line that continues a run from `target` (its directory or a checkpoint)."""
     kept = [o for o in overrides if not o.startswith("trainer.resume=")]
-    return shlex.join(["python", "-m", "mpexp.train", *kept, f"trainer.resume={target}"])
+    return rerun_command([*kept, f"trainer.resume={target}"])
+
+
+def checksum_file(checkpoint: Path) -> Path:
+    """Where a checkpoint's SHA-256 is kept, in `sha256sum` format (`sha256sum -c` checks it)."""
+    return checkpoint.with_name(checkpoint.name + ".sha256")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def checkpoint_files(run_dir: str | Path) -> list[Path]:
@@ -86,17 +105,26 @@ def run_dir_of(checkpoint: str | Path) -> Path:
 
 
 def write_atomically(state: dict, path: Path) -> None:
-    """Write a temporary file, fsync it, rename it: `path` holds the old file or all of the new."""
+    """Write a temporary file, fsync it, rename it: `path` holds the old file or all of the new.
+
+    Its SHA-256 is written beside it first, so that a resume can tell a damaged file. Whatever
+    stops the write (a full disk, which torch.save reports as a RuntimeError; a second Ctrl-C), the
+    partial files are removed.
+    """
     tmp = path.with_name(path.name + ".tmp")
+    sums, sums_tmp = checksum_file(path), checksum_file(tmp)
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        sums_tmp.write_text(f"{sha256_of(tmp)}  {path.name}\n")
+        os.replace(sums_tmp, sums)
         os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):  # a partial file only takes space from a full disk
-            tmp.unlink(missing_ok=True)
+    except BaseException:
+        for partial in (tmp, sums_tmp):  # a partial file only takes space from a full disk
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
         raise
     # make the rename itself durable; some platforms cannot open a directory, which is harmless
     with contextlib.suppress(OSError):
@@ -182,16 +210,16 @@ class Checkpointer:
             for stale in self.directory.glob("*.tmp"):  # left behind by a crash mid-write
                 stale.unlink()
             write_atomically(state, path)
-        except OSError as err:
+        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
             raise OutputError(self._failure(path, err)) from err
         for old in checkpoint_files(self.run_dir)[: -self.keep]:
-            old.unlink()
+            remove_checkpoint(old)
         if self.upload:
             self.tracker.log_checkpoint(path, position.step)
         return path
 
-    def _failure(self, path: Path, err: OSError) -> str:
-        reason = err.strerror or str(err)
+    def _failure(self, path: Path, err: Exception) -> str:
+        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[-1]
         previous = [p for p in checkpoint_files(self.run_dir) if p != path]
         if not previous:
             return (
@@ -295,7 +323,7 @@ class Resume:
                 ", ".join(p.name for p in later),
             )
             for path in later:
-                path.unlink()
+                remove_checkpoint(path)
 
     def restore(self, model, optimizer, scaler, device: torch.device, schedule=None) -> Position:
         """Load the saved state into freshly built objects and the RNGs; return the position."""
@@ -306,6 +334,11 @@ class Resume:
             schedule.load_state_dict(self.state["schedule"])
         restore_rng(self.state["rng"], device)
         return self.position
+
+
+def remove_checkpoint(path: Path) -> None:
+    path.unlink()
+    checksum_file(path).unlink(missing_ok=True)
 
 
 def find_checkpoint(target: str | Path) -> Path:
@@ -326,17 +359,66 @@ def find_checkpoint(target: str | Path) -> Path:
 
 
 def load(path: Path, mmap: bool = False) -> dict:
-    """A checkpoint's state on the CPU; a file that is not one is a ConfigError."""
+    """A checkpoint's state on the CPU, its checksum verified; a damaged file is a ConfigError."""
+    verify(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:
         raise ConfigError(
-            f"trainer.resume: {path} cannot be read as a checkpoint ({err}).\n"
-            f"Resume from another one in {path.parent}."
+            f"trainer.resume: {path} cannot be read as a checkpoint ({err}).\n{_other(path)}"
         ) from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"trainer.resume: {path} is not an mpexp checkpoint (format {FORMAT}).")
     return state
+
+
+def verify(path: Path) -> None:
+    """Compare a checkpoint with the SHA-256 written beside it; a checkpoint without one (written
+    by an older mpexp) is taken as it is."""
+    sums = checksum_file(path)
+    if not sums.is_file():
+        log.warning("%s has no checksum beside it (%s): it is not verified.", path, sums.name)
+        return
+    expected = sums.read_text().split()[0]
+    if sha256_of(path) != expected:
+        raise ConfigError(
+            f"trainer.resume: {path} is corrupt: its SHA-256 does not match the one written with "
+            f"it ({sums.name}), so the file changed after it was saved.\n{_other(path)}"
+        )
+
+
+def _other(path: Path) -> str:
+    """Where else a resume could start from: only a checkpoint that exists is suggested."""
+    others = [p for p in checkpoint_files(run_dir_of(path)) if p != path]
+    if others:
+        return f"Resume from an earlier checkpoint instead: trainer.resume={others[-1]}"
+    return (
+        "The run keeps no other checkpoint (trainer.keep_checkpoints), so it has to start again; "
+        "a higher trainer.keep_checkpoints keeps a spare."
+    )
+
+
+def check_not_finished(state: dict, cfg: DictConfig, target: str | Path) -> None:
+    """Refuse a resume that has nothing left to train, saying how to train on."""
+    done = Position(**state["position"]).epoch - 1  # epochs completed at the checkpoint
+    wanted = cfg.trainer.epochs
+    if done < wanted:
+        return
+    planned = state["config"]["trainer"]["epochs"]
+    longer = (
+        f"give more epochs: trainer.epochs={done + max(1, planned)}"
+        if not spans_run(state["config"]["scheduler"].get("_target_"))
+        else "start a new, longer run: its learning-rate schedule spans the run's length"
+    )
+    what = (
+        f"already trained all its {done} epochs"
+        if wanted == done
+        else f"has trained {done} epochs, more than trainer.epochs={wanted} asks for"
+    )
+    raise ConfigError(
+        f"trainer.resume={target}: the run {what}; there is nothing to resume and nothing was "
+        f"changed. To train on, {longer}."
+    )
 
 
 def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
@@ -381,4 +463,5 @@ def open_resume(cfg: DictConfig, mmap: bool = False) -> Resume | None:
     path = find_checkpoint(target)
     state = load(path, mmap=mmap)
     check_config(state, cfg, target)
+    check_not_finished(state, cfg, target)
     return Resume(path, state)

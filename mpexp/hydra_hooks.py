@@ -14,6 +14,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
@@ -21,7 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from mpexp import checkpoint
 from mpexp.errors import OutputError, UserError
+from mpexp.rundir import check_not_locked, refuse_if_taken
 from mpexp.validate import check_schema, validate
+
+T = TypeVar("T")
 
 
 def resumed_run_dir(resume: str | None, default: str) -> str:
@@ -60,14 +64,23 @@ class RunChecks(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         task = _task(config)
+        run_dir = Path(config.hydra.run.dir)
         _exit_on_user_error(lambda: validate(task))
-        _exit_on_user_error(lambda: checkpoint.open_resume(task, mmap=True))
-        _exit_on_user_error(lambda: check_writable(config.hydra.run.dir))
+        resume = _exit_on_user_error(lambda: checkpoint.open_resume(task, mmap=True))
+        if resume is None:
+            _exit_on_user_error(lambda: refuse_if_taken(run_dir))
+        else:  # the run may still be going on in another process
+            _exit_on_user_error(lambda: check_not_locked(run_dir))
+        _exit_on_user_error(lambda: check_writable(run_dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         # the values a sweep varies are checked per job; unknown keys fail every job alike
         _exit_on_user_error(lambda: check_schema(_task(config)))
-        _exit_on_user_error(lambda: check_writable(config.hydra.sweep.dir))
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if sweep_dir.is_dir():  # a sweep dir given again: its jobs' folders would be reused
+            for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
+                _exit_on_user_error(lambda job=job: refuse_if_taken(job))
+        _exit_on_user_error(lambda: check_writable(sweep_dir))
 
 
 def _task(config: DictConfig) -> DictConfig:
@@ -102,10 +115,10 @@ def swept_keys(multirun_yaml: Path) -> set[str]:
     return keys | set(params)
 
 
-def _exit_on_user_error(check: Callable[[], object]) -> None:
+def _exit_on_user_error(check: Callable[[], T]) -> T:
     # Hydra turns a callback's exceptions into warnings and carries on; SystemExit gets through.
     try:
-        check()
+        return check()
     except UserError as err:
         sys.stderr.write(f"{err}\n")
         raise SystemExit(2) from None

@@ -144,7 +144,8 @@ class StepLog:
         self.nonfinite_losses = 0
         self.last_finite: tuple[int, float] | None = None
         self.last_scale = float("nan")
-        self.losses: list[float] = []
+        self.losses: list[float] = []  # this epoch's
+        self.epoch_skipped = 0  # this epoch's skipped steps
 
     def write(self, rows: list[StepRow]) -> None:
         for r in rows:
@@ -155,6 +156,7 @@ class StepLog:
             else:
                 raise self._nonfinite_error(r)
             self.skipped += r.skipped
+            self.epoch_skipped += r.skipped
             self.last_scale = r.scale
             self.losses.append(r.loss)
             row = {
@@ -168,6 +170,9 @@ class StepLog:
                 row["amp/nonfinite_loss_steps"] = self.nonfinite_losses
             self.tracker.log(row)
 
+    def new_epoch(self) -> None:
+        self.losses, self.epoch_skipped = [], 0
+
     def epoch_loss(self) -> float:
         finite = [x for x in self.losses if math.isfinite(x)]
         return sum(finite) / len(finite) if finite else float("nan")
@@ -180,6 +185,7 @@ class StepLog:
             "nonfinite_losses": self.nonfinite_losses,
             "last_finite": self.last_finite,
             "losses": self.losses,
+            "epoch_skipped": self.epoch_skipped,
         }
 
     def load_state(self, state: dict) -> None:
@@ -187,6 +193,7 @@ class StepLog:
         self.nonfinite_losses = state["nonfinite_losses"]
         self.last_finite = tuple(state["last_finite"]) if state["last_finite"] else None
         self.losses = state["losses"]
+        self.epoch_skipped = state.get("epoch_skipped", 0)
 
     def _nonfinite_error(self, row: StepRow) -> NumericsError:
         last = (
@@ -293,12 +300,25 @@ class Fit:
             **diagnostics.outcome(),
         }
 
+    def check_it_trained(self) -> None:
+        """A run whose every step was skipped trained nothing: it ends failed, saying why."""
+        steps = self.position.step
+        if steps and self.steps.skipped >= steps:
+            raise NumericsError(
+                f"No optimizer step was taken: all {steps} steps were skipped because their "
+                "gradients (or losses) were not finite, so the weights are as they were "
+                "initialised. Under loss scaling a too-high loss_scaling.init_scale skips steps "
+                "until the scale has come down (lower it, e.g. 65536, or train longer); otherwise "
+                "lower the learning rate, clip gradients (trainer.clip_grad_norm=1.0) or use bf16. "
+                "diagnostics.overflow_attribution=true names the parameters that overflow."
+            )
+
     def _epoch(self, epoch: int) -> dict:
         data, step = self.parts.data, self.position.step
         done = self.position.batch if epoch == self.position.epoch else 0  # trained before a resume
         self.memory.reset()
         if not done:
-            self.steps.losses = []
+            self.steps.new_epoch()
         bar = tqdm(
             total=data.steps_per_epoch(),
             initial=done,
@@ -345,6 +365,17 @@ class Fit:
         }
         row = self.world.reduce_epoch(row)
         self.tracker.log(row)
+        steps = len(self.steps.losses)
+        if steps and self.steps.epoch_skipped == steps:
+            log.warning(
+                "Epoch %d took no optimizer step: all %d of its steps were skipped (non-finite "
+                "gradients or losses), so the weights did not change in it.%s",
+                epoch,
+                steps,
+                " The loss scale is still coming down from loss_scaling.init_scale."
+                if p.scaler.is_enabled() and self.steps.last_scale > 1
+                else "",
+            )
         log.info(
             "Epoch: %d, Loss: %.4f, Elapsed Time: %.2fsec, Val Loss: %.4f, Val Acc: %.2f%%, "
             "Peak Mem: %.0f MiB, Skipped Steps: %d",

@@ -96,6 +96,8 @@ class Tracker:
         )
 
     def _start_wandb(self, run: RunContext, config: dict, wandb_cfg: Any):
+        # W&B's own console lines (login, sync hints, run summaries) stay quiet unless asked for
+        os.environ.setdefault("WANDB_SILENT", "true")
         try:
             import wandb
 
@@ -117,7 +119,12 @@ class Tracker:
                 ),
             )
         except Exception as err:  # W&B must never stop a training run
-            log.warning("W&B could not start (%s); logging to %s only.", err, self.run_dir)
+            hint = ""
+            if "init_timeout" in str(err):  # W&B's hint names its own setting, not mpexp's key
+                now = wandb_cfg.init_timeout
+                hint = f" Give it longer: wandb.init_timeout=<seconds> (now {now:g})."
+            said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            log.warning("W&B could not start; logging to %s only.%s (%s)", self.run_dir, hint, said)
             return None
         wb.define_metric("step")
         wb.define_metric("epoch")
@@ -188,9 +195,9 @@ class Tracker:
             except Exception as err:
                 log.warning("W&B summary not updated (%s).", err)
 
-    def close(self, status: str = "finished") -> None:
+    def close(self, status: str = "finished", error: str | None = None) -> None:
         try:
-            self.update_summary({"status": status})
+            self.update_summary({"status": status, **({"error": error} if error else {})})
         finally:  # even when summary.json cannot be written (a full disk)
             self._metrics.close()
             if self._wandb is not None:
@@ -205,9 +212,7 @@ class Tracker:
                     )
 
     def _write_summary(self) -> None:
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(self._summary, indent=2, default=str) + "\n")
-        tmp.replace(self.run_dir / "summary.json")
+        write_json_atomically(self._summary, self.run_dir / "summary.json")
 
 
 class NullTracker:
@@ -231,29 +236,45 @@ class NullTracker:
     def log_checkpoint(self, path: Path, step: int) -> None:
         pass
 
-    def close(self, status: str = "finished") -> None:
+    def close(self, status: str = "finished", error: str | None = None) -> None:
         pass
 
 
-def record_failure(run_dir: Path, error: BaseException) -> None:
-    """Mark a run failed in its summary.json, with the error, where a sweep's report looks.
+def write_json_atomically(value: Any, path: Path) -> None:
+    """`path` holds the old JSON or all of the new, never half of it; no temporary file is left."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
-    Also covers failures before training starts (a bad value, bf16 on a GPU without it), when no
-    Tracker exists yet. Best effort: a run dir that cannot be written keeps what it has.
+
+def error_text(error: BaseException) -> str:
+    """An error as a run's summary records it: a UserError's own message, else type and text."""
+    return str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+
+
+def record_end(run_dir: Path, status: str, error: BaseException | None = None) -> None:
+    """Set a run's status in its summary.json (with the error), where a sweep's report looks.
+
+    Also covers runs that end before training starts (a bad value, bf16 on a GPU without it, a
+    stop signal), when no Tracker exists yet. Best effort: a run dir that cannot be written keeps
+    what it has.
     """
     path = Path(run_dir) / "summary.json"
     try:
         summary = json.loads(path.read_text()) if path.exists() else {}
     except (OSError, ValueError):
         summary = {}
-    message = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
-    summary.update(status="failed", error=message)
+    summary["status"] = status
+    if error is not None:
+        summary["error"] = error_text(error)
     try:
-        tmp = path.with_name("summary.json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        tmp.replace(path)
+        write_json_atomically(summary, path)
     except OSError as err:
-        log.warning("Could not record the failure in %s (%s).", path, err)
+        log.warning("Could not record the %s run in %s (%s).", status, path, err)
 
 
 def _histogram_json(value: Any) -> dict:

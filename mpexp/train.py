@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -22,17 +23,26 @@ from hydra.utils import get_object
 from omegaconf import DictConfig
 
 from mpexp import __version__, config, performance
-from mpexp.checkpoint import Checkpointer, Preempted, StopSignals, open_resume
-from mpexp.data.base import InMemoryData
+from mpexp.checkpoint import (
+    Checkpointer,
+    Preempted,
+    StopSignals,
+    checkpoint_files,
+    open_resume,
+    rerun_command,
+    resume_command,
+)
+from mpexp.data.base import DataInfo, InMemoryData
 from mpexp.distributed import World, hydra_overrides_for_rank, start_world
 from mpexp.errors import ConfigError, UserError
 from mpexp.hydra_hooks import register_resolvers, sweep_job_name
 from mpexp.loop import Fit, Parts
 from mpexp.precision import run_in_float32, setup_precision
+from mpexp.rundir import RunDirTaken, RunLock, refuse_if_taken
 from mpexp.scaling import build_scaler
 from mpexp.schedules import build_schedule
 from mpexp.system import device_name, resolve_device, seed_everything, set_deterministic
-from mpexp.tracking import NullTracker, RunContext, Tracker, record_failure
+from mpexp.tracking import NullTracker, RunContext, Tracker, error_text, record_end
 from mpexp.validate import validate, validate_run_length
 
 log = logging.getLogger("mpexp")
@@ -46,6 +56,31 @@ def build(node: DictConfig, **extra):
     return get_object(kwargs.pop("_target_"))(**kwargs, **extra)
 
 
+def build_model(node: DictConfig, info: DataInfo, name: str | None) -> torch.nn.Module:
+    """The model, built for the data's shape and tried on one image of it, so that a model that
+    cannot take the data stops the run now with one message, not a traceback mid-step."""
+    c, h, w = info.channels, info.height, info.width
+    what = f"model={name}" if name else node._target_
+    try:
+        model = build(node, in_channels=c, num_classes=info.num_classes, image_size=(h, w))
+        model.eval()  # no BatchNorm statistics change, no dropout draws from the RNG
+        with torch.no_grad():
+            shape = tuple(model(torch.zeros(1, c, h, w)).shape)
+        model.train()
+    except (ValueError, RuntimeError) as err:
+        reason = str(err).strip().splitlines()[0]
+        raise ConfigError(
+            f"{what} cannot take the dataset's {c}x{h}x{w} images: {reason}.\n"
+            "Use images it can take (dataset.height, dataset.width) or another model."
+        ) from None
+    if shape != (1, info.num_classes):
+        raise ConfigError(
+            f"{what} gives outputs of shape {shape} for one image; the loss needs "
+            f"(1, {info.num_classes}), one logit per class."
+        )
+    return model
+
+
 def train(cfg: DictConfig, run: RunContext) -> dict:
     """Train as `cfg` says, log to `run.run_dir` (and W&B), return the final metrics.
 
@@ -56,20 +91,29 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
     if resume is not None and cfg.trainer.strategy == "fsdp":
         raise ConfigError("trainer.resume is not supported with trainer.strategy=fsdp yet.")
     set_deterministic(cfg.trainer.deterministic)
-    with start_world(cfg.trainer.strategy, resolve_device(cfg.trainer.device)) as world:
-        return _train(cfg, run, world, resume)
+    # signals from here on only ask to stop, at the next point where stopping loses nothing
+    with (
+        StopSignals() as stop,
+        start_world(cfg.trainer.strategy, resolve_device(cfg.trainer.device)) as world,
+    ):
+        if resume is not None:
+            run = replace(run, run_dir=resume.run_dir, wandb_id=resume.wandb_id)
+        run = world.from_rank_zero(run)  # all ranks know where rank 0 writes
+        # rank 0 owns the run dir until it ends; a second process there is refused
+        with RunLock(run.run_dir) if world.is_main else contextlib.nullcontext():
+            return _train(cfg, run, world, resume, stop)
 
 
-def _train(cfg: DictConfig, run: RunContext, world: World, resume) -> dict:
+def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSignals) -> dict:
+    if world.is_main and resume is None:
+        refuse_if_taken(run.run_dir)
     if resume is not None:
         if world.is_main:
             resume.rewind()
-        run = replace(run, run_dir=resume.run_dir, wandb_id=resume.wandb_id)
         at = resume.position
         log.info(
             "Resuming %s: epoch %d, batch %d, step %d", resume.path, at.epoch, at.batch, at.step
         )
-    run = world.from_rank_zero(run)  # all ranks know where rank 0 writes
     device = world.device
     seed_everything(cfg.trainer.seed)
     precision = setup_precision(cfg.precision, device)
@@ -78,12 +122,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume) -> dict:
     info = data.setup(device)
     data.memory_format = performance.memory_format(cfg.trainer.channels_last)
     data.shard(world.rank, world.size)
-    model = build(
-        cfg.model,
-        in_channels=info.channels,
-        num_classes=info.num_classes,
-        image_size=(info.height, info.width),
-    ).to(device)
+    model = build_model(cfg.model, info, run.choices.get("model")).to(device)
     parameters = sum(p.numel() for p in model.parameters())
     fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
     performance.apply_memory_format(model, cfg.trainer)  # before DDP/FSDP takes the parameters
@@ -92,8 +131,8 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume) -> dict:
     scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip_nonfinite)
     world.prepare_scaler(scaler)
     optimizer = performance.build_optimizer(cfg, model, device, scaler)
+    validate_run_length(cfg, data.steps_per_epoch(), data.train_size // world.size)
     total_steps = data.steps_per_epoch() * cfg.trainer.epochs
-    validate_run_length(cfg, total_steps)
     schedule = build_schedule(cfg.scheduler, optimizer, scaler, total_steps)
     performance.configure_backends(device, cfg.trainer)
     forward = performance.compile_model(model, cfg.trainer)
@@ -129,28 +168,41 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume) -> dict:
         "on" if ran["tf32_matmul"] else "off",
         ran["loss_scaling"],
     )
+    stop_if_asked(stop, world, run, "while the data loaded and the model was built")
     run_config = {**config.to_dict(cfg), "ran": ran}
     tracker = Tracker(run, run_config, cfg.wandb) if world.is_main else NullTracker(run.run_dir)
     saver = Checkpointer(cfg, run.overrides, device, model, optimizer, scaler, tracker, schedule)
     parts = Parts(model, forward, data, optimizer, scaler, precision)
     try:
-        with StopSignals() as stop:
-            fit = Fit(cfg, parts, tracker, saver, world, stop)
-            if resume is not None:
-                fit.restore(resume)
-            summary = fit.run()
+        stop_if_asked(stop, world, run, "while W&B started")
+        fit = Fit(cfg, parts, tracker, saver, world, stop)
+        if resume is not None:
+            fit.restore(resume)
+        summary = fit.run()
         summary["ran"] = {**ran, "final_scale": summary.pop("amp/final_scale"), **scaler.outcome()}
         summary["ran"].update(world.check_replicas(model))
         tracker.update_summary(summary)
+        fit.check_it_trained()
     except (Preempted, KeyboardInterrupt):
         tracker.close("interrupted")
         raise
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped us
-            tracker.close("failed")
+            tracker.close("failed", error=error_text(err))
         raise
     tracker.close("finished")
     return summary
+
+
+def stop_if_asked(stop: StopSignals, world: World, run: RunContext, where: str) -> None:
+    """Before training starts, a stop signal ends the run at once: there is nothing to save."""
+    if world.any(bool(stop.received)):
+        name = signal.Signals(stop.received or signal.SIGTERM).name
+        raise Preempted(
+            stop.received or signal.SIGTERM,
+            f"Stopped by {name} {where}, before the first step: nothing was trained or saved. "
+            f"Start it again with:\n  {rerun_command(run.overrides)}",
+        )
 
 
 def run_context(cfg: DictConfig) -> RunContext:
@@ -181,9 +233,13 @@ def main(cfg: DictConfig) -> float:
     except Preempted as stopped:
         log.warning("%s", stopped)
         raise SystemExit(128 + stopped.signum) from None  # the shell's convention for a signal
+    except KeyboardInterrupt:  # a second Ctrl-C: out at once, without a checkpoint
+        log.warning("Stopped at once by a second Ctrl-C. %s", last_checkpoint_note(run))
+        raise SystemExit(128 + signal.SIGINT) from None
     except Exception as err:
-        if int(os.environ.get("RANK", "0")) == 0:  # only rank 0 owns the run dir
-            record_failure(run.run_dir, err)  # summary.json: where a sweep's report looks
+        # only rank 0 owns the run dir, and a dir taken by another run is not this run's to mark
+        if int(os.environ.get("RANK", "0")) == 0 and not isinstance(err, RunDirTaken):
+            record_end(run.run_dir, "failed", err)  # summary.json: where a sweep's report looks
         if not isinstance(err, UserError):
             raise
         log.error("%s", err)  # also lands in the run's train.log
@@ -192,10 +248,27 @@ def main(cfg: DictConfig) -> float:
         raise  # in a sweep the other jobs still run; Hydra reports this one at the end
 
 
+def last_checkpoint_note(run: RunContext) -> str:
+    """Where a run stopped without a checkpoint can be continued from, if anywhere."""
+    saved = checkpoint_files(run.run_dir)
+    if not saved:
+        return f"No checkpoint was written; start it again with:\n  {rerun_command(run.overrides)}"
+    return (
+        f"The last checkpoint is {saved[-1]}; continue with:\n  "
+        f"{resume_command(run.overrides, run.run_dir)}"
+    )
+
+
 def cli() -> None:
     """The `mpexp-train` command (and `python -m mpexp.train`)."""
     sys.argv += hydra_overrides_for_rank(sys.argv[1:])  # under torchrun only rank 0 writes
-    main()
+    # a log file that cannot be written (a full disk) must not print a traceback per record
+    logging.raiseExceptions = False
+    try:
+        main()
+    except KeyboardInterrupt:  # before the run started: Hydra was still composing the config
+        sys.stderr.write("Interrupted before the run started; nothing was written.\n")
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 if __name__ == "__main__":

@@ -64,18 +64,43 @@ def validate(cfg: DictConfig) -> None:
 
     _integer(data.batch_size, "dataset.batch_size", 1)
     _integer(data.get("num_workers", 0), "dataset.num_workers", 0)
-    for key in ("train_size", "val_size"):
+    for key in ("train_size", "val_size", "channels", "height", "width"):
         if key in data:
             _integer(data[key], f"dataset.{key}", 1)
+    if "num_classes" in data:
+        _integer(data.num_classes, "dataset.num_classes", 2)  # one class leaves nothing to learn
+    if "noise" in data and not 0 <= _number(data.noise, "dataset.noise") < 1:
+        raise ConfigError(
+            f"dataset.noise={data.noise} must lie in [0, 1): at 1 the images are noise alone and "
+            "hold nothing to learn. 0.8 is the default."
+        )
+    if "width" in cfg.model:
+        _integer(cfg.model.width, "model.width", 1)
 
-    if _number(opt.lr, "optimizer.lr") <= 0:
-        raise ConfigError(f"optimizer.lr={opt.lr} must be positive, e.g. optimizer.lr=1e-4.")
-    if _number(opt.get("weight_decay", 0.0), "optimizer.weight_decay") < 0:
-        raise ConfigError(f"optimizer.weight_decay={opt.weight_decay} must be >= 0.")
+    _validate_optimizer(opt)
 
     _validate_scaling(cfg.loss_scaling)
     _validate_training_loop(cfg)
     _validate_scheduler(cfg.scheduler)
+
+
+def _validate_optimizer(opt: Mapping[str, Any]) -> None:
+    if _number(opt["lr"], "optimizer.lr") <= 0:
+        raise ConfigError(f"optimizer.lr={opt['lr']} must be positive, e.g. optimizer.lr=1e-4.")
+    if _number(opt.get("weight_decay", 0.0), "optimizer.weight_decay") < 0:
+        raise ConfigError(f"optimizer.weight_decay={opt['weight_decay']} must be >= 0.")
+    if "betas" in opt:
+        betas = list(opt["betas"])
+        if len(betas) != 2 or not all(0 <= _number(b, "optimizer.betas") < 1 for b in betas):
+            raise ConfigError(
+                f"optimizer.betas={betas} must be two numbers in [0, 1), the decay rates of the "
+                "gradient's mean and square, e.g. optimizer.betas=[0.9,0.999]."
+            )
+    if "momentum" in opt and not 0 <= _number(opt["momentum"], "optimizer.momentum") < 1:
+        raise ConfigError(
+            f"optimizer.momentum={opt['momentum']} must lie in [0, 1): at 1 or above the velocity "
+            "never decays and training diverges. 0.9 is usual."
+        )
 
 
 def _validate_scaling(ls: Mapping[str, Any]) -> None:
@@ -149,8 +174,17 @@ def _validate_scheduler(sched: Mapping[str, Any]) -> None:
             raise ConfigError(f"scheduler.gamma={gamma} must lie in (0, 1], e.g. 0.1.")
 
 
-def validate_run_length(cfg: DictConfig, total_steps: int) -> None:
-    """Checks that need the run's number of optimizer steps (known once the data is loaded)."""
+def validate_run_length(cfg: DictConfig, steps_per_epoch: int, samples: int) -> None:
+    """Checks that need the run's number of optimizer steps (known once the data is loaded);
+    `samples` is the training set's share of one process."""
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"dataset.batch_size={cfg.dataset.batch_size} is larger than the training set "
+            f"({samples} samples{' per process' if cfg.trainer.strategy != 'single' else ''}) "
+            "and dataset.drop_last=true drops the partial batch: the run would take no step. "
+            "Lower dataset.batch_size, set dataset.drop_last=false, or train on more data."
+        )
+    total_steps = steps_per_epoch * cfg.trainer.epochs
     steps = cfg.loss_scaling.get("calibration_steps")
     if steps is not None and steps >= total_steps:
         raise ConfigError(

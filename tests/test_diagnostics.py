@@ -171,10 +171,15 @@ def test_the_min_scale_floor_stops_the_run_naming_step_cause_and_remedies(tmp_pa
 
 
 def test_the_floor_can_be_ridden_out_with_continue(tmp_path):
-    summary = train(
-        make_cfg(*TINY, *FLOOR, "loss_scaling.on_min_scale=continue", "trainer.epochs=1"),
-        RunContext(tmp_path),
-    )
+    # every step overflows at the floor: `continue` trains on to the end, counting them; having
+    # taken no optimizer step at all, the run then ends failed and says so
+    with pytest.raises(NumericsError, match="all 16 steps were skipped"):
+        train(
+            make_cfg(*TINY, *FLOOR, "loss_scaling.on_min_scale=continue", "trainer.epochs=1"),
+            RunContext(tmp_path),
+        )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and "No optimizer step was taken" in summary["error"]
     assert summary["amp/floor_hits"] == summary["amp/skipped_steps"] == 16
     assert summary["ran"]["final_scale"] == pytest.approx(1e30)
 

@@ -1,15 +1,50 @@
-"""Faults that must not cost a result: W&B down, an unwritable output dir, a failing sweep job."""
+"""The fault matrix: each fault, what the user sees, and what is kept.
+
+| fault | the user sees | kept |
+|---|---|---|
+| W&B unreachable or slow | one warning naming wandb.init_timeout | the whole run |
+| output dir unwritable | one line, exit 2, before Hydra writes | - |
+| a sweep job fails | Hydra's report at the end, exit != 0 | the other jobs |
+| two runs started in the same second | nothing: two directories | both runs |
+| new run in a dir holding a run | one line naming trainer.resume, exit 2 | the old run |
+| second process on a live run's dir | one line naming the pid, exit 2 | the live run |
+| checkpoint write fails (full disk) | one line: last good checkpoint, resume | that one |
+| stop signal before the first step | one line, status interrupted, 128+sig | - |
+| a second Ctrl-C | one line naming the last checkpoint, 130 | checkpoints |
+| a run with no step per epoch | one line, exit 2, before training | - |
+| every step skipped | a warning per epoch, status failed | the metrics |
+| truncated / corrupt / mislabelled data | one line naming the file and the fault | - |
+| impossible config values | one line naming the key | - |
+| resume of a finished run | one line saying how to train on | the run |
+| a checkpoint with flipped bytes | one line: corrupt; another one if kept | the run |
+
+Checkpoint writes that die halfway, kills and resumes are in tests/test_resume.py; crashed runs
+in the report in tests/test_report.py.
+"""
 
 from __future__ import annotations
 
 import json
+import signal
+import struct
+import time
+from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
+import torchvision
 
+from mpexp import checkpoint
+from mpexp.checkpoint import checkpoint_files
+from mpexp.data.cifar10 import CIFAR10Data
+from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
+from mpexp.errors import ConfigError, DataError
 from mpexp.tracking import RunContext
 from mpexp.train import train
+from mpexp.validate import validate
 from tests.conftest import TINY, make_cfg, run_cli
-from tests.test_resume import ARGS, comparable, start_cli, status
+from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
 from tests.test_training import read_metrics
 
 
@@ -34,6 +69,8 @@ def test_an_unreachable_wandb_server_does_not_stop_training(tmp_path):
 
     assert proc.returncode == 0, output
     assert output.count("W&B could not start") == 1
+    assert "wandb.init_timeout=<seconds> (now 1)" in output  # mpexp's key, not W&B's setting
+    assert "wandb.Settings" not in output
     steps, epochs = read_metrics(run_dir)
     assert [r["step"] for r in steps] == list(range(1, 9)) and len(epochs) == 1
     assert status(run_dir) == "finished"
@@ -72,3 +109,290 @@ def test_deterministic_runs_with_one_seed_repeat_exactly(tmp_path):
     assert all(s["ran"]["deterministic"] for s in summaries)
     assert comparable(tmp_path / "a") == comparable(tmp_path / "b")
     assert len(read_metrics(tmp_path / "a")[0]) == 8
+
+
+def one_line_failure(result) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "Traceback" not in output and "Epoch:" not in output
+    return output
+
+
+# --- one run, one directory --------------------------------------------------------------------
+
+
+def test_two_runs_started_together_get_a_directory_each(tmp_path):
+    procs = [start_cli(*ARGS, "trainer.epochs=1", cwd=tmp_path) for _ in range(2)]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output
+    runs = sorted((tmp_path / "outputs").glob("*/*"))
+    assert len(runs) == 2
+    for run_dir in runs:
+        steps, epochs = read_metrics(run_dir)
+        assert [r["step"] for r in steps] == list(range(1, 9)) and len(epochs) == 1
+        assert status(run_dir) == "finished"
+
+
+def test_a_new_run_is_refused_a_directory_that_holds_a_run(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_cli("mpexp.train", *ARGS, "trainer.epochs=1", f"hydra.run.dir={run_dir}",
+                    cwd=tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in (run_dir / "metrics.jsonl", run_dir / "summary.json")}
+    (saved,) = checkpoint_files(run_dir)
+
+    again = run_cli("mpexp.train", *ARGS, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    output = one_line_failure(again)
+    assert f"{run_dir} already holds a run (status: finished)" in output
+    assert f"trainer.resume={run_dir}" in output
+    assert {p: (run_dir / p).read_bytes() for p in before} == before  # untouched
+    assert checkpoint_files(run_dir) == [saved]
+
+
+def test_a_second_process_on_a_live_runs_directory_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    live = start_cli(*ARGS, "trainer.epochs=200", "trainer.checkpoint_every_steps=4",
+                     f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+    try:
+        wait_for(lambda: checkpoint_files(run_dir), live)
+        resume = run_cli("mpexp.train", *ARGS, "trainer.epochs=200",
+                         "trainer.checkpoint_every_steps=4", f"trainer.resume={run_dir}",
+                         cwd=tmp_path)  # fmt: skip
+        output = one_line_failure(resume)
+        assert f"Another process (pid {live.pid}) is training in {run_dir}" in output
+        assert live.poll() is None  # the live run goes on, its newest checkpoint in place
+        newest = checkpoint_files(run_dir)[-1]
+        wait_for(lambda: checkpoint_files(run_dir)[-1] != newest, live)
+    finally:
+        live.send_signal(signal.SIGTERM)
+        live.communicate(timeout=120)
+    assert status(run_dir) == "interrupted"
+
+
+# --- exits that keep the status true ------------------------------------------------------------
+
+
+def test_a_stop_signal_while_wandb_starts_ends_the_run_as_interrupted(tmp_path):
+    run_dir = tmp_path / "run"
+    unreachable = {
+        "WANDB_BASE_URL": "http://127.0.0.1:9",  # nothing listens: W&B retries until its timeout
+        "WANDB_API_KEY": "x" * 40,
+    }
+    args = [a for a in ARGS if a != "wandb.mode=disabled"]
+    proc = start_cli(*args, "wandb.mode=online", "wandb.init_timeout=5",
+                     f"hydra.run.dir={run_dir}", cwd=tmp_path, env=unreachable)  # fmt: skip
+    wait_for(lambda: (run_dir / "summary.json").exists(), proc)  # W&B starts right after
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert "Traceback" not in output
+    assert "Stopped by SIGTERM while W&B started, before the first step" in output
+    assert status(run_dir) == "interrupted"
+    assert not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir)[0]
+
+
+def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    # steps and checkpoints slow enough (about a second) that the second press comes mid-work
+    slow = ["model.width=256", "dataset.batch_size=128", "trainer.checkpoint_every_steps=1"]
+    proc = start_cli(*ARGS, *slow, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    wait_for(lambda: checkpoint_files(run_dir), proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)  # two signals at once would arrive as one
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert "Traceback" not in output
+    assert "Stopped at once by a second Ctrl-C. The last checkpoint is" in output
+    assert f"trainer.resume={run_dir}" in output
+    assert status(run_dir) == "interrupted"
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+# --- runs that train nothing ---------------------------------------------------------------------
+
+
+def test_a_run_with_no_step_per_epoch_is_refused_before_training(tmp_path):
+    result = run_cli("mpexp.train", *TINY, "dataset.train_size=100", "dataset.batch_size=128",
+                     cwd=tmp_path)  # fmt: skip
+    output = one_line_failure(result)
+    assert "dataset.batch_size=128 is larger than the training set (100 samples)" in output
+    assert result.returncode == 2
+
+
+def test_a_run_whose_every_step_was_skipped_ends_failed(tmp_path):
+    # from 1e30 the scale needs about 80 halvings before fp16 holds the gradients: 32 steps skip
+    overrides = ["precision=fp16", "loss_scaling=dynamic", "loss_scaling.init_scale=1e30"]
+    run_dir = tmp_path / "run"
+    result = run_cli("mpexp.train", *TINY, *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output
+    for epoch in (1, 2):
+        assert f"Epoch {epoch} took no optimizer step: all 16 of its steps were skipped" in output
+    assert "No optimizer step was taken: all 32 steps were skipped" in output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "No optimizer step was taken" in summary["error"]
+    assert summary["amp/skipped_steps"] == 32  # what happened is kept
+
+
+# --- damaged data ------------------------------------------------------------------------------
+
+
+def mnist_files(root: Path, folder: str = "MNIST", n: int = 64) -> Path:
+    rng = np.random.default_rng(0)
+    splits = {
+        prefix: (rng.integers(0, 256, (n, 28, 28), dtype=np.uint8),
+                 rng.integers(0, 10, n, dtype=np.uint8))
+        for prefix in ("train", "t10k")
+    }  # fmt: skip
+    write_mnist_files(root, splits, folder)
+    return root / folder / "raw"
+
+
+@pytest.mark.parametrize(
+    ("cls", "folder"), [(MNISTData, "MNIST"), (FashionMNISTData, "FashionMNIST")]
+)
+def test_a_truncated_images_file_is_named_with_its_size(tmp_path, cls, folder):
+    raw = mnist_files(tmp_path, folder)
+    images = raw / "train-images-idx3-ubyte"
+    whole = images.stat().st_size
+    images.write_bytes(images.read_bytes()[: whole // 3])
+    with pytest.raises(DataError) as err:
+        cls(root=str(tmp_path), download=False, batch_size=8).setup(torch.device("cpu"))
+    assert f"train-images-idx3-ubyte is truncated: {whole // 3:,} of {whole:,} bytes" in str(
+        err.value
+    )
+
+
+def test_a_file_cut_to_its_first_bytes_is_named(tmp_path):
+    raw = mnist_files(tmp_path)
+    labels = raw / "t10k-labels-idx1-ubyte"
+    labels.write_bytes(labels.read_bytes()[:6])
+    with pytest.raises(DataError, match=r"t10k-labels-idx1-ubyte is truncated: 6 bytes, less than"):
+        MNISTData(root=str(tmp_path), download=False, batch_size=8).setup(torch.device("cpu"))
+
+
+def test_a_label_outside_the_classes_is_named_before_training(tmp_path):
+    raw = mnist_files(tmp_path)
+    labels = raw / "train-labels-idx1-ubyte"
+    data = bytearray(labels.read_bytes())
+    data[8 + 5] = 200  # the sixth label, after the 8-byte header
+    labels.write_bytes(bytes(data))
+    result = run_cli(
+        "mpexp.train", "dataset=mnist", f"dataset.root={tmp_path}", "dataset.download=false",
+        "dataset.batch_size=32", "model=simplecnn_small", "wandb.mode=disabled", cwd=tmp_path,
+    )  # fmt: skip
+    output = one_line_failure(result)
+    assert f"{labels} holds the label 200 at position 5" in output
+    assert "10 classes (0 to 9)" in output
+
+
+def test_image_and_label_files_that_disagree_are_named(tmp_path):
+    raw = mnist_files(tmp_path)
+    labels = raw / "t10k-labels-idx1-ubyte"
+    labels.write_bytes(struct.pack(">HBBI", 0, 8, 1, 10) + bytes(10))
+    with pytest.raises(DataError, match="holds 64 images but t10k-labels-idx1-ubyte 10 labels"):
+        MNISTData(root=str(tmp_path), download=False, batch_size=8).setup(torch.device("cpu"))
+
+
+def test_a_damaged_cifar_batch_is_named(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    (folder / "data_batch_1").write_bytes(b"\x80\x04\x95 not a whole pickle")
+    with pytest.raises(DataError, match=r"data_batch_1 cannot be read as a CIFAR batch"):
+        CIFAR10Data(root=str(tmp_path), download=False, batch_size=8).setup(torch.device("cpu"))
+
+
+def test_a_failed_download_leaves_no_empty_folders(tmp_path, monkeypatch):
+    # a real download attempt by torchvision, to a port where nothing listens
+    monkeypatch.setattr(torchvision.datasets.MNIST, "mirrors", ["http://127.0.0.1:9/"])
+    root = tmp_path / "new" / "data"
+    with pytest.raises(DataError, match="could not be downloaded"):
+        MNISTData(root=str(root), download=True, batch_size=8).setup(torch.device("cpu"))
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- impossible values -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["model=simplecnn", "model.width=0"], "model.width=0"),
+        (["dataset.channels=0"], "dataset.channels=0"),
+        (["dataset.num_classes=0"], "dataset.num_classes=0"),
+        (["optimizer.betas=[0.9]"], "optimizer.betas=[0.9]"),
+        (["dataset.noise=1.0"], "dataset.noise=1.0"),
+        (["optimizer=sgd", "optimizer.momentum=2"], "optimizer.momentum=2.0"),
+    ],
+)
+def test_impossible_values_are_named_before_anything_runs(overrides, named):
+    with pytest.raises(ConfigError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        validate(make_cfg(*TINY, *overrides))
+
+
+@pytest.mark.parametrize("model", ["simplecnn", "deepcnn"])
+def test_images_too_small_for_the_model_get_one_line(tmp_path, model):
+    tiny = [o for o in TINY if not o.startswith("model")]
+    result = run_cli("mpexp.train", *tiny, f"model={model}", "dataset.height=2",
+                     "dataset.width=2", cwd=tmp_path)  # fmt: skip
+    output = one_line_failure(result)
+    assert f"model={model} cannot take the dataset's 1x2x2 images" in output
+    assert result.returncode == 2
+
+
+# --- resuming what cannot be resumed -----------------------------------------------------------
+
+
+@pytest.fixture
+def finished_run(tmp_path) -> Path:
+    run_dir = tmp_path / "run"
+    result = run_cli("mpexp.train", *ARGS, "trainer.keep_checkpoints=2", "wandb.mode=offline",
+                     f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def snapshot(run_dir: Path) -> dict:
+    """The run's own files byte for byte, and its W&B runs (W&B's service may still be writing its
+    debug logs after the process ended)."""
+    own = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*")
+           if p.is_file() and "wandb" not in p.relative_to(run_dir).parts}  # fmt: skip
+    return {**own, "wandb runs": sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))}
+
+
+@pytest.mark.parametrize(("epochs", "said"), [
+    ("2", "already trained all its 2 epochs"),
+    ("1", "has trained 2 epochs, more than trainer.epochs=1 asks for"),
+])  # fmt: skip
+def test_resuming_a_finished_run_says_how_to_train_on_and_changes_nothing(
+    finished_run, epochs, said
+):
+    before = snapshot(finished_run)
+    result = run_cli("mpexp.train", *ARGS, "trainer.keep_checkpoints=2", "wandb.mode=offline",
+                     f"trainer.epochs={epochs}", f"trainer.resume={finished_run}",
+                     cwd=finished_run.parent)  # fmt: skip
+    output = one_line_failure(result)
+    assert said in output and "To train on, give more epochs: trainer.epochs=4" in output
+    assert snapshot(finished_run) == before  # no rows, no W&B segment, no .hydra rewrite
+
+
+def test_a_checkpoint_with_flipped_bytes_is_called_corrupt(finished_run):
+    older, newest = checkpoint_files(finished_run)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    cfg = make_cfg(*ARGS, "trainer.keep_checkpoints=2", "trainer.epochs=3",
+                   f"trainer.resume={finished_run}")  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        train(cfg, RunContext(finished_run))
+    message = str(err.value)
+    assert f"{newest} is corrupt: its SHA-256 does not match" in message
+    assert f"trainer.resume={older}" in message  # the other checkpoint there is
+
+    older.unlink()
+    with pytest.raises(ConfigError, match="keeps no other checkpoint"):
+        checkpoint.load(newest)

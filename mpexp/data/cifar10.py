@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torchvision import datasets
 
 from mpexp.data.base import Batch, InMemoryData
+from mpexp.data.checks import check_cifar_batches, check_labels
 from mpexp.data.torchvision_sets import open_torchvision
 
 
@@ -18,16 +21,21 @@ class CIFAR10Data(InMemoryData):
         self.download = download
 
     def load(self) -> tuple[Batch, Batch, int]:
+        cls = datasets.CIFAR10
+        folder = Path(self.root).expanduser() / cls.base_folder
         train, test = open_torchvision(
-            datasets.CIFAR10,
+            cls,
             self.root,
             self.download,
             "cifar-10-batches-py/ (data_batch_1..5, test_batch, batches.meta)",
+            check=lambda: check_cifar_batches(cls, folder),
         )
 
-        def split(ds) -> Batch:
+        def split(ds, files: str) -> Batch:
             # .data is N x 32 x 32 x 3 uint8 (numpy); models want N x 3 x 32 x 32
             images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
-            return images, torch.as_tensor(ds.targets, dtype=torch.long)
+            labels = torch.as_tensor(ds.targets, dtype=torch.long)
+            check_labels(labels, len(train.classes), f"{folder / files}")
+            return images, labels
 
-        return split(train), split(test), len(train.classes)
+        return split(train, "data_batch_*"), split(test, "test_batch"), len(train.classes)

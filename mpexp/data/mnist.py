@@ -9,6 +9,7 @@ import numpy as np
 from torchvision import datasets
 
 from mpexp.data.base import Batch, InMemoryData
+from mpexp.data.checks import check_labels, check_mnist_raw
 from mpexp.data.torchvision_sets import open_torchvision
 
 
@@ -24,12 +25,19 @@ class MNISTData(InMemoryData):
         self.download = download
 
     def load(self) -> tuple[Batch, Batch, int]:
-        train, test = open_torchvision(self.torchvision_class, self.root, self.download, self.files)
+        cls = self.torchvision_class
+        raw = Path(self.root).expanduser() / cls.__name__ / "raw"  # where torchvision looks
+        train, test = open_torchvision(
+            cls, self.root, self.download, self.files, check=lambda: check_mnist_raw(raw)
+        )
+        classes = len(train.classes)
+        for split, prefix in ((train, "train"), (test, "t10k")):
+            check_labels(split.targets, classes, str(raw / f"{prefix}-labels-idx1-ubyte"))
         # .data is the whole split as a uint8 N x 28 x 28 tensor: no per-sample PIL decode
         return (
             (train.data.unsqueeze(1), train.targets.long()),
             (test.data.unsqueeze(1), test.targets.long()),
-            len(train.classes),
+            classes,
         )
 
 

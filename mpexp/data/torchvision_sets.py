@@ -1,25 +1,40 @@
-"""Loading torchvision's classic datasets with an error a user can act on when files are missing."""
+"""Loading torchvision's classic datasets with an error a user can act on when files are missing or
+damaged."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from mpexp.errors import DataError
 
 
-def open_torchvision(cls, root: str, download: bool, expected: str):
+def open_torchvision(cls, root: str, download: bool, expected: str, check: Callable[[], None]):
     """(train, test) instances of a torchvision dataset class, or a DataError saying what to do.
 
-    `expected` describes the files torchvision looks for under `root`, for the message.
+    `expected` describes the files torchvision looks for under `root`, for the message; `check`
+    inspects the files that are there (see mpexp.data.checks), before torchvision reads them and
+    again after a download. A download that fails leaves no empty folders behind.
     """
     root_path = Path(root).expanduser()
+    before = _folders(root_path)
+    existing = root_path  # the deepest folder on the way to root that exists now
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     try:
-        return cls(str(root_path), train=True, download=download), cls(
-            str(root_path), train=False, download=download
+        check()
+        splits = (
+            cls(str(root_path), train=True, download=download),
+            cls(str(root_path), train=False, download=download),
         )
+        check()
+        return splits
+    except DataError:
+        raise
     except (RuntimeError, OSError) as err:
-        # torchvision raises RuntimeError for missing or corrupt files and URLError/OSError
-        # (both OSError) when the download cannot reach its mirrors.
+        # torchvision raises RuntimeError for missing files and URLError/OSError (both OSError)
+        # when the download cannot reach its mirrors.
+        _remove_new_empty_folders(root_path, before, existing)
         how = (
             "could not be downloaded (no network?)"
             if download
@@ -30,3 +45,25 @@ def open_torchvision(cls, root: str, download: bool, expected: str):
             f"Put the files at {root_path.resolve() / expected} (or set dataset.root=<dir> to "
             "where they are), or train offline on generated data with dataset=synthetic."
         ) from None
+
+
+def _folders(root: Path) -> set[Path]:
+    """`root` and every folder below it that exists now."""
+    if not root.is_dir():
+        return set()
+    return {root, *(p for p in root.rglob("*") if p.is_dir())}
+
+
+def _remove_new_empty_folders(root: Path, before: set[Path], existing: Path) -> None:
+    """Remove the folders that a failed attempt created and left empty: below `root`, and on the
+    way up to `existing`, the deepest one that was there before."""
+    for folder in sorted(_folders(root) - before, key=lambda p: len(p.parts), reverse=True):
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    folder = root
+    while folder != existing:
+        if folder.is_dir():
+            if any(folder.iterdir()):
+                break
+            folder.rmdir()
+        folder = folder.parent

@@ -19,6 +19,10 @@ class SimpleCNN(nn.Module):
     ):
         super().__init__()
         height, wide = image_size
+        if height < 4 or wide < 4:
+            raise ValueError(
+                f"it pools twice by 2, so images need 4x4 pixels at least, not {height}x{wide}"
+            )
         self.conv1 = nn.Conv2d(in_channels, width, 3, padding=1)
         self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
         self.fc = nn.Linear(2 * width * (height // 4) * (wide // 4), num_classes)

@@ -1,0 +1,108 @@
+"""Checks of dataset files in their published formats, so that a damaged file is named with what is
+wrong with it instead of surfacing as a shape error, or an index error an epoch later."""
+
+from __future__ import annotations
+
+import math
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+from torchvision.datasets.utils import check_integrity
+
+from mpexp.errors import DataError
+
+REPLACE = "Replace it with an intact copy, or delete it and let the dataset download again."
+
+
+def check_idx(path: Path, dims: tuple[int | None, ...]) -> int:
+    """Check an IDX file of unsigned bytes (MNIST's format: a zero word, type 0x08, the number of
+    dimensions, big-endian sizes, then the bytes) against the shape it should hold (None: any
+    size). Return its first size, the number of samples."""
+    size = path.stat().st_size
+    header = 4 + 4 * len(dims)
+    with path.open("rb") as f:
+        head = f.read(header)
+    if len(head) < header:
+        raise DataError(
+            f"{path} is truncated: {size:,} bytes, less than its {header}-byte header. {REPLACE}"
+        )
+    zero, kind, ndim = struct.unpack(">HBB", head[:4])
+    if (zero, kind, ndim) != (0, 0x08, len(dims)):
+        raise DataError(
+            f"{path} is not an MNIST-format file of {len(dims)}-d unsigned bytes: it starts with "
+            f"0x{head[:4].hex()}, not 0x000008{len(dims):02x}. {REPLACE}"
+        )
+    shape = struct.unpack(f">{ndim}I", head[4:])
+    if any(want is not None and want != got for want, got in zip(dims, shape, strict=True)):
+        wanted = " x ".join("n" if d is None else str(d) for d in dims)
+        raise DataError(
+            f"{path} holds an array of {' x '.join(map(str, shape))}, not {wanted}. {REPLACE}"
+        )
+    expected = header + math.prod(shape)
+    if size < expected:
+        raise DataError(f"{path.name} is truncated: {size:,} of {expected:,} bytes. {REPLACE}")
+    if size > expected:
+        raise DataError(
+            f"{path.name} has {size - expected:,} bytes more than its header accounts for "
+            f"({expected:,}): it is not an intact MNIST-format file. {REPLACE}"
+        )
+    return shape[0]
+
+
+def check_mnist_raw(raw: Path, height: int = 28, width: int = 28) -> None:
+    """MNIST's (or Fashion-MNIST's) four files in `raw`, where they are all present unpacked."""
+    for split in ("train", "t10k"):
+        images, labels = raw / f"{split}-images-idx3-ubyte", raw / f"{split}-labels-idx1-ubyte"
+        if not (images.is_file() and labels.is_file()):
+            continue  # not there yet: torchvision downloads them or says they are missing
+        n_images = check_idx(images, (None, height, width))
+        n_labels = check_idx(labels, (None,))
+        if n_images != n_labels:
+            raise DataError(
+                f"{images.name} holds {n_images:,} images but {labels.name} {n_labels:,} labels: "
+                f"the two files in {raw} do not belong together. {REPLACE}"
+            )
+
+
+def check_labels(labels: torch.Tensor, num_classes: int, source: str) -> None:
+    """Every label a class index; else name the first one that is not, and where it is."""
+    bad = ((labels < 0) | (labels >= num_classes)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise DataError(
+            f"{source} holds the label {int(labels[i])} at position {i:,}, but the dataset has "
+            f"{num_classes} classes (0 to {num_classes - 1}). {REPLACE}"
+        )
+
+
+def check_cifar_batches(cls, folder: Path) -> None:
+    """CIFAR's pickled batches that are present in `folder`, against the checksums torchvision
+    knows; a file that differs is read to say how (damaged, truncated, not a batch)."""
+    entries = [*cls.train_list, *cls.test_list, [cls.meta["filename"], cls.meta["md5"]]]
+    for name, md5 in entries:
+        path = folder / name
+        if not path.is_file() or check_integrity(str(path), md5):
+            continue
+        try:
+            with path.open("rb") as f:
+                entry = pickle.load(f, encoding="latin1")
+        except Exception as err:
+            raise DataError(
+                f"{path} cannot be read as a CIFAR batch ({type(err).__name__}: {err}): it is "
+                f"truncated or damaged. {REPLACE}"
+            ) from None
+        if name != cls.meta["filename"]:
+            data = np.asarray(entry.get("data", []))
+            labels = entry.get("labels", entry.get("fine_labels", []))
+            if data.ndim != 2 or data.shape[1] != 3072 or len(labels) != len(data):
+                raise DataError(
+                    f"{path} is not a CIFAR batch: it should hold n rows of 3,072 bytes and n "
+                    f"labels, not {data.shape} and {len(labels)}. {REPLACE}"
+                )
+        raise DataError(
+            f"{path} is not the file CIFAR-10 publishes (its MD5 differs from {md5}): a damaged "
+            f"or another file. {REPLACE}"
+        )

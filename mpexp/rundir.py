@@ -1,0 +1,99 @@
+"""One run per directory: a new run never writes where another run's results are, and no two
+processes write into one directory at once.
+
+Run directories are named to the microsecond (conf/train.yaml), so two runs started in the same
+second get two directories. A directory that already holds a run (its metrics, summary or
+checkpoints) is refused to a new run: `trainer.resume` is the way to continue it. While a process
+trains in a directory it holds an exclusive lock on `<run dir>/.lock` (fcntl.flock), which the OS
+releases when the process ends, however it ends; a second process is refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from mpexp.errors import OutputError
+
+try:  # POSIX; elsewhere runs are not locked
+    import fcntl
+except ImportError:  # pragma: no cover - not on the platforms mpexp runs on
+    fcntl = None
+
+LOCK_FILE = ".lock"
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
+
+
+class RunDirTaken(OutputError):
+    """The run directory belongs to another run: nothing may be written into it."""
+
+
+def holds_run(run_dir: Path) -> str | None:
+    """What run `run_dir` already holds ("a finished run", ...), or None if it holds none.
+
+    Hydra's own `.hydra/` and `train.log` do not count: Hydra writes them before a run starts.
+    """
+    run_dir = Path(run_dir)
+    if not any((run_dir / name).exists() for name in RUN_FILES):
+        return None
+    try:
+        status = json.loads((run_dir / "summary.json").read_text()).get("status", "unknown")
+    except (OSError, ValueError):
+        status = "unknown"
+    return f"a run (status: {status})" if status != "unknown" else "a run's files"
+
+
+def refuse_if_taken(run_dir: Path) -> None:
+    """Raise RunDirTaken when a new run would write into a directory that holds one."""
+    held = holds_run(run_dir)
+    if held is not None:
+        raise RunDirTaken(
+            f"{run_dir} already holds {held}; a new run would mix its results into it.\n"
+            f"To continue that run: trainer.resume={run_dir} (with the run's own overrides). "
+            "For a new run, leave hydra.run.dir out (each run gets a fresh directory) or choose "
+            "another."
+        )
+
+
+class RunLock:
+    """An exclusive lock on a run directory for as long as this process trains in it."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self._file = None
+
+    def __enter__(self) -> RunLock:
+        if fcntl is None:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = self.path.open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise RunDirTaken(
+                f"Another process (pid {holder}) is training in {self.path.parent}; two runs in "
+                "one directory would overwrite each other's results. Wait for it to end (or stop "
+                "it), then resume with trainer.resume, or start a new run elsewhere."
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._file = handle
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()  # closing releases the lock
+            self._file = None
+
+
+def check_not_locked(run_dir: Path) -> None:
+    """Raise RunDirTaken if a process holds `run_dir`'s lock now (a quick look, not a claim)."""
+    if (Path(run_dir) / LOCK_FILE).exists():
+        with RunLock(run_dir):
+            pass
