@@ -149,6 +149,10 @@ def start_world(strategy: str, device: torch.device) -> Iterator[World]:
     world = _join(strategy, device)
     try:
         yield world
+        if world.distributed:
+            # every rank's collectives are done before any rank tears the group down: gloo's
+            # worker threads otherwise can still hold work and abort the process at exit
+            dist.barrier()
     finally:
         if world.distributed and dist.is_initialized():
             dist.destroy_process_group()
