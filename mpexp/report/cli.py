@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         "--tolerance",
         type=_tolerance,
         default=DEFAULT_TOLERANCE,
-        help="val accuracy points a run may fall below fp32 before it is flagged (default 0.5)",
+        help="val accuracy points a configuration may fall below fp32 and still be at parity "
+        "(default 0.5)",
     )
     parser.add_argument(
         "--target-acc",

@@ -119,11 +119,17 @@ def _warnings(report: Report) -> list[str]:
     warnings = []
     few = report.few_timed_epochs
     if few:
+        one_epoch = [r for r in few if len(r.run.epochs) == 1]
         warnings.append(
             f"**Few timed epochs.** {_names(few)} timed fewer than {MIN_TIMED_EPOCHS} epochs (the "
             "first epoch is not timed: it pays warm-up): an epoch time from one or two epochs is "
             f"as much noise as measurement. Train for at least {MIN_TIMED_EPOCHS + 1} epochs to "
             "compare speed."
+            + (
+                f" {_names(one_epoch)} trained one epoch: its time includes the warm-up."
+                if one_epoch
+                else ""
+            )
         )
     overlapping = report.overlapping
     if overlapping:
