@@ -12,6 +12,7 @@ steps.
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from pathlib import Path
 
 from matplotlib import colormaps
@@ -140,6 +141,7 @@ def loss_curves(configs: list[Config], path: Path) -> Path:
                 **_style(i),
             )
     per_step.set(xlabel="step", ylabel="train loss", title="Training loss per step")
+    per_step.xaxis.set_major_locator(MaxNLocator(integer=True))
     per_epoch.set(xlabel="epoch", ylabel="val loss", title="Validation loss per epoch")
     per_epoch.xaxis.set_major_locator(MaxNLocator(integer=True))
     _figure_legend(fig, configs)
@@ -214,10 +216,11 @@ def peak_memory(configs: list[Config], path: Path) -> Path:
     return _save(fig, path)
 
 
-def _grid(fig: Figure, count: int, **kwargs):
+def _grid(fig: Figure, count: int):
+    """`count` panels, three to a row; the cells left over in the last row are hidden."""
     columns = min(3, count)
     rows = math.ceil(count / columns)
-    axes = fig.subplots(rows, columns, squeeze=False, **kwargs).flatten()
+    axes = fig.subplots(rows, columns, squeeze=False).flatten()
     for ax in axes[count:]:
         ax.set_visible(False)
     return axes[:count]
@@ -228,7 +231,8 @@ def loss_scale(runs: list[tuple[int, Row]], path: Path) -> Path:
     columns = min(3, len(runs))
     height = 3.2 * math.ceil(len(runs) / columns) + 0.8
     fig = Figure(figsize=(4.2 * columns + 0.6, height), layout="constrained")
-    for ax, (i, row) in zip(_grid(fig, len(runs), sharex=True), runs, strict=True):
+    # axes not shared: a shared x would leave panels above an empty cell without step labels
+    for ax, (i, row) in zip(_grid(fig, len(runs)), runs, strict=True):
         steps = row.run.steps
         color = _style(i)["color"]
         ax.plot([s["step"] for s in steps], [s["amp/scale"] for s in steps], color=color)
@@ -249,6 +253,7 @@ def loss_scale(runs: list[tuple[int, Row]], path: Path) -> Path:
         ax.set_yscale("log", base=2)
         ax.set_title(f"{row.label}\n{row.loss_scaling}, {row.skipped_steps} skipped", fontsize=9)
         ax.set(xlabel="step", ylabel="loss scale")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle("Loss scale per step (x: skipped step)")
     return _save(fig, path)
 
@@ -265,10 +270,23 @@ def _natural(part: str):
     return (0, int(part), "") if part.isdigit() else (1, 0, part)
 
 
+def _cell_edges(steps: list[int]) -> list[float]:
+    """Edges of cells centred on `steps`: halfway between neighbours, half a gap beyond the ends."""
+    if len(steps) == 1:
+        return [steps[0] - 0.5, steps[0] + 0.5]
+    middles = [(a + b) / 2 for a, b in pairwise(steps)]
+    return [
+        steps[0] - (steps[1] - steps[0]) / 2,
+        *middles,
+        steps[-1] + (steps[-1] - steps[-2]) / 2,
+    ]
+
+
 def underflow(runs: list[tuple[int, Row]], path: Path) -> Path:
     """Per layer, the share of non-zero gradient elements that fp16 loses at the step's scale
     (zero or subnormal once scaled), at every step where gradient statistics ran: one heat map
-    per run, layers down, steps across, on a log colour scale; white where nothing was lost."""
+    per run, layers down, steps across, on a log colour scale; white where (next to) nothing was
+    lost."""
     tallest = max(len(_underflow_keys(r)) for _, r in runs)
     columns = min(3, len(runs))
     rows = math.ceil(len(runs) / columns)
@@ -284,8 +302,7 @@ def underflow(runs: list[tuple[int, Row]], path: Path) -> Path:
         stats = [d for d in row.run.diagnostics if keys[0] in d]
         steps = [d["step"] for d in stats]
         grid = [[100 * d.get(k, math.nan) for d in stats] for k in keys]
-        # each cell spans from its step to the next (the last as wide as the one before it)
-        edges = [*steps, steps[-1] + (steps[-1] - steps[-2] if len(steps) > 1 else 1)]
+        edges = _cell_edges(steps)
         image = ax.pcolormesh(edges, range(len(keys) + 1), grid, cmap=cmap, norm=norm)
         ax.set_yticks(
             [k + 0.5 for k in range(len(keys))],
@@ -297,11 +314,12 @@ def underflow(runs: list[tuple[int, Row]], path: Path) -> Path:
         what = row.precision if row.precision == "fp16" else f"{row.precision}, what-if in fp16"
         ax.set_title(f"{row.label}\n{what}, loss scaling {row.loss_scaling}", fontsize=9)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(
         image,
         ax=list(axes),
         extend="min",
-        label="% of non-zero gradient elements lost in fp16 (white: none)",
+        label="% of non-zero gradient elements lost in fp16 (white: none, or under 0.001 %)",
     )
     fig.suptitle("fp16 gradient underflow per layer (diagnostics.grad_stats_every)")
     return _save(fig, path)
