@@ -14,12 +14,15 @@ extra synchronisation.
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+log = logging.getLogger(__name__)
 
 # Dense (no sparsity) peak TFLOP/s from the vendors' datasheets: fp32 without tensor cores, TF32,
 # and fp16/bf16 tensor-core math. Matched against the device name in this order, so that a
@@ -57,14 +60,30 @@ def flops_per_sample(model: nn.Module, batch_shape: tuple[int, ...]) -> float:
 class Throughput:
     """What an epoch's sample rate means in FLOP/s, and as a fraction of the devices' peak."""
 
-    flops_per_sample: float
+    flops_per_sample: float | None  # None: the model could not be counted
     peak_tflops: float | None = None  # one device's, for the precision that ran
     devices: int = 1  # a distributed run's sample rate is the sum over its ranks
 
     def metrics(self, samples_per_s: float) -> dict[str, float]:
         """`perf/tflops`, and `perf/mfu` (a fraction of the peak) where the peak is known."""
+        if self.flops_per_sample is None:
+            return {}
         tflops = self.flops_per_sample * samples_per_s / 1e12
         row = {"perf/tflops": tflops}
         if self.peak_tflops:
             row["perf/mfu"] = tflops / (self.peak_tflops * self.devices)
         return row
+
+
+def throughput(
+    model: nn.Module, batch_shape: tuple[int, ...], peak_tflops: float | None, devices: int
+) -> Throughput:
+    """The run's Throughput. A model the meta device cannot run (a forward that reads a tensor's
+    value, say) trains all the same, without perf/tflops: the count is a measurement, not a
+    reason to stop."""
+    try:
+        per_sample = flops_per_sample(model, batch_shape)
+    except Exception as err:
+        log.warning("perf/tflops is not logged: counting the model's FLOPs failed (%s).", err)
+        per_sample = None
+    return Throughput(per_sample, peak_tflops, devices)

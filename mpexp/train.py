@@ -89,8 +89,9 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume) -> dict:
     # counted once, on the plain model at the run's shapes, before anything wraps it
     batch_shape = (data.batch_size, info.channels, info.height, info.width)
     name = device_name(device)
-    throughput = flops.Throughput(
-        flops.flops_per_sample(model, batch_shape),
+    throughput = flops.throughput(
+        model,
+        batch_shape,
         cfg.trainer.peak_tflops or flops.device_peak_tflops(name, precision.effective),
         world.size,
     )

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from mpexp.flops import Throughput, device_peak_tflops, flops_per_sample
+from mpexp.flops import Throughput, device_peak_tflops, flops_per_sample, throughput
 from mpexp.models.deepcnn import DeepCNN
 from mpexp.tracking import RunContext
 from mpexp.train import train
@@ -91,3 +91,22 @@ def test_mfu_of_a_distributed_run_is_against_every_device():
     row = Throughput(flops_per_sample=1e9, peak_tflops=100.0, devices=4).metrics(80_000)
     assert row == {"perf/tflops": pytest.approx(80.0), "perf/mfu": pytest.approx(0.2)}
     assert Throughput(1e9).metrics(80_000) == {"perf/tflops": pytest.approx(80.0)}
+
+
+class ReadsAValue(torch.nn.Module):
+    """A forward that reads a tensor's value on the host: the meta device has none to give."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x) * float(x.abs().max() > 0)
+
+
+def test_a_model_that_cannot_be_counted_trains_without_tflops(caplog):
+    with caplog.at_level("WARNING"):
+        counted = throughput(ReadsAValue(), (8, 4), peak_tflops=100.0, devices=1)
+    assert counted.flops_per_sample is None
+    assert counted.metrics(1000.0) == {}  # no perf/tflops, and no MFU from a missing count
+    assert "perf/tflops is not logged" in caplog.text
