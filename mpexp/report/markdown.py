@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mpexp.report.stats import Estimate
-from mpexp.report.table import MIN_TIMED_EPOCHS, Config, Report, Row
+from mpexp.report.table import MIN_TIMED_EPOCHS, Config, Report, Row, run_values
 
 PLOT_TITLES = {
     "val_accuracy": "Validation accuracy per epoch and over training time",
@@ -260,25 +260,29 @@ def _targets(report: Report) -> str:
 
 def _runs_section(report: Report) -> list[str]:
     def cells(item: tuple[Config, Row]) -> list[str]:
-        config, r = item
-        reached = r.time_to(config.target)
+        config, row = item
+        v = run_values(row, config.target)
+        reached = v["time_to_target_s"]
         if config.target is None:
             to_target = "n/a"
+        elif reached is None:
+            to_target = "not reached"
         else:
-            to_target = "not reached" if reached is None else f"{reached:.1f}"
+            to_target = f"{reached:.1f}"
+        spread = f"{v['epoch_time_min_s']:.3f} to {v['epoch_time_max_s']:.3f}"
         return [
-            r.label,
-            str(r.seed),
-            f"{100 * r.val_acc:.2f}",
-            f"{r.val_loss:.4f}",
-            f"{r.epoch_time_s:.3f} [{min(r.timed):.3f} to {max(r.timed):.3f}]",
-            str(len(r.timed)),
-            f"{r.samples_per_s:.0f}",
-            _number(r.tflops, ".3g"),
-            _number(None if r.mfu is None else 100 * r.mfu, ".1f"),
+            v["run"],
+            str(v["seed"]),
+            f"{v['val_acc_pct']:.2f}",
+            f"{v['val_loss']:.4f}",
+            f"{v['epoch_time_s']:.3f} [{spread}]",
+            str(v["timed_epochs"]),
+            f"{v['samples_per_s']:.0f}",
+            _number(v["tflops"], ".3g"),
+            _number(v["mfu_pct"], ".1f"),
             to_target,
-            f"{r.peak_mem_mib:.1f}",
-            str(r.skipped_steps),
+            f"{v['peak_mem_mib']:.1f}",
+            str(v["skipped_steps"]),
         ]
 
     headers = ["run", "seed", "val acc (%)", "val loss", "epoch time (s): median [min to max]",
