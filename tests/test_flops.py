@@ -35,14 +35,14 @@ def test_hand_count_of_a_small_cnn():
     "extra", [[], ["trainer.accumulate=4", "trainer.peak_tflops=0.5"]], ids=["plain", "accumulate"]
 )
 def test_achieved_tflops_of_a_run_match_the_hand_count(tmp_path, extra):
-    cfg = make_cfg(*TINY, "model.width=8", *extra)
+    cfg = make_cfg(*TINY, "model.width=8", "dataset.train_size=256", *extra)
     train(cfg, RunContext(tmp_path))
     ran = json.loads((tmp_path / "summary.json").read_text())["ran"]
     flops = simplecnn_flops(8)
     assert ran["flops_per_sample"] == flops  # accumulation splits the batch, not the work
 
     _, epochs = read_metrics(tmp_path)
-    samples = (1024 // 64) * 64  # trained per epoch (drop_last)
+    samples = (256 // 64) * 64  # trained per epoch (drop_last)
     for epoch in epochs:
         expected = flops * samples / epoch["perf/epoch_time_s"] / 1e12
         assert epoch["perf/tflops"] == pytest.approx(expected, rel=1e-9)
