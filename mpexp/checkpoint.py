@@ -41,7 +41,8 @@ FORMAT = 1
 SUBDIR = "checkpoints"
 
 # What may change when a run is resumed: how long it trains, how often it reports and checkpoints,
-# how W&B connects. Any other change would make the resumed run a different experiment.
+# the peak its MFU is measured against, how W&B connects. Any other change would make the resumed
+# run a different experiment.
 RESUMABLE_KEYS = frozenset(
     {
         "trainer.resume",
@@ -50,6 +51,7 @@ RESUMABLE_KEYS = frozenset(
         "trainer.log_every",
         "trainer.checkpoint_every_steps",
         "trainer.keep_checkpoints",
+        "trainer.peak_tflops",
         "wandb.mode",
         "wandb.init_timeout",
     }

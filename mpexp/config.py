@@ -93,6 +93,7 @@ class TrainerConfig:
     accumulate: int = 1
     clip_grad_norm: Optional[float] = None
     on_nonfinite_loss: NonfiniteLoss = NonfiniteLoss["raise"]
+    peak_tflops: Optional[float] = None  # null: from mpexp.flops.PEAK_TFLOPS by GPU name
 
 
 @dataclass

@@ -28,6 +28,7 @@ from mpexp.data.base import InMemoryData
 from mpexp.diagnostics import Diagnostics
 from mpexp.distributed import World
 from mpexp.errors import NumericsError
+from mpexp.flops import Throughput
 from mpexp.history import StepHistory, StepRow
 from mpexp.precision import Precision
 from mpexp.scaling import LossScaler
@@ -222,6 +223,7 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scaler: LossScaler
     precision: Precision
+    throughput: Throughput  # FLOPs per sample, counted once at setup, and the device's peak
 
 
 class Fit:
@@ -364,6 +366,8 @@ class Fit:
             self.memory.key: self.memory.read_mib(),
         }
         row = self.world.reduce_epoch(row)
+        # from the samples/s already computed (summed over ranks): no device read of its own
+        row.update(p.throughput.metrics(row["perf/samples_per_s"]))
         self.tracker.log(row)
         steps = len(self.steps.losses)
         if steps and self.steps.epoch_skipped == steps:

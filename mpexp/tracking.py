@@ -4,7 +4,8 @@ Metric names are a contract read by dashboards and the report:
   per step   step, train/loss, amp/scale, amp/skipped_steps (cumulative), lr; with
              trainer.on_nonfinite_loss=skip also amp/nonfinite_loss_steps (cumulative)
   per epoch  epoch, train/epoch_loss, val/loss, val/acc, perf/epoch_time_s, perf/samples_per_s,
-             mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU)
+             perf/tflops, mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU); perf/mfu
+             where the device's peak is known (mpexp/flops.py)
   diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/diagnostics.py)
 W&B is optional at every point: if it cannot start or stops accepting data, training goes on with
 the local files and one warning.
@@ -17,6 +18,7 @@ import logging
 import netrc
 import os
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -87,7 +89,12 @@ class Tracker:
         self.run_dir = Path(run.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = (self.run_dir / "metrics.jsonl").open("a", buffering=1)
-        self._summary: dict[str, Any] = {"status": "running", "ran": config.get("ran", {})}
+        # wall-clock start and end: the report warns when a sweep's jobs overlapped in time
+        self._summary: dict[str, Any] = {
+            "status": "running",
+            "started_at": _now(),
+            "ran": config.get("ran", {}),
+        }
         self._write_summary()
         self.wandb_mode = resolve_wandb_mode(wandb_cfg.mode)
         self._announce_sync = False
@@ -197,7 +204,8 @@ class Tracker:
 
     def close(self, status: str = "finished", error: str | None = None) -> None:
         try:
-            self.update_summary({"status": status, **({"error": error} if error else {})})
+            ended = {"status": status, "ended_at": _now(), **({"error": error} if error else {})}
+            self.update_summary(ended)
         finally:  # even when summary.json cannot be written (a full disk)
             self._metrics.close()
             if self._wandb is not None:
@@ -275,6 +283,10 @@ def record_end(run_dir: Path, status: str, error: BaseException | None = None) -
         write_json_atomically(summary, path)
     except OSError as err:
         log.warning("Could not record the %s run in %s (%s).", status, path, err)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 def _histogram_json(value: Any) -> dict:

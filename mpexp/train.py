@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import platform
 import signal
 import sys
 from dataclasses import replace
@@ -22,7 +23,7 @@ from hydra.types import RunMode
 from hydra.utils import get_object
 from omegaconf import DictConfig
 
-from mpexp import __version__, config, performance
+from mpexp import __version__, config, flops, performance
 from mpexp.checkpoint import (
     Checkpointer,
     Preempted,
@@ -124,6 +125,15 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     data.shard(world.rank, world.size)
     model = build_model(cfg.model, info, run.choices.get("model")).to(device)
     parameters = sum(p.numel() for p in model.parameters())
+    # counted once, on the plain model at the run's shapes, before anything wraps it
+    batch_shape = (data.batch_size, info.channels, info.height, info.width)
+    name = device_name(device)
+    throughput = flops.throughput(
+        model,
+        batch_shape,
+        cfg.trainer.peak_tflops or flops.device_peak_tflops(name, precision.effective),
+        world.size,
+    )
     fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
     performance.apply_memory_format(model, cfg.trainer)  # before DDP/FSDP takes the parameters
     model = world.wrap(model, precision)
@@ -139,7 +149,8 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
 
     ran = {
         "device": str(device),
-        "device_name": device_name(device),
+        "device_name": name,
+        "host": platform.node(),  # the report warns when jobs on one host overlapped in time
         "torch_version": torch.__version__,
         "mpexp_version": __version__,
         "choices": run.choices,
@@ -152,6 +163,8 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         "accumulate": cfg.trainer.accumulate,
         "clip_grad_norm": cfg.trainer.clip_grad_norm,
         "parameters": parameters,
+        "flops_per_sample": throughput.flops_per_sample,
+        "peak_tflops": throughput.peak_tflops,
         "steps_per_epoch": data.steps_per_epoch(),
         "deterministic": cfg.trainer.deterministic,
     }
@@ -172,7 +185,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     run_config = {**config.to_dict(cfg), "ran": ran}
     tracker = Tracker(run, run_config, cfg.wandb) if world.is_main else NullTracker(run.run_dir)
     saver = Checkpointer(cfg, run.overrides, device, model, optimizer, scaler, tracker, schedule)
-    parts = Parts(model, forward, data, optimizer, scaler, precision)
+    parts = Parts(model, forward, data, optimizer, scaler, precision, throughput)
     try:
         stop_if_asked(stop, world, run, "while W&B started")
         fit = Fit(cfg, parts, tracker, saver, world, stop)

@@ -155,6 +155,12 @@ def _validate_training_loop(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.clip_grad_norm={clip} must be positive (null turns clipping off), e.g. 1.0."
         )
+    peak = trainer.peak_tflops
+    if peak is not None and _number(peak, "trainer.peak_tflops") <= 0:
+        raise ConfigError(
+            f"trainer.peak_tflops={peak} must be positive: the device's dense peak TFLOP/s for "
+            "the run's precision, e.g. 989.4 for bf16 on an H100 SXM (null looks it up)."
+        )
     _integer(diag.grad_stats_every, "diagnostics.grad_stats_every", 0)
     _integer(diag.max_names, "diagnostics.max_names", 1)
 

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from torch.utils.data import DataLoader
-from torch.utils.flop_counter import FlopCounterMode
 from torchvision import datasets
 from torchvision import transforms as T
 
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from mpexp import config  # noqa: E402
 from mpexp.data.mnist import MNISTData, write_mnist_files  # noqa: E402
 from mpexp.data.synthetic import SyntheticData  # noqa: E402
+from mpexp.flops import device_peak_tflops, flops_per_sample  # noqa: E402
 from mpexp.performance import build_optimizer  # noqa: E402
 from mpexp.precision import setup_precision  # noqa: E402
 from mpexp.scaling import build_scaler  # noqa: E402
@@ -49,14 +49,6 @@ from mpexp.tracking import RunContext  # noqa: E402
 from mpexp.train import build, train  # noqa: E402
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
-
-# Dense peak TFLOP/s by GPU name (vendor datasheets, SXM parts): fp32 without tensor cores, TF32,
-# and fp16/bf16 tensor-core math. Unlisted GPUs get no "% of peak" without --peak-tflops.
-PEAK_TFLOPS = {
-    "H200": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
-    "H100": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
-    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
-}
 
 # Per device: what a run of a few minutes (CUDA) or under two (CPU) can afford. On CPU the point
 # is mpexp's per-step overhead, measured in fp32: CPUs without bf16/fp16 matrix units run 16-bit
@@ -219,15 +211,6 @@ def _summarise(times: list[float]) -> dict:
     return {"s": statistics.median(times), "best": min(times)}
 
 
-def flops_per_sample(args) -> float:
-    """Forward plus backward FLOPs of one sample, counted by PyTorch's FlopCounterMode."""
-    model = fresh_model(args, torch.device("cpu"))
-    images, labels = torch.randn(4, 1, 28, 28), torch.randint(10, (4,))
-    with FlopCounterMode(display=False) as counter:
-        F.cross_entropy(model(images), labels).backward()
-    return counter.get_total_flops() / 4
-
-
 def _reset_peak(device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -237,10 +220,9 @@ def _peak_mib(device):
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
-def device_peak(args, name: str) -> dict | None:
-    if args.peak_tflops:
-        return dict.fromkeys(PRECISIONS, args.peak_tflops)
-    return next((peaks for key, peaks in PEAK_TFLOPS.items() if key in name), None)
+def device_peak(args, name: str, precision: str) -> float | None:
+    """--peak-tflops, else the listed peak of the GPU (mpexp/flops.py); unlisted GPUs get none."""
+    return args.peak_tflops or device_peak_tflops(name, precision)
 
 
 def run(args) -> dict:
@@ -251,8 +233,8 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = root or write_data(Path(tmp), args.train_size)
         samples = (args.train_size // args.batch_size) * args.batch_size
-        flops = flops_per_sample(args)
-        peaks = device_peak(args, name)
+        # as mpexp counts it for perf/tflops: one batch at the run's shapes, forward and backward
+        flops = flops_per_sample(fresh_model(args, args.device), (args.batch_size, 1, 28, 28))
         with_bare = args.device.type == "cpu" or args.bare
         rows = []
         for precision in args.precisions:
@@ -271,6 +253,7 @@ def run(args) -> dict:
     for r in rows:
         mpexp_s = r["mpexp"]["s"]
         tflops = flops * samples / mpexp_s / 1e12
+        peak = device_peak(args, name, r["precision"])
         out = {
             "precision": r["precision"],
             "tutorial_s_per_epoch": r["tutorial"]["s"],
@@ -278,7 +261,7 @@ def run(args) -> dict:
             "speedup_vs_tutorial": r["tutorial"]["s"] / mpexp_s,
             "speedup_vs_fp32": base["mpexp"]["s"] / mpexp_s if base else None,
             "tflops": tflops,
-            "peak_fraction": tflops / peaks[r["precision"]] if peaks else None,
+            "peak_fraction": tflops / peak if peak else None,
             "peak_mem_mib": r["mpexp"]["mem"],
             "mem_vs_fp32": r["mpexp"]["mem"] / base["mpexp"]["mem"] if base else None,
             "tutorial_peak_mem_mib": r["tutorial"]["mem"],

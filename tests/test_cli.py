@@ -107,6 +107,7 @@ def test_missing_dataset_says_where_to_put_it(tmp_path):
         (["trainer.accumulate=0"], "trainer.accumulate"),
         (["trainer.accumulate=512"], "trainer.accumulate"),
         (["trainer.clip_grad_norm=-1"], "trainer.clip_grad_norm"),
+        (["trainer.peak_tflops=0"], "trainer.peak_tflops"),
         (["diagnostics.grad_stats_every=-1"], "diagnostics.grad_stats_every"),
         (["scheduler=cosine", "scheduler.min_lr_ratio=2"], "scheduler.min_lr_ratio"),
         (["scheduler=step", "scheduler.gamma=0"], "scheduler.gamma"),

@@ -56,7 +56,7 @@ def test_precision_sweep_as_wandb_runs_named_tagged_and_reported(tmp_path):
         "report",
         group,
     )
-    (table_file,) = report_dir.glob("files/media/table/report/*.table.json")
+    (table_file,) = report_dir.glob("files/media/table/report/table_*.table.json")
     table = json.loads(table_file.read_text())
     column = table["columns"].index("precision")
     assert [row[column] for row in table["data"]] == PRECISIONS

@@ -1,7 +1,9 @@
 """The sweep report: what each precision bought, read from the runs' local files.
 
 runs.py      finds run directories and reads what each run wrote
-table.py     one row per run, compared with the fp32 run of the same model and dataset
+stats.py     means, differences and ratios with 95 % intervals (Student's t, Welch)
+table.py     runs grouped into configurations (all but the seed alike), each compared with its fp32
+             reference: parity verdicts, speedups, time to target, timing warnings
 markdown.py  report.md
 plots.py     the PNG plots
 wandb_run.py the report as a W&B run in the sweep's group

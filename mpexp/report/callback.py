@@ -20,9 +20,12 @@ from mpexp.report.runs import find_run_dirs
 class SweepReport(Callback):
     """`mpexp-report <sweep dir>`, run by Hydra at the end of every multirun."""
 
-    def __init__(self, tolerance: float = 0.5, wandb_mode: str = "auto"):
+    def __init__(
+        self, tolerance: float = 0.5, wandb_mode: str = "auto", target_acc: float | None = None
+    ):
         self.tolerance = tolerance
         self.wandb_mode = wandb_mode
+        self.target_acc = target_acc
         self.sweep_dir: Path | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -47,6 +50,11 @@ class SweepReport(Callback):
         from mpexp.report.cli import make_report  # plotting imports only when a sweep ends
 
         try:
-            make_report([self.sweep_dir], self.tolerance, wandb_mode=self.wandb_mode)
+            make_report(
+                [self.sweep_dir],
+                self.tolerance,
+                wandb_mode=self.wandb_mode,
+                target_acc=self.target_acc,
+            )
         except UserError as err:
             print(f"No sweep report: {err}")

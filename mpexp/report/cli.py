@@ -1,6 +1,6 @@
 """`python -m mpexp.report` / `mpexp-report`: write the report for run folders, and log it to W&B.
 
-mpexp-report <run dir or multirun dir> [more dirs] [--tolerance 0.5] [--out DIR]
+mpexp-report <run dir or multirun dir> [more dirs] [--tolerance 0.5] [--target-acc 98] [--out DIR]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def write_report(report: Report) -> Path:
     try:
         report.out_dir.mkdir(parents=True, exist_ok=True)
         if report.rows:
-            report.plots = plots.draw_all(report.rows, report.out_dir)
+            report.plots = plots.draw_all(report.configs, report.out_dir)
         report.path.write_text(render_markdown(report) + "\n")
     except OSError as err:
         raise UserError(
@@ -37,9 +37,11 @@ def make_report(
     tolerance: float = DEFAULT_TOLERANCE,
     out_dir: Path | None = None,
     wandb_mode: str = "auto",
+    target_acc: float | None = None,
 ) -> Report:
-    """Build, write and (when the runs were online) log the report; print where it is."""
-    report = build_report(paths, tolerance, out_dir)
+    """Build, write and (when the runs were online) log the report; print where it is.
+    `target_acc`: val accuracy in percent for the time to target (default: per fp32 reference)."""
+    report = build_report(paths, tolerance, out_dir, target_acc)
     write_report(report)
     print("\n".join(report.console_lines()))
     log_to_wandb(report, wandb_mode)
@@ -53,17 +55,32 @@ def _tolerance(text: str) -> float:
     return value
 
 
+def _percent(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 100:
+        raise argparse.ArgumentTypeError(f"{text} is not an accuracy in percent (0 to 100]")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="mpexp-report",
-        description="Compare runs against the fp32 run: report.md and PNG plots from local files.",
+        description="Compare configurations (runs that differ only in the seed) with their fp32 "
+        "reference: report.md and PNG plots from local files.",
     )
     parser.add_argument("dirs", nargs="+", type=Path, help="run directories or multirun folders")
     parser.add_argument(
         "--tolerance",
         type=_tolerance,
         default=DEFAULT_TOLERANCE,
-        help="val accuracy points a run may fall below fp32 before it is flagged (default 0.5)",
+        help="val accuracy points a configuration may fall below fp32 and still be at parity "
+        "(default 0.5)",
+    )
+    parser.add_argument(
+        "--target-acc",
+        type=_percent,
+        help="val accuracy in percent for the time-to-target columns (default: the fp32 "
+        "reference's final accuracy minus the tolerance)",
     )
     parser.add_argument(
         "--out", type=Path, help="where to write (default: the directory given, or their parent)"
@@ -76,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        make_report(args.dirs, args.tolerance, args.out, args.wandb)
+        make_report(args.dirs, args.tolerance, args.out, args.wandb, args.target_acc)
     except UserError as err:
         print(f"mpexp.report: {err}", file=sys.stderr)
         return 2

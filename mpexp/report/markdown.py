@@ -1,46 +1,41 @@
-"""report.md: the table, the parity verdicts and the plots, as Markdown."""
+"""report.md: warnings, the accuracy and speed tables by configuration, the runs, the plots."""
 
 from __future__ import annotations
 
-from mpexp.report.table import Report
+from collections.abc import Callable
 
-# report.md columns: (header, key in Row.values, format)
-COLUMNS = [
-    ("run", "run", "{}"),
-    ("precision", "precision", "{}"),
-    ("loss scaling", "loss_scaling", "{}"),
-    ("model", "model", "{}"),
-    ("dataset", "dataset", "{}"),
-    ("epoch time (s)", "epoch_time_s", "{:.2f}"),
-    ("speedup", "speedup", "{:.2f}x"),
-    ("samples/s", "samples_per_s", "{:.0f}"),
-    ("peak memory (MiB)", "peak_mem_mib", "{:.1f}"),
-    ("memory vs fp32", "mem_ratio", "{:.2f}x"),
-    ("val loss", "val_loss", "{:.4f}"),
-    ("Δ val loss", "d_val_loss", "{:+.4f}"),
-    ("val acc (%)", "val_acc_pct", "{:.2f}"),
-    ("Δ val acc (points)", "d_val_acc_pts", "{:+.2f}"),
-    ("skipped steps", "skipped_steps", "{}"),
-]
+from mpexp.report.stats import Estimate
+from mpexp.report.table import MIN_TIMED_EPOCHS, Config, Report, Row, run_values
+
+PLOT_TITLES = {
+    "val_accuracy": "Validation accuracy per epoch and over training time",
+    "loss_curves": "Loss curves",
+    "epoch_time": "Epoch time and its spread",
+    "peak_memory": "Peak memory",
+    "loss_scale": "Loss scale per scaled run (skipped steps marked x)",
+    "underflow": "fp16 underflow per layer",
+}
 
 
 def render_markdown(report: Report) -> str:
-    rows = report.rows
     lines = [f"# Sweep report: {report.out_dir.parent.name}/{report.out_dir.name}", ""]
+    rows = report.rows
     lines.append(
-        f"Runs under `{report.out_dir}`: {len(rows)} reported, "
-        f"{len(report.not_reported)} not reported."
+        f"Runs under `{report.out_dir}`: {len(rows)} reported in {len(report.configs)} "
+        f"configurations, {len(report.not_reported)} not reported."
     )
-    machines = sorted({f"{r.run.ran.get('device_name')} ({r.run.ran.get('device')})" for r in rows})
-    torches = sorted({str(r.run.ran.get("torch_version")) for r in rows})
     if rows:
+        machines = sorted(
+            {f"{r.run.ran.get('device_name')} ({r.run.ran.get('device')})" for r in rows}
+        )
+        torches = sorted({str(r.run.ran.get("torch_version")) for r in rows})
         lines.append(f"Ran on {', '.join(machines)} with torch {', '.join(torches)}.")
     lines.append("")
-
     if rows:
-        lines += _table(report)
-        lines += ["", *_notes(report), ""]
-        lines += _parity_section(report)
+        lines += _warnings(report)
+        lines += _accuracy_section(report)
+        lines += _speed_section(report)
+        lines += _runs_section(report)
     if report.not_reported:
         lines += ["## Not reported", ""]
         lines += [f"- `{label}`: {run.problem}" for label, run in report.not_reported]
@@ -50,30 +45,191 @@ def render_markdown(report: Report) -> str:
     return "\n".join(lines)
 
 
-def _table(report: Report) -> list[str]:
-    headers = [h for h, _, _ in COLUMNS]
+# --- cells ---------------------------------------------------------------------------------------
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _estimate(e: Estimate | None, spec: str) -> str:
+    """`mean ± half-width` of the 95 % interval, or the value alone without an interval."""
+    if e is None:
+        return "n/a"
+    if e.low is None:
+        return format(e.value, spec)
+    return f"{e.value:{spec}} ± {e.half_width:{spec.lstrip('+')}}"
+
+
+def _ratio(e: Estimate | None) -> str:
+    """`1.52x (1.40 to 1.65)`: a ratio's interval is not symmetric."""
+    if e is None:
+        return "n/a"
+    if e.low is None:
+        return f"{e.value:.2f}x"
+    return f"{e.value:.2f}x ({e.low:.2f} to {e.high:.2f})"
+
+
+VERDICTS = {
+    "reference": "fp32 reference",
+    "no reference": "no fp32 reference",
+    "single seed": "inconclusive: single seed",
+    "within noise": "within noise",
+    "too wide": "inconclusive: interval too wide",
+}
+
+
+def parity_text(config: Config) -> str:
+    """The verdict on accuracy; a difference beyond the tolerance comes with its size."""
+    d = config.d_val_acc_pts
+    if config.parity == "worse":
+        return f"**worse by {-d.value:.2f} ± {d.half_width:.2f} points**"
+    if config.parity == "better":
+        return f"better by {d.value:.2f} ± {d.half_width:.2f} points"
+    return VERDICTS[config.parity]
+
+
+def _precision(row: Row) -> str:
+    if row.effective_precision != row.precision:
+        return f"{row.precision} (ran as {row.effective_precision})"
+    return row.precision
+
+
+def _time_to_target(config: Config) -> str:
+    if config.target is None:
+        return "n/a"
+    if config.reached == config.n:
+        return _estimate(config.time_to_target, ".1f")
+    if config.reached == 0:
+        return "not reached"
+    return f"reached by {config.reached} of {config.n}"
+
+
+def _table(headers: list[str], items: list, cells: Callable[[object], list[str]]) -> list[str]:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    for row in report.rows:
-        values = row.values(report.tolerance)
-        cells = {
-            key: "n/a" if values[key] is None else fmt.format(values[key])
-            for _, key, fmt in COLUMNS
-        }
-        if row.effective_precision != row.precision:
-            cells["precision"] += f" (ran as {row.effective_precision})"
-        if values["parity"] == "flagged":
-            cells["d_val_acc_pts"] = f"**{cells['d_val_acc_pts']}**"
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells.values()) + " |")
+    for item in items:
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(item)) + " |")
     return lines
 
 
-def _notes(report: Report) -> list[str]:
-    notes = [
-        "Epoch time and samples/s: median over the epochs after the first, which pays one-off "
-        "warm-up costs. Speedup: the fp32 run's epoch time over this run's. Δ columns: this run "
-        "minus the fp32 run of the same model and dataset; accuracy in percentage points.",
+# --- sections ------------------------------------------------------------------------------------
+
+
+def _warnings(report: Report) -> list[str]:
+    warnings = []
+    few = report.few_timed_epochs
+    if few:
+        one_epoch = [r for r in few if len(r.run.epochs) == 1]
+        warnings.append(
+            f"**Few timed epochs.** {_names(few)} timed fewer than {MIN_TIMED_EPOCHS} epochs (the "
+            "first epoch is not timed: it pays warm-up): an epoch time from one or two epochs is "
+            f"as much noise as measurement. Train for at least {MIN_TIMED_EPOCHS + 1} epochs to "
+            "compare speed."
+            + (
+                f" {_names(one_epoch)} trained one epoch: its time includes the warm-up."
+                if one_epoch
+                else ""
+            )
+        )
+    overlapping = report.overlapping
+    if overlapping:
+        warnings.append(
+            f"**Jobs overlapped in time.** {_names(overlapping)} trained while other jobs of "
+            "these runs trained on the same machine (a parallel launcher): they competed for it, "
+            "so their epoch times, speedups and times to target are not comparable. Run the jobs "
+            "one after another (Hydra's default launcher) to compare speed."
+        )
+    single = [c for c in report.configs if c.n == 1]
+    if single:
+        which = ", ".join(f"`{c.label}`" for c in single)
+        warnings.append(
+            f"**Single seed.** {which}: one run each, so their accuracy has no interval and "
+            "their parity is inconclusive. Repeat them with seeds, e.g. `trainer.seed=0,1,2`."
+        )
+    if not warnings:
+        return []
+    return ["## Warnings", "", *[f"- {w}" for w in warnings], ""]
+
+
+def _names(rows: list[Row]) -> str:
+    return ", ".join(f"`{r.label}`" for r in rows)
+
+
+def _accuracy_section(report: Report) -> list[str]:
+    lines = [
+        "## Accuracy against fp32",
+        "",
+        "One row per configuration: runs that differ only in `trainer.seed`, n of them. Values are "
+        "means over the seeds ± the half-width of their 95 % interval (Student's t; none for "
+        "n = 1). Δ columns: this configuration minus its fp32 reference (the fp32 configuration "
+        "with the same other overrides; in a precision x loss-scaling grid the one without loss "
+        "scaling), with Welch's interval. Final val accuracy in percent, Δ in percentage points.",
+        "",
+        f"Parity judges the interval of Δ val acc against the tolerance of {report.tolerance:g} "
+        "points (`--tolerance`): *within noise* when the whole interval lies above "
+        f"-{report.tolerance:g} (not worse than fp32 by more than the tolerance), *worse by X ± Y* "
+        f"when it lies below -{report.tolerance:g}, *better by X ± Y* when it lies above "
+        f"+{report.tolerance:g}, *inconclusive* when one side has a single seed or the interval "
+        "is too wide to tell (it straddles the tolerance; more seeds narrow it).",
+        "",
     ]
-    kinds = {r.mem_kind for r in report.rows}
+
+    def cells(c: Config) -> list[str]:
+        return [
+            c.label,
+            c.values()["runs"],
+            _precision(c.first),
+            c.first.loss_scaling,
+            c.first.run.chosen("model"),
+            c.first.run.chosen("dataset"),
+            str(c.n),
+            _estimate(c.val_acc_pct, ".2f"),
+            _estimate(c.d_val_acc_pts, "+.2f"),
+            parity_text(c),
+            _estimate(c.val_loss, ".4f"),
+            _estimate(c.d_val_loss, "+.4f"),
+        ]
+
+    headers = ["configuration", "runs", "precision", "loss scaling", "model", "dataset", "n",
+               "val acc (%)", "Δ val acc (points)", "parity", "val loss", "Δ val loss"]  # fmt: skip
+    return [*lines, *_table(headers, report.configs, cells), ""]
+
+
+def _speed_section(report: Report) -> list[str]:
+    def cells(c: Config) -> list[str]:
+        return [
+            c.label,
+            str(c.n),
+            _estimate(c.epoch_time_s, ".3f"),
+            _ratio(c.speedup),
+            _time_to_target(c),
+            _ratio(c.speedup_at_target),
+            _estimate(c.samples_per_s, ".0f"),
+            _estimate(c.tflops, ".3g"),
+            _estimate(c.mfu_pct, ".1f"),
+            f"{c.peak_mem_mib:.1f}",
+            _number(c.mem_ratio, ".2f") + ("x" if c.mem_ratio is not None else ""),
+        ]
+
+    headers = ["configuration", "n", "epoch time (s)", "speedup", "time to target (s)",
+               "speedup at target", "samples/s", "TFLOP/s", "MFU (%)", "peak memory (MiB)",
+               "memory vs fp32"]  # fmt: skip
+    lines = ["## Speed", "", *_table(headers, report.configs, cells), ""]
+    notes = [
+        "Epoch time: each run's median over its timed epochs (those after the first, which pays "
+        "one-off warm-up), then the mean over seeds ± its 95 % interval. Speedup: the fp32 "
+        "reference's mean epoch time over this configuration's, with a 95 % interval (Welch, on "
+        "the log scale) when both have two seeds or more.",
+        "Time to target: training time (the epochs' times, warm-up included, validation not) "
+        "until val accuracy first reached the target, to the epoch; speedup at target is the "
+        "reference's time over this configuration's, the speedup at equal accuracy. "
+        + _targets(report),
+        "TFLOP/s: the training FLOPs per sample (counted once at start with PyTorch's FLOP "
+        "counter) x samples/s. MFU: TFLOP/s as a share of the device's dense peak for the "
+        "precision that ran; n/a where the peak is not known (a CPU, an unlisted GPU: "
+        "`trainer.peak_tflops` sets it).",
+    ]
+    kinds = {c.mem_kind for c in report.configs}
     if "cuda" in kinds:
         notes.append("Peak memory on a GPU: the largest per-epoch peak of CUDA tensor memory.")
     if "rss" in kinds:
@@ -81,53 +237,72 @@ def _notes(report: Report) -> list[str]:
             "Peak memory on CPU: the process's resident set size, which counts the whole Python "
             "process, not only tensors; it is not comparable with GPU memory."
         )
-    single = [r.label for r in report.rows if len(r.run.epochs) == 1]
-    if single:
-        notes.append(f"One-epoch runs (their time includes warm-up): {', '.join(single)}.")
-    return [" ".join(notes)]
+    return [*lines, *[f"{n}\n" for n in notes]]
 
 
-def _parity_section(report: Report) -> list[str]:
-    lines = [
-        "## Parity with fp32",
-        "",
-        f"A run is flagged when its final val accuracy is more than {report.tolerance:g} "
-        "points below the fp32 run's (`--tolerance`): mixed precision should match fp32 "
-        "accuracy, as the ApX Machine Learning article on mixed precision training advises "
-        "checking.",
-        "",
+def _targets(report: Report) -> str:
+    if report.target_acc is not None:
+        return f"Target: {100 * report.target_acc:.2f} % val accuracy (`--target-acc`)."
+    references = list(dict.fromkeys(c.reference for c in report.configs if c.reference))
+    if not references:
+        return "No target: no fp32 reference to take it from; set one with `--target-acc`."
+    shown = [
+        f"{100 * r.target:.2f} % for `{r.label}` and the configurations compared with it "
+        f"(its {r.val_acc_pct.value:.2f} % minus {report.tolerance:g} points)"
+        for r in references
     ]
-    for row in report.rows:
-        verdict = row.parity(report.tolerance)
-        acc = f"{100 * row.val_acc:.2f} %"
-        if verdict == "baseline":
-            lines.append(f"- `{row.label}`: the fp32 reference, {acc}")
-        elif verdict == "no fp32 run":
-            lines.append(
-                f"- `{row.label}`: {acc}, no fp32 run of {row.run.chosen('model')} on "
-                f"{row.run.chosen('dataset')} to compare with; add precision=fp32 to the sweep"
-            )
+    return (
+        "Target, by default the fp32 reference's final val accuracy minus the tolerance: "
+        + "; ".join(shown)
+        + "."
+    )
+
+
+def _runs_section(report: Report) -> list[str]:
+    def cells(item: tuple[Config, Row]) -> list[str]:
+        config, row = item
+        v = run_values(row, config.target)
+        reached = v["time_to_target_s"]
+        if config.target is None:
+            to_target = "n/a"
+        elif reached is None:
+            to_target = "not reached"
         else:
-            shown = "**flagged**" if verdict == "flagged" else "ok"
-            base = f"{100 * row.baseline.val_acc:.2f} %"
-            lines.append(
-                f"- {shown} `{row.label}`: {acc} against fp32's {base} "
-                f"({row.d_val_acc_pts:+.2f} points)"
-            )
-    return [*lines, ""]
+            to_target = f"{reached:.1f}"
+        spread = f"{v['epoch_time_min_s']:.3f} to {v['epoch_time_max_s']:.3f}"
+        return [
+            v["run"],
+            str(v["seed"]),
+            f"{v['val_acc_pct']:.2f}",
+            f"{v['val_loss']:.4f}",
+            f"{v['epoch_time_s']:.3f} [{spread}]",
+            str(v["timed_epochs"]),
+            f"{v['samples_per_s']:.0f}",
+            _number(v["tflops"], ".3g"),
+            _number(v["mfu_pct"], ".1f"),
+            to_target,
+            f"{v['peak_mem_mib']:.1f}",
+            str(v["skipped_steps"]),
+        ]
+
+    headers = ["run", "seed", "val acc (%)", "val loss", "epoch time (s): median [min to max]",
+               "timed epochs", "samples/s", "TFLOP/s", "MFU (%)", "time to target (s)",
+               "peak memory (MiB)", "skipped steps"]  # fmt: skip
+    items = [(c, r) for c in report.configs for r in c.rows]
+    return ["## Runs", "", *_table(headers, items, cells), ""]
 
 
 def _plots_section(report: Report) -> list[str]:
     lines = ["## Plots", ""]
-    titles = {
-        "loss_curves": "Loss curves",
-        "epoch_time": "Epoch time",
-        "peak_memory": "Peak memory",
-        "loss_scale": "Loss scale (skipped steps marked x)",
-    }
-    for name, title in titles.items():
+    for name, title in PLOT_TITLES.items():
         if name in report.plots:
             lines += [f"![{title}]({report.plots[name].name})", ""]
     if "loss_scale" not in report.plots:
         lines += ["No run used loss scaling, so there is no loss-scale plot.", ""]
+    if "underflow" not in report.plots:
+        lines += [
+            "No run recorded gradient statistics, so there is no underflow plot "
+            "(`diagnostics.grad_stats_every=N` records them).",
+            "",
+        ]
     return lines

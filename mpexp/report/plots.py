@@ -2,31 +2,64 @@
 
 Figures are built with `matplotlib.figure.Figure`, not pyplot, so drawing a report never changes
 the process's backend or global figure state (the report also runs inside a Hydra process).
+
+Each configuration keeps one colour, line style and marker in every plot, and its seeds share them:
+two configurations whose curves coincide (fp32 and tf32 on a CPU, where TF32 does not exist) still
+show both, one dashed over the other, their hollow markers one inside the other or at different
+steps.
 """
 
 from __future__ import annotations
 
+import math
+from itertools import pairwise
 from pathlib import Path
 
+from matplotlib import colormaps
+from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from mpexp.report.table import Row
+from mpexp.report.table import Config, Row
+
+LINE_STYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+MARKS_PER_LINE = 8  # markers along a per-step line: enough to tell lines apart, few enough to read
+# underflow spans orders of magnitude (a layer losing 0.1 % of its gradient matters as 10 % does)
+UNDERFLOW_RANGE_PCT = (1e-3, 100.0)
 
 
-def _colour(index: int) -> str:
-    return f"C{index % 10}"  # the same colour for a run in every plot
-
-
-def draw_all(rows: list[Row], out_dir: Path) -> dict[str, Path]:
-    """Every plot that has something to show, by name; the loss-scale plot needs a scaled run."""
-    drawn = {
-        "loss_curves": loss_curves(rows, out_dir / "loss_curves.png"),
-        "epoch_time": epoch_time_bars(rows, out_dir / "epoch_time.png"),
-        "peak_memory": peak_memory_bars(rows, out_dir / "peak_memory.png"),
+def _style(index: int) -> dict:
+    # hollow markers: a square drawn on a circle at the same point leaves the circle visible
+    return {
+        "color": f"C{index % 10}",
+        "linestyle": LINE_STYLES[index % len(LINE_STYLES)],
+        "marker": MARKERS[index % len(MARKERS)],
+        "markerfacecolor": "none",
+        "markeredgewidth": 1.3,
     }
-    if any(r.loss_scaling != "none" for r in rows):
-        drawn["loss_scale"] = loss_scale_history(rows, out_dir / "loss_scale.png")
+
+
+def _legend_label(config: Config) -> str:
+    return f"{config.label} (n={config.n})"
+
+
+def draw_all(configs: list[Config], out_dir: Path) -> dict[str, Path]:
+    """Every plot that has something to show, by name: the loss-scale plot needs a scaled run,
+    the underflow plot a run with gradient statistics."""
+    drawn = {
+        "val_accuracy": val_accuracy(configs, out_dir / "val_accuracy.png"),
+        "loss_curves": loss_curves(configs, out_dir / "loss_curves.png"),
+        "epoch_time": epoch_time(configs, out_dir / "epoch_time.png"),
+        "peak_memory": peak_memory(configs, out_dir / "peak_memory.png"),
+    }
+    scaled = [(i, r) for i, c in enumerate(configs) for r in c.rows if r.loss_scaling != "none"]
+    if scaled:
+        drawn["loss_scale"] = loss_scale(scaled, out_dir / "loss_scale.png")
+    with_stats = [(i, r) for i, c in enumerate(configs) for r in c.rows if _underflow_keys(r)]
+    if with_stats:
+        drawn["underflow"] = underflow(with_stats, out_dir / "underflow.png")
     return drawn
 
 
@@ -35,90 +68,174 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def loss_curves(rows: list[Row], path: Path) -> Path:
-    """Training loss at every step and validation loss at every epoch, one line per run."""
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
+def _figure_legend(fig: Figure, configs: list[Config], extra: list[tuple[Line2D, str]] = ()):
+    """One legend for the figure, below its panels: an entry per configuration."""
+    handles = [Line2D([], [], **_style(i)) for i in range(len(configs))]
+    labels = [_legend_label(c) for c in configs]
+    handles += [h for h, _ in extra]
+    labels += [label for _, label in extra]
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)))
+
+
+def _marks(count: int, index: int, configs: int) -> tuple[int, int]:
+    """markevery for a line of `count` points: configurations start their markers at different
+    points, so markers of coinciding lines do not cover each other."""
+    every = max(1, count // MARKS_PER_LINE)
+    return (index * every // max(1, configs)) % every, every
+
+
+def val_accuracy(configs: list[Config], path: Path) -> Path:
+    """Val accuracy per epoch and against training time, with the targets of time to target."""
+    fig = Figure(figsize=(11, 4.8), layout="constrained")
+    per_epoch, per_time = fig.subplots(1, 2, sharey=True)
+    for i, config in enumerate(configs):
+        for row in config.rows:
+            epochs = row.run.epochs
+            acc = [100 * e["val/acc"] for e in epochs]
+            elapsed, times = 0.0, []
+            for e in epochs:
+                elapsed += e["perf/epoch_time_s"]
+                times.append(elapsed)
+            per_epoch.plot([e["epoch"] for e in epochs], acc, alpha=0.85, **_style(i))
+            per_time.plot(times, acc, alpha=0.85, **_style(i))
+    extra = []
+    targets = sorted({c.target for c in configs if c.target is not None})
+    for target in targets:
+        for ax in (per_epoch, per_time):
+            ax.axhline(100 * target, color="0.4", linewidth=1, linestyle=(0, (4, 3)), zorder=0)
+    if targets:
+        label = ", ".join(f"{100 * t:.2f} %" for t in targets)
+        extra.append((Line2D([], [], color="0.4", linestyle=(0, (4, 3))), f"target: {label}"))
+    per_epoch.set(xlabel="epoch", ylabel="val accuracy (%)", title="Val accuracy per epoch")
+    per_epoch.xaxis.set_major_locator(MaxNLocator(integer=True))
+    per_time.set(
+        xlabel="training time (s, sum of epoch times)",
+        title="Val accuracy over training time",
+    )
+    per_time.tick_params(labelleft=True)
+    _figure_legend(fig, configs, extra)
+    return _save(fig, path)
+
+
+def loss_curves(configs: list[Config], path: Path) -> Path:
+    """Training loss at every step and validation loss at every epoch."""
+    fig = Figure(figsize=(11, 4.8), layout="constrained")
     per_step, per_epoch = fig.subplots(1, 2)
-    for i, row in enumerate(rows):
-        steps = row.run.steps
-        per_step.plot(
-            [s["step"] for s in steps],
-            [s["train/loss"] for s in steps],
-            color=_colour(i),
-            linewidth=0.8,
-            alpha=0.8,
-            label=row.label,
-        )
-        epochs = row.run.epochs
-        per_epoch.plot(
-            [e["epoch"] for e in epochs],
-            [e["val/loss"] for e in epochs],
-            color=_colour(i),
-            marker="o",
-            label=row.label,
-        )
+    for i, config in enumerate(configs):
+        for row in config.rows:
+            steps = row.run.steps
+            per_step.plot(
+                [s["step"] for s in steps],
+                [s["train/loss"] for s in steps],
+                linewidth=1,
+                alpha=0.85,
+                markersize=5,
+                markevery=_marks(len(steps), i, len(configs)),
+                **_style(i),
+            )
+            epochs = row.run.epochs
+            per_epoch.plot(
+                [e["epoch"] for e in epochs],
+                [e["val/loss"] for e in epochs],
+                alpha=0.85,
+                **_style(i),
+            )
     per_step.set(xlabel="step", ylabel="train loss", title="Training loss per step")
+    per_step.xaxis.set_major_locator(MaxNLocator(integer=True))
     per_epoch.set(xlabel="epoch", ylabel="val loss", title="Validation loss per epoch")
     per_epoch.xaxis.set_major_locator(MaxNLocator(integer=True))
-    per_epoch.legend(fontsize="small")
+    _figure_legend(fig, configs)
     return _save(fig, path)
 
 
-def _bars(rows: list[Row], heights: list[float], notes: list[str], ylabel: str, title: str):
-    fig = Figure(figsize=(max(5.0, 1.1 * len(rows) + 2), 4.2), layout="constrained")
+def _offsets(count: int) -> list[float]:
+    """x offsets of a configuration's runs around its tick, so that they stand side by side."""
+    if count == 1:
+        return [0.0]
+    width = min(0.5, 0.12 * (count - 1))
+    return [-width / 2 + width * k / (count - 1) for k in range(count)]
+
+
+def epoch_time(configs: list[Config], path: Path) -> Path:
+    """Every timed epoch of every run (dots), each run's median (marker) and min-max (bar),
+    labelled with the configuration's speedup over its fp32 reference."""
+    fig = Figure(figsize=(max(6.0, 1.4 * len(configs) + 2.5), 4.8), layout="constrained")
     ax = fig.subplots()
-    positions = range(len(rows))
-    bars = ax.bar(positions, heights, color=[_colour(i) for i in positions])
+    top = 0.0
+    for i, config in enumerate(configs):
+        style = _style(i)
+        for offset, row in zip(_offsets(config.n), config.rows, strict=True):
+            x = i + offset
+            ax.scatter([x] * len(row.timed), row.timed, s=10, color=style["color"], alpha=0.45)
+            ax.vlines(x, min(row.timed), max(row.timed), color=style["color"], linewidth=1.5)
+            ax.plot(x, row.epoch_time_s, marker=style["marker"], color=style["color"], ms=8)
+            top = max(top, max(row.timed))
+        speedup = config.speedup
+        if speedup is not None:
+            text = f"{speedup.value:.2f}x"
+            if speedup.low is not None:
+                text += f"\n({speedup.low:.2f} to {speedup.high:.2f})"
+            highest = max(max(r.timed) for r in config.rows)
+            ax.annotate(
+                text,
+                (i, highest),
+                xytext=(0, 6),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize="small",
+            )
+    ax.set_xticks(range(len(configs)), [_legend_label(c) for c in configs], rotation=20, ha="right")
+    ax.set_xlim(-0.6, len(configs) - 0.4)
+    ax.set_ylim(0, top * 1.3 if top > 0 else 1)  # from zero, so heights compare as ratios
+    ax.set(
+        ylabel="seconds per epoch",
+        title="Epoch time: each timed epoch (dots), median and min-max per run\n"
+        "label: speedup over fp32 (95 % interval with 2+ seeds)",
+    )
+    return _save(fig, path)
+
+
+def peak_memory(configs: list[Config], path: Path) -> Path:
+    """Peak memory per configuration (mean over seeds), labelled with its ratio to fp32."""
+    fig = Figure(figsize=(max(6.0, 1.4 * len(configs) + 2.5), 4.8), layout="constrained")
+    ax = fig.subplots()
+    positions = range(len(configs))
+    bars = ax.bar(
+        positions,
+        [c.peak_mem_mib for c in configs],
+        color=[_style(i)["color"] for i in positions],
+    )
+    notes = ["" if c.mem_ratio is None else f"{c.mem_ratio:.2f}x" for c in configs]
     ax.bar_label(bars, labels=notes, fontsize="small")
-    ax.set_xticks(list(positions), [r.label for r in rows], rotation=30, ha="right")
-    ax.set(ylabel=ylabel, title=title)
-    ax.margins(y=0.15)  # room for the labels above the bars
-    return fig
-
-
-def epoch_time_bars(rows: list[Row], path: Path) -> Path:
-    """Median epoch time per run, labelled with the speedup over fp32."""
-    notes = ["" if r.speedup is None else f"{r.speedup:.2f}x" for r in rows]
-    fig = _bars(
-        rows,
-        [r.epoch_time_s for r in rows],
-        notes,
-        "seconds per epoch (median after the first)",
-        "Epoch time (label: speedup over fp32)",
-    )
-    return _save(fig, path)
-
-
-def peak_memory_bars(rows: list[Row], path: Path) -> Path:
-    """Peak memory per run, labelled with its ratio to fp32."""
-    notes = ["" if r.mem_ratio is None else f"{r.mem_ratio:.2f}x" for r in rows]
+    ax.set_xticks(list(positions), [_legend_label(c) for c in configs], rotation=20, ha="right")
     kinds = {"cuda": "CUDA tensor memory", "rss": "process RSS (CPU)"}
-    what = " / ".join(sorted({kinds[r.mem_kind] for r in rows}))
-    fig = _bars(
-        rows,
-        [r.peak_mem_mib for r in rows],
-        notes,
-        f"peak MiB, {what}",
-        "Peak memory (label: ratio to fp32)",
-    )
+    what = " / ".join(sorted({kinds[c.mem_kind] for c in configs}))
+    ax.set(ylabel=f"peak MiB, {what}", title="Peak memory, mean over seeds (label: ratio to fp32)")
+    ax.margins(y=0.15)  # room for the labels above the bars
     return _save(fig, path)
 
 
-def loss_scale_history(rows: list[Row], path: Path) -> Path:
-    """The scale every step used, for the runs with loss scaling; skipped steps marked x."""
-    fig = Figure(figsize=(9, 4.2), layout="constrained")
-    ax = fig.subplots()
-    for i, row in enumerate(rows):
-        if row.loss_scaling == "none":
-            continue
+def _grid(fig: Figure, count: int):
+    """`count` panels, three to a row; the cells left over in the last row are hidden."""
+    columns = min(3, count)
+    rows = math.ceil(count / columns)
+    axes = fig.subplots(rows, columns, squeeze=False).flatten()
+    for ax in axes[count:]:
+        ax.set_visible(False)
+    return axes[:count]
+
+
+def loss_scale(runs: list[tuple[int, Row]], path: Path) -> Path:
+    """The scale every step used, one panel per run with loss scaling; skipped steps marked x."""
+    columns = min(3, len(runs))
+    height = 3.2 * math.ceil(len(runs) / columns) + 0.8
+    fig = Figure(figsize=(4.2 * columns + 0.6, height), layout="constrained")
+    # axes not shared: a shared x would leave panels above an empty cell without step labels
+    for ax, (i, row) in zip(_grid(fig, len(runs)), runs, strict=True):
         steps = row.run.steps
-        ax.plot(
-            [s["step"] for s in steps],
-            [s["amp/scale"] for s in steps],
-            color=_colour(i),
-            drawstyle="steps-post",
-            label=f"{row.label} ({row.skipped_steps} skipped)",
-        )
+        color = _style(i)["color"]
+        ax.plot([s["step"] for s in steps], [s["amp/scale"] for s in steps], color=color)
         # amp/skipped_steps is cumulative: a step was skipped where the count goes up
         previous, skipped = 0, []
         for s in steps:
@@ -128,12 +245,81 @@ def loss_scale_history(rows: list[Row], path: Path) -> Path:
         ax.scatter(
             [s["step"] for s in skipped],
             [s["amp/scale"] for s in skipped],
-            color=_colour(i),
+            color="black",
             marker="x",
             s=36,
             zorder=3,
         )
-    ax.set_yscale("log", base=2)
-    ax.set(xlabel="step", ylabel="loss scale", title="Loss scale per step (x: skipped step)")
-    ax.legend(fontsize="small")
+        ax.set_yscale("log", base=2)
+        ax.set_title(f"{row.label}\n{row.loss_scaling}, {row.skipped_steps} skipped", fontsize=9)
+        ax.set(xlabel="step", ylabel="loss scale")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle("Loss scale per step (x: skipped step)")
+    return _save(fig, path)
+
+
+def _underflow_keys(row: Row) -> list[str]:
+    """The per-layer underflow metrics of a run's gradient statistics, total last."""
+    keys = {k for d in row.run.diagnostics for k in d if k.endswith("/underflow")}
+    layers = [k for k in keys if k != "diag/total/underflow"]
+    ordered = sorted(layers, key=lambda k: [_natural(p) for p in k.split(".")])
+    return ordered + (["diag/total/underflow"] if "diag/total/underflow" in keys else [])
+
+
+def _natural(part: str):
+    return (0, int(part), "") if part.isdigit() else (1, 0, part)
+
+
+def _cell_edges(steps: list[int]) -> list[float]:
+    """Edges of cells centred on `steps`: halfway between neighbours, half a gap beyond the ends."""
+    if len(steps) == 1:
+        return [steps[0] - 0.5, steps[0] + 0.5]
+    middles = [(a + b) / 2 for a, b in pairwise(steps)]
+    return [
+        steps[0] - (steps[1] - steps[0]) / 2,
+        *middles,
+        steps[-1] + (steps[-1] - steps[-2]) / 2,
+    ]
+
+
+def underflow(runs: list[tuple[int, Row]], path: Path) -> Path:
+    """Per layer, the share of non-zero gradient elements that fp16 loses at the step's scale
+    (zero or subnormal once scaled), at every step where gradient statistics ran: one heat map
+    per run, layers down, steps across, on a log colour scale; white where (next to) nothing was
+    lost."""
+    tallest = max(len(_underflow_keys(r)) for _, r in runs)
+    columns = min(3, len(runs))
+    rows = math.ceil(len(runs) / columns)
+    fig = Figure(
+        figsize=(4.6 * columns + 1.2, rows * (1.0 + 0.22 * tallest) + 0.8), layout="constrained"
+    )
+    axes = _grid(fig, len(runs))
+    cmap = colormaps["magma"].with_extremes(bad="white", under="white")
+    norm = LogNorm(*UNDERFLOW_RANGE_PCT, clip=False)
+    image = None
+    for ax, (_, row) in zip(axes, runs, strict=True):
+        keys = _underflow_keys(row)
+        stats = [d for d in row.run.diagnostics if keys[0] in d]
+        steps = [d["step"] for d in stats]
+        grid = [[100 * d.get(k, math.nan) for d in stats] for k in keys]
+        edges = _cell_edges(steps)
+        image = ax.pcolormesh(edges, range(len(keys) + 1), grid, cmap=cmap, norm=norm)
+        ax.set_yticks(
+            [k + 0.5 for k in range(len(keys))],
+            [k.removeprefix("diag/").removesuffix("/underflow") for k in keys],
+            fontsize=8,
+        )
+        ax.invert_yaxis()  # the first layer on top
+        # outside fp16 the gradients never were fp16: what fp16 would lose at that scale
+        what = row.precision if row.precision == "fp16" else f"{row.precision}, what-if in fp16"
+        ax.set_title(f"{row.label}\n{what}, loss scaling {row.loss_scaling}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.colorbar(
+        image,
+        ax=list(axes),
+        extend="min",
+        label="% of non-zero gradient elements lost in fp16 (white: none, or under 0.001 %)",
+    )
+    fig.suptitle("fp16 gradient underflow per layer (diagnostics.grad_stats_every)")
     return _save(fig, path)

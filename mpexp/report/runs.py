@@ -35,6 +35,7 @@ class Run:
     summary: dict[str, Any] = field(default_factory=dict)
     steps: list[dict[str, Any]] = field(default_factory=list)
     epochs: list[dict[str, Any]] = field(default_factory=list)
+    diagnostics: list[dict[str, Any]] = field(default_factory=list)  # diag/ rows, by step
     problem: str | None = None
 
     @property
@@ -114,7 +115,7 @@ def load_run(path: Path) -> Run:
         run.problem = f"{what}: {error}" if error else _why_not(path, what)
         return run
     try:
-        run.steps, run.epochs = _read_metrics(path / "metrics.jsonl")
+        run.steps, run.epochs, run.diagnostics = _read_metrics(path / "metrics.jsonl")
     except (OSError, ValueError) as err:
         run.problem = f"metrics.jsonl cannot be read ({err})"
         return run
@@ -139,8 +140,9 @@ def _read_yaml(path: Path) -> Any:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else None
 
 
-def _read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
-    steps, epochs = [], []
+def _read_metrics(path: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    """Step rows, epoch rows and diagnostics rows (diagnostics.*: their own rows, by step)."""
+    steps, epochs, diagnostics = [], [], []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -149,8 +151,13 @@ def _read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
         except json.JSONDecodeError:
             raise ValueError(f"line {number} is not JSON") from None
         # epoch rows also carry `step` (the step count so far), so test for `epoch` first
-        (epochs if "epoch" in row else steps).append(row)
-    return steps, epochs
+        if "epoch" in row:
+            epochs.append(row)
+        elif "train/loss" in row:
+            steps.append(row)
+        else:
+            diagnostics.append(row)
+    return steps, epochs, diagnostics
 
 
 def _why_not(path: Path, what: str) -> str:

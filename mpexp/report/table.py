@@ -1,36 +1,58 @@
-"""The report's numbers: one row per finished run, compared with the fp32 run of the same model
-and dataset; a parity check on final accuracy; runs that failed or are incomplete are named, not
-dropped."""
+"""The report's numbers.
+
+- `Row`: one finished run, from its metrics.jsonl;
+- `Config`: the runs that differ only in `trainer.seed`, as means with 95 % intervals over seeds,
+  compared with their fp32 reference: the fp32 configuration with the same other overrides (in a
+  precision x loss-scaling grid, the one without loss scaling);
+- `Report`: the configurations, the runs that could not be reported (named, not dropped) and the
+  warnings that say when timings cannot be compared.
+"""
 
 from __future__ import annotations
 
 import os
 import statistics
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from mpexp.report.runs import Run, find_run_dirs, load_run
+from mpexp.report.stats import Estimate, difference, mean, paired_difference, ratio
 
 BASELINE = "fp32"
 DEFAULT_TOLERANCE = 0.5  # percentage points of val accuracy
 MEMORY_KEYS = {"mem/peak_allocated_mib": "cuda", "mem/peak_rss_mib": "rss"}
+MIN_TIMED_EPOCHS = 3  # fewer, and a median epoch time is one or two noisy numbers
+SEED = "trainer.seed"
+# overrides that do not make another configuration: seeds are its repeats, a resumed run is itself
+NOT_CONFIG = (SEED, "trainer.resume")
+# overrides that a configuration's fp32 reference may differ in
+PRECISION_KEYS = ("precision", "loss_scaling")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a run is itself, whatever its numbers
 class Row:
-    """One finished run's numbers, and the fp32 run it is compared with."""
+    """One finished run's numbers. Timing comes from the epochs after the first, which pays
+    one-off costs (cuDNN autotuning, allocator growth, lazy initialisation) that say nothing about
+    the precision; a one-epoch run has only that epoch to offer."""
 
     run: Run
-    label: str
-    epoch_time_s: float
+    folder: str  # its directory, relative to the report's
+    label: str  # the folder and the overrides that differ between the runs
+    timed: list[float]  # seconds of each timed epoch
     samples_per_s: float
+    tflops: float | None
+    mfu: float | None
     peak_mem_mib: float
     mem_kind: str
     val_loss: float
     val_acc: float
     skipped_steps: int
-    baseline: Row | None = None
+
+    @property
+    def seed(self) -> Any:
+        return self.run.config.get("trainer", {}).get("seed")
 
     @property
     def precision(self) -> str:
@@ -45,63 +67,25 @@ class Row:
         return str(self.run.ran.get("loss_scaling", self.run.chosen("loss_scaling")))
 
     @property
-    def speedup(self) -> float | None:
-        return self.baseline.epoch_time_s / self.epoch_time_s if self.baseline else None
+    def epoch_time_s(self) -> float:
+        return statistics.median(self.timed)
 
-    @property
-    def mem_ratio(self) -> float | None:
-        # CUDA tensor memory and CPU process RSS measure different things: no ratio between them
-        if self.baseline is None or self.baseline.mem_kind != self.mem_kind:
+    def time_to(self, target: float | None) -> float | None:
+        """Training seconds (the epochs' times, warm-up included, validation not) until val
+        accuracy first reached `target`; None where it never did."""
+        if target is None:
             return None
-        return self.peak_mem_mib / self.baseline.peak_mem_mib
-
-    @property
-    def d_val_loss(self) -> float | None:
-        return self.val_loss - self.baseline.val_loss if self.baseline else None
-
-    @property
-    def d_val_acc_pts(self) -> float | None:
-        return 100 * (self.val_acc - self.baseline.val_acc) if self.baseline else None
-
-    def parity(self, tolerance: float) -> str:
-        """baseline, ok, flagged (val acc more than `tolerance` points below fp32), or no fp32."""
-        if self.baseline is None:
-            return "no fp32 run"
-        if self.baseline is self:
-            return "baseline"
-        return "flagged" if -self.d_val_acc_pts > tolerance else "ok"
-
-    def values(self, tolerance: float) -> dict[str, Any]:
-        """The row as plain values: the W&B table's columns, and what report.md formats."""
-        return {
-            "run": self.label,
-            "precision": self.precision,
-            "effective_precision": self.effective_precision,
-            "loss_scaling": self.loss_scaling,
-            "model": self.run.chosen("model"),
-            "dataset": self.run.chosen("dataset"),
-            "epoch_time_s": self.epoch_time_s,
-            "speedup": self.speedup,
-            "samples_per_s": self.samples_per_s,
-            "peak_mem_mib": self.peak_mem_mib,
-            "mem_ratio": self.mem_ratio,
-            "val_loss": self.val_loss,
-            "d_val_loss": self.d_val_loss,
-            "val_acc_pct": 100 * self.val_acc,
-            "d_val_acc_pts": self.d_val_acc_pts,
-            "skipped_steps": self.skipped_steps,
-            "parity": self.parity(tolerance),
-        }
+        elapsed = 0.0
+        for epoch in self.run.epochs:
+            elapsed += epoch["perf/epoch_time_s"]
+            if epoch["val/acc"] >= target:
+                return elapsed
+        return None
 
 
-def measure(run: Run, label: str) -> Row:
-    """A finished run's row from its metrics.jsonl.
-
-    Epoch time and samples/s are medians over the epochs after the first: the first pays one-off
-    costs (cuDNN autotuning, allocator growth, lazy initialisation) that say nothing about the
-    precision. A one-epoch run has only that epoch to offer.
-    """
-    timed = run.epochs[1:] or run.epochs
+def measure(run: Run, folder: str, label: str) -> Row:
+    """A finished run's row; KeyError names a metric its metrics.jsonl lacks."""
+    timed_epochs = run.epochs[1:] or run.epochs
     mem_key = next((k for k in MEMORY_KEYS if k in run.epochs[0]), None)
     if mem_key is None:
         raise KeyError("mem/peak_*_mib")
@@ -109,9 +93,12 @@ def measure(run: Run, label: str) -> Row:
     skipped = run.steps[-1]["amp/skipped_steps"] if run.steps else 0
     return Row(
         run=run,
+        folder=folder,
         label=label,
-        epoch_time_s=statistics.median(e["perf/epoch_time_s"] for e in timed),
-        samples_per_s=statistics.median(e["perf/samples_per_s"] for e in timed),
+        timed=[e["perf/epoch_time_s"] for e in timed_epochs],
+        samples_per_s=statistics.median(e["perf/samples_per_s"] for e in timed_epochs),
+        tflops=_median_of(timed_epochs, "perf/tflops"),  # runs from before mpexp logged it lack it
+        mfu=_median_of(timed_epochs, "perf/mfu"),  # only where the device's peak was known
         peak_mem_mib=max(e[mem_key] for e in run.epochs),
         mem_kind=MEMORY_KEYS[mem_key],
         val_loss=last["val/loss"],
@@ -120,30 +107,294 @@ def measure(run: Run, label: str) -> Row:
     )
 
 
-def attach_baselines(rows: list[Row]) -> None:
-    """Compare each row with the fp32 run of the same model and dataset.
+def _median_of(epochs: list[dict], key: str) -> float | None:
+    values = [e[key] for e in epochs if key in e]
+    return statistics.median(values) if len(values) == len(epochs) else None
 
-    With several fp32 runs (a precision x loss-scaling grid) the one without loss scaling is the
-    reference, as plain fp32 training has none.
-    """
+
+def _key(override: str) -> str:
+    """The config key an override sets: `+trainer.seed=3` -> `trainer.seed`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _in(override: str, groups: tuple[str, ...]) -> bool:
+    key = _key(override)
+    return any(key == g or key.startswith(g + ".") for g in groups)
+
+
+@dataclass(eq=False)
+class Config:
+    """The runs that differ only in `trainer.seed`, and the fp32 configuration compared with."""
+
+    label: str
+    rows: list[Row]
+    overrides: tuple[str, ...]  # sorted, without the seed
+    tolerance: float
+    reference: Config | None = None
+    target: float | None = None  # val accuracy (a fraction) for the time to target
+
+    @property
+    def first(self) -> Row:
+        return self.rows[0]
+
+    @property
+    def n(self) -> int:
+        return len(self.rows)
+
+    @property
+    def task(self) -> tuple[str, ...]:
+        """The overrides its fp32 reference shares: all but precision and loss scaling."""
+        return tuple(o for o in self.overrides if not _in(o, PRECISION_KEYS))
+
+    @property
+    def is_reference(self) -> bool:
+        return self.reference is self
+
+    def _each(self, attribute: str) -> list[float]:
+        return [getattr(r, attribute) for r in self.rows]
+
+    def _mean_of(self, attribute: str, scale: float = 1.0) -> Estimate | None:
+        values = self._each(attribute)
+        return None if None in values else mean([scale * v for v in values])
+
+    @property
+    def val_acc_pct(self) -> Estimate:
+        return self._mean_of("val_acc", 100)
+
+    @property
+    def val_loss(self) -> Estimate:
+        return self._mean_of("val_loss")
+
+    @property
+    def epoch_time_s(self) -> Estimate:
+        """Over seeds: each run's median epoch time."""
+        return self._mean_of("epoch_time_s")
+
+    @property
+    def samples_per_s(self) -> Estimate:
+        return self._mean_of("samples_per_s")
+
+    @property
+    def tflops(self) -> Estimate | None:
+        return self._mean_of("tflops")
+
+    @property
+    def mfu_pct(self) -> Estimate | None:
+        return self._mean_of("mfu", 100)
+
+    @property
+    def peak_mem_mib(self) -> float:
+        return statistics.fmean(self._each("peak_mem_mib"))
+
+    @property
+    def mem_kind(self) -> str:
+        return self.first.mem_kind
+
+    def _difference(self, attribute: str, scale: float = 1.0) -> Estimate | None:
+        """This configuration's mean minus its reference's: paired by seed when both ran the same
+        seeds (the same initial weights and data order on each side of a pair), else Welch's."""
+        if self.reference is None:
+            return None
+        if self.is_reference:
+            return Estimate(0.0)
+        mine = {r.seed: scale * getattr(r, attribute) for r in self.rows}
+        theirs = {r.seed: scale * getattr(r, attribute) for r in self.reference.rows}
+        if len(mine) == self.n and len(theirs) == self.reference.n and mine.keys() == theirs.keys():
+            return paired_difference([mine[s] for s in mine], [theirs[s] for s in mine])
+        return difference(
+            [scale * v for v in self._each(attribute)],
+            [scale * v for v in self.reference._each(attribute)],
+        )
+
+    @property
+    def d_val_acc_pts(self) -> Estimate | None:
+        return self._difference("val_acc", 100)
+
+    @property
+    def d_val_loss(self) -> Estimate | None:
+        return self._difference("val_loss")
+
+    @property
+    def parity(self) -> str:
+        """How its final val accuracy compares with the fp32 reference's, at 95 %:
+        `reference`, `no reference`, `single seed` (no interval on one side), `within noise` (the
+        interval of the difference lies above -tolerance: not worse by more than the tolerance),
+        `worse` (it lies below -tolerance), `better` (above +tolerance), or `too wide` (it
+        straddles -tolerance: more seeds would tell)."""
+        if self.reference is None:
+            return "no reference"
+        if self.is_reference:
+            return "reference"
+        diff = self.d_val_acc_pts
+        if diff.low is None:
+            return "single seed"
+        if diff.high < -self.tolerance:
+            return "worse"
+        if diff.low > self.tolerance:
+            return "better"
+        if diff.low >= -self.tolerance:
+            return "within noise"
+        return "too wide"
+
+    @property
+    def speedup(self) -> Estimate | None:
+        """The reference's mean epoch time over this one's."""
+        if self.reference is None:
+            return None
+        if self.is_reference:
+            return Estimate(1.0)
+        return ratio(self.reference._each("epoch_time_s"), self._each("epoch_time_s"))
+
+    @property
+    def times_to_target(self) -> list[float | None]:
+        return [r.time_to(self.target) for r in self.rows]
+
+    @property
+    def time_to_target(self) -> Estimate | None:
+        """Mean over seeds, when every seed reached the target."""
+        times = self.times_to_target
+        return None if self.target is None or None in times else mean(times)
+
+    @property
+    def reached(self) -> int:
+        return sum(t is not None for t in self.times_to_target)
+
+    @property
+    def speedup_at_target(self) -> Estimate | None:
+        """The reference's time to the target over this one's: the speedup at equal accuracy."""
+        if self.reference is None or None in (self.time_to_target, self.reference.time_to_target):
+            return None
+        if self.is_reference:
+            return Estimate(1.0)
+        return ratio(self.reference.times_to_target, self.times_to_target)
+
+    @property
+    def mem_ratio(self) -> float | None:
+        # CUDA tensor memory and CPU process RSS measure different things: no ratio between them
+        if self.reference is None or self.reference.mem_kind != self.mem_kind:
+            return None
+        return self.peak_mem_mib / self.reference.peak_mem_mib
+
+    def values(self) -> dict[str, Any]:
+        """The configuration as plain values: the W&B table's columns, what report.md formats."""
+        values: dict[str, Any] = {
+            "configuration": self.label,
+            "runs": ", ".join(r.folder for r in self.rows),
+            "precision": self.first.precision,
+            "effective_precision": self.first.effective_precision,
+            "loss_scaling": self.first.loss_scaling,
+            "model": self.first.run.chosen("model"),
+            "dataset": self.first.run.chosen("dataset"),
+            "n": self.n,
+            "parity": self.parity,
+            "target_acc_pct": None if self.target is None else 100 * self.target,
+            "reached_target": None if self.target is None else self.reached,
+            "mem_kind": self.mem_kind,
+            "peak_mem_mib": self.peak_mem_mib,
+            "mem_ratio": self.mem_ratio,
+        }
+        estimates = {
+            "val_acc_pct": self.val_acc_pct,
+            "d_val_acc_pts": self.d_val_acc_pts,
+            "val_loss": self.val_loss,
+            "d_val_loss": self.d_val_loss,
+            "epoch_time_s": self.epoch_time_s,
+            "speedup": self.speedup,
+            "time_to_target_s": self.time_to_target,
+            "speedup_at_target": self.speedup_at_target,
+            "samples_per_s": self.samples_per_s,
+            "tflops": self.tflops,
+            "mfu_pct": self.mfu_pct,
+        }
+        for name, estimate in estimates.items():
+            values[name] = None if estimate is None else estimate.value
+            values[f"{name}_low"] = None if estimate is None else estimate.low
+            values[f"{name}_high"] = None if estimate is None else estimate.high
+        return values
+
+
+def run_values(row: Row, target: float | None) -> dict[str, Any]:
+    """One run as plain values (the W&B runs table, report.md's runs table)."""
+    return {
+        "run": row.label,
+        "seed": row.seed,
+        "precision": row.precision,
+        "effective_precision": row.effective_precision,
+        "loss_scaling": row.loss_scaling,
+        "val_acc_pct": 100 * row.val_acc,
+        "val_loss": row.val_loss,
+        "epoch_time_s": row.epoch_time_s,
+        "epoch_time_min_s": min(row.timed),
+        "epoch_time_max_s": max(row.timed),
+        "timed_epochs": len(row.timed),
+        "samples_per_s": row.samples_per_s,
+        "tflops": row.tflops,
+        "mfu_pct": None if row.mfu is None else 100 * row.mfu,
+        "time_to_target_s": row.time_to(target),
+        "peak_mem_mib": row.peak_mem_mib,
+        "skipped_steps": row.skipped_steps,
+    }
+
+
+def group_configs(rows: list[Row], tolerance: float) -> list[Config]:
+    """Runs whose overrides differ only in the seed, as configurations, in job order."""
+    groups: dict[tuple[str, ...], list[Row]] = {}
     for row in rows:
-        same_task = [
-            r
-            for r in rows
-            if r.precision == BASELINE
-            and (r.run.chosen("model"), r.run.chosen("dataset"))
-            == (row.run.chosen("model"), row.run.chosen("dataset"))
-        ]
-        same_task.sort(key=lambda r: r.loss_scaling != "none")  # stable: first listed wins ties
-        row.baseline = same_task[0] if same_task else None
+        key = tuple(sorted(o for o in row.run.overrides if not _in(o, NOT_CONFIG)))
+        groups.setdefault(key, []).append(row)
+    common = set.intersection(*(set(k) for k in groups)) if groups else set()
+    configs = []
+    for key, members in groups.items():
+        ordered = [o for o in members[0].run.overrides if o in key and o not in common]
+        folders = ", ".join(r.folder for r in members)
+        configs.append(Config(",".join(ordered) or folders, members, key, tolerance))
+    return configs
+
+
+def attach_references(configs: list[Config], target_acc: float | None) -> None:
+    """Give each configuration its fp32 reference and its accuracy target.
+
+    The target is `target_acc` (a fraction) when given, else the reference's mean final val
+    accuracy minus the tolerance: the accuracy at which a 16-bit run counts as having matched it.
+    """
+    for config in configs:
+        candidates = [c for c in configs if c.first.precision == BASELINE and c.task == config.task]
+        candidates.sort(key=lambda c: c.first.loss_scaling != "none")  # stable: first listed wins
+        config.reference = candidates[0] if candidates else None
+    for config in configs:
+        if target_acc is not None:
+            config.target = target_acc
+        elif config.reference is not None:
+            config.target = config.reference.val_acc_pct.value / 100 - config.tolerance / 100
+
+
+def overlapping(rows: list[Row]) -> list[Row]:
+    """Runs that trained while another run trained on the same host: a parallel launcher's jobs
+    share the machine, so their timings are not comparable. Runs without times are left out."""
+    spans = []
+    for row in rows:
+        summary = row.run.summary
+        if summary.get("started_at") and summary.get("ended_at"):
+            start = datetime.fromisoformat(summary["started_at"])
+            end = datetime.fromisoformat(summary["ended_at"])
+            spans.append((row, row.run.ran.get("host"), start, end))
+    return [
+        row
+        for row, host, start, end in spans
+        if any(
+            other is not row and other_host == host and start < other_end and other_start < end
+            for other, other_host, other_start, other_end in spans
+        )
+    ]
 
 
 @dataclass
 class Report:
     out_dir: Path
-    rows: list[Row]
+    configs: list[Config]
     not_reported: list[tuple[str, Run]]
     tolerance: float
+    target_acc: float | None = None  # --target-acc, as a fraction
     plots: dict[str, Path] = field(default_factory=dict)
 
     @property
@@ -151,43 +402,71 @@ class Report:
         return self.out_dir / "report.md"
 
     @property
-    def flagged(self) -> list[Row]:
-        return [r for r in self.rows if r.parity(self.tolerance) == "flagged"]
+    def rows(self) -> list[Row]:
+        return [r for c in self.configs for r in c.rows]
+
+    @property
+    def worse(self) -> list[Config]:
+        return [c for c in self.configs if c.parity == "worse"]
+
+    @property
+    def few_timed_epochs(self) -> list[Row]:
+        return [r for r in self.rows if len(r.timed) < MIN_TIMED_EPOCHS]
+
+    @property
+    def overlapping(self) -> list[Row]:
+        return overlapping(self.rows)
 
     def console_lines(self) -> list[str]:
-        lines = [f"Sweep report: {self.path} (runs reported: {len(self.rows)})"]
-        lines += [
-            f"  below fp32 by more than {self.tolerance:g} points: {r.label}" for r in self.flagged
+        lines = [
+            f"Sweep report: {self.path} (runs reported: {len(self.rows)}, "
+            f"configurations: {len(self.configs)})"
         ]
+        for c in self.worse:
+            d = c.d_val_acc_pts
+            lines.append(
+                f"  below fp32 by more than {self.tolerance:g} points: {c.label} "
+                f"({d.value:+.2f} ± {d.half_width:.2f} points)"
+            )
         lines += [f"  not reported: {label}: {run.problem}" for label, run in self.not_reported]
         return lines
 
 
-def build_report(paths: list[Path], tolerance: float, out_dir: Path | None = None) -> Report:
-    """Read every run under `paths` and compute the table; nothing is written yet."""
+def build_report(
+    paths: list[Path],
+    tolerance: float,
+    out_dir: Path | None = None,
+    target_acc: float | None = None,
+) -> Report:
+    """Read every run under `paths` and compute the tables; nothing is written yet.
+    `target_acc` is in percent, as on the command line."""
     runs = [load_run(p) for p in find_run_dirs(paths)]
     if out_dir is None:
         out_dir = Path(os.path.commonpath([p.resolve() for p in paths]))
     labels = _labels(runs, out_dir.resolve())
     rows, not_reported = [], []
     for run in runs:
+        folder, label = labels[run.path]
         if run.problem is None:
             try:
-                rows.append(measure(run, labels[run.path]))
+                rows.append(measure(run, folder, label))
                 continue
             except KeyError as missing:
                 run.problem = f"metrics.jsonl has no {missing.args[0]} values"
-        not_reported.append((labels[run.path], run))
-    attach_baselines(rows)
-    return Report(out_dir=out_dir, rows=rows, not_reported=not_reported, tolerance=tolerance)
+        not_reported.append((label, run))
+    target = None if target_acc is None else target_acc / 100
+    configs = group_configs(rows, tolerance)
+    attach_references(configs, target)
+    return Report(out_dir, configs, not_reported, tolerance, target)
 
 
-def _labels(runs: list[Run], out_dir: Path) -> dict[Path, str]:
-    """`<folder> <overrides that differ between the runs>`, e.g. `2 precision=fp16`."""
+def _labels(runs: list[Run], out_dir: Path) -> dict[Path, tuple[str, str]]:
+    """Each run's folder and label, `<folder> <overrides that differ between the runs>`, e.g.
+    `2 precision=fp16`."""
     common = set.intersection(*(set(r.overrides) for r in runs))
     labels = {}
     for run in runs:
         folder = run.path.name if run.path == out_dir else os.path.relpath(run.path, out_dir)
         differing = ",".join(o for o in run.overrides if o not in common)
-        labels[run.path] = f"{folder} {differing}".strip()
+        labels[run.path] = (folder, f"{folder} {differing}".strip())
     return labels

@@ -1,4 +1,4 @@
-"""The report as a W&B run: its table and plots in the sweep's group, next to the training runs."""
+"""The report as a W&B run: its tables and plots in the sweep's group, next to the training runs."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import logging
 import shlex
 from pathlib import Path
 
-from mpexp.report.table import Report
+from mpexp.report.table import Report, run_values
 
 log = logging.getLogger(__name__)
 
 
 def log_to_wandb(report: Report, mode: str = "auto") -> None:
-    """Log the table and plots as a `report` run in the sweep's W&B group.
+    """Log the tables and plots as a `report` run in the sweep's W&B group: `report/table`, one
+    row per configuration (the figures of report.md's accuracy and speed tables, intervals as
+    `<name>_low` and `<name>_high`), and `report/runs`, one row per run.
 
     `auto` logs the way the sweep's own runs were logged, into their project and group: online,
     or offline into `<out dir>/wandb` for a later `wandb sync` with the rest.
@@ -36,15 +38,21 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
             job_type="report",
             dir=str(report.out_dir),
             mode=mode,
-            config={"tolerance": report.tolerance, "report": str(report.path)},
+            config={
+                "tolerance": report.tolerance,
+                "target_acc": report.target_acc,
+                "report": str(report.path),
+            },
             settings=wandb.Settings(init_timeout=90, silent=True),
         )
-        values = [r.values(report.tolerance) for r in report.rows]
-        table = wandb.Table(columns=list(values[0]), data=[list(v.values()) for v in values])
+        configs = [c.values() for c in report.configs]
+        runs = [run_values(r, c.target) for c in report.configs for r in c.rows]
         images = {f"report/{n}": wandb.Image(str(p)) for n, p in report.plots.items()}
-        wb.log({"report/table": table, **images})
+        wb.log(
+            {"report/table": _table(wandb, configs), "report/runs": _table(wandb, runs), **images}
+        )
         wb.summary.update(
-            {"report/flagged": len(report.flagged), "report/not_reported": len(report.not_reported)}
+            {"report/worse": len(report.worse), "report/not_reported": len(report.not_reported)}
         )
         report_run = Path(wb.dir).parent  # wb.dir is the run's files/ folder
         wb.finish()
@@ -56,6 +64,10 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
         offline = [_offline_run(r.run.path) for r in report.rows if _offline_run(r.run.path)]
         paths = " ".join(shlex.quote(str(p)) for p in [*offline, report_run])
         print(f"W&B runs kept offline: upload them with `wandb sync {paths}`")
+
+
+def _table(wandb, rows: list[dict]):
+    return wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
 
 
 def _offline_run(run_dir: Path) -> Path | None:

@@ -1,0 +1,89 @@
+"""Achieved TFLOP/s: the training FLOPs of one sample, counted once at start, and device peaks.
+
+The count is PyTorch's FlopCounterMode over one batch at the run's shapes, forward, loss and
+backward, on a copy of the model moved to the meta device: shapes propagate without memory or
+compute, and the real model's weights, gradients, BatchNorm statistics and the random number
+generators are left as they were. The counter counts matrix multiplications and convolutions (the
+convention behind MFU figures); elementwise work is small next to them. A batch split for
+`trainer.accumulate` does the same work per sample, so the figure holds under accumulation too.
+
+The loop turns it into `perf/tflops` from numbers it has anyway (samples trained / epoch time): no
+extra synchronisation.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+log = logging.getLogger(__name__)
+
+# Dense (no sparsity) peak TFLOP/s from the vendors' datasheets: fp32 without tensor cores, TF32,
+# and fp16/bf16 tensor-core math. Matched against the device name in this order, so that a
+# variant with other peaks is listed before the name it contains. A variant whose peaks are not
+# known here maps to None: no MFU rather than a wrong one (`trainer.peak_tflops` sets it).
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float] | None], ...] = (
+    ("H100 PCIe", {"fp32": 51.2, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0}),
+    ("NVL", None),
+    ("H200", {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4}),
+    ("H100", {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4}),
+    ("A100", {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}),
+)
+
+
+def device_peak_tflops(device_name: str, precision: str) -> float | None:
+    """The dense peak of a listed GPU for `precision` (fp32, tf32, fp16, bf16), else None."""
+    for key, peaks in PEAK_TFLOPS:
+        if key in device_name:
+            return peaks.get(precision) if peaks else None
+    return None
+
+
+def flops_per_sample(model: nn.Module, batch_shape: tuple[int, ...]) -> float:
+    """Forward and backward FLOPs of one training sample, counted on a batch of `batch_shape`
+    (N x C x H x W) for a classifier trained with cross-entropy."""
+    meta = copy.deepcopy(model).to("meta")
+    images = torch.zeros(batch_shape, device="meta")
+    labels = torch.zeros(batch_shape[0], dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(meta(images), labels).backward()
+    return counter.get_total_flops() / batch_shape[0]
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What an epoch's sample rate means in FLOP/s, and as a fraction of the devices' peak."""
+
+    flops_per_sample: float | None  # None: the model could not be counted
+    peak_tflops: float | None = None  # one device's, for the precision that ran
+    devices: int = 1  # a distributed run's sample rate is the sum over its ranks
+
+    def metrics(self, samples_per_s: float) -> dict[str, float]:
+        """`perf/tflops`, and `perf/mfu` (a fraction of the peak) where the peak is known."""
+        if self.flops_per_sample is None:
+            return {}
+        tflops = self.flops_per_sample * samples_per_s / 1e12
+        row = {"perf/tflops": tflops}
+        if self.peak_tflops:
+            row["perf/mfu"] = tflops / (self.peak_tflops * self.devices)
+        return row
+
+
+def throughput(
+    model: nn.Module, batch_shape: tuple[int, ...], peak_tflops: float | None, devices: int
+) -> Throughput:
+    """The run's Throughput. A model the meta device cannot run (a forward that reads a tensor's
+    value, say) trains all the same, without perf/tflops: the count is a measurement, not a
+    reason to stop."""
+    try:
+        per_sample = flops_per_sample(model, batch_shape)
+    except Exception as err:
+        log.warning("perf/tflops is not logged: counting the model's FLOPs failed (%s).", err)
+        per_sample = None
+    return Throughput(per_sample, peak_tflops, devices)

@@ -1,0 +1,112 @@
+"""Achieved TFLOP/s: the FLOP count against a hand count, what the count leaves alone, the peaks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mpexp.flops import Throughput, device_peak_tflops, flops_per_sample, throughput
+from mpexp.models.deepcnn import DeepCNN
+from mpexp.tracking import RunContext
+from mpexp.train import train
+from tests.conftest import TINY, make_cfg
+from tests.test_training import read_metrics
+
+
+def simplecnn_flops(width: int, side: int = 28, classes: int = 10) -> int:
+    """SimpleCNN's training FLOPs per sample on a 1 x side x side image, by hand.
+
+    A multiply-add is 2 FLOPs. Backward costs twice the forward (the input's gradient and the
+    weights'), except in the first layer, whose input needs no gradient.
+    """
+    conv1 = 2 * width * 1 * 3 * 3 * side * side  # 'same' padding: side x side outputs
+    conv2 = 2 * (2 * width) * width * 3 * 3 * (side // 2) ** 2  # after a 2x2 pool
+    fc = 2 * (2 * width * (side // 4) ** 2) * classes  # after the second pool
+    return 2 * conv1 + 3 * conv2 + 3 * fc
+
+
+def test_hand_count_of_a_small_cnn():
+    assert simplecnn_flops(8) == 1_627_584  # 2*112,896 + 3*451,584 + 3*15,680
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["trainer.accumulate=4", "trainer.peak_tflops=0.5"]], ids=["plain", "accumulate"]
+)
+def test_achieved_tflops_of_a_run_match_the_hand_count(tmp_path, extra):
+    cfg = make_cfg(*TINY, "model.width=8", "dataset.train_size=256", *extra)
+    train(cfg, RunContext(tmp_path))
+    ran = json.loads((tmp_path / "summary.json").read_text())["ran"]
+    flops = simplecnn_flops(8)
+    assert ran["flops_per_sample"] == flops  # accumulation splits the batch, not the work
+
+    _, epochs = read_metrics(tmp_path)
+    samples = (256 // 64) * 64  # trained per epoch (drop_last)
+    for epoch in epochs:
+        expected = flops * samples / epoch["perf/epoch_time_s"] / 1e12
+        assert epoch["perf/tflops"] == pytest.approx(expected, rel=1e-9)
+        if extra:
+            assert ran["peak_tflops"] == 0.5
+            assert epoch["perf/mfu"] == pytest.approx(expected / 0.5, rel=1e-9)
+        else:  # a CPU has no known peak: no MFU rather than a made-up one
+            assert ran["peak_tflops"] is None and "perf/mfu" not in epoch
+
+
+def test_counting_leaves_the_model_and_random_state_alone():
+    torch.manual_seed(0)
+    model = DeepCNN(in_channels=1, num_classes=10, image_size=(28, 28))  # BatchNorm throughout
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+
+    flops = flops_per_sample(model, (256, 1, 28, 28))
+
+    assert flops == pytest.approx(2.30e9, rel=0.01)  # docs/benchmarks.md: 2.30 GFLOP per sample
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # incl. BatchNorm statistics
+    assert all(p.grad is None for p in model.parameters())
+    assert next(model.parameters()).device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 80GB HBM3", "fp32", 67.0),
+        ("NVIDIA H100 PCIe", "fp16", 756.0),
+        ("NVIDIA H200", "tf32", 494.7),
+        ("NVIDIA A100-SXM4-80GB", "fp16", 312.0),
+        ("NVIDIA H100 NVL", "bf16", None),  # other peaks, not listed: no MFU
+        ("NVIDIA GeForce RTX 4090", "fp16", None),
+        ("AMD EPYC 7B13", "fp32", None),
+    ],
+)
+def test_peak_by_device_name(name, precision, peak):
+    assert device_peak_tflops(name, precision) == peak
+
+
+def test_mfu_of_a_distributed_run_is_against_every_device():
+    # the sample rate of a 4-rank run is the sum over ranks, so the peak is 4 devices'
+    row = Throughput(flops_per_sample=1e9, peak_tflops=100.0, devices=4).metrics(80_000)
+    assert row == {"perf/tflops": pytest.approx(80.0), "perf/mfu": pytest.approx(0.2)}
+    assert Throughput(1e9).metrics(80_000) == {"perf/tflops": pytest.approx(80.0)}
+
+
+class ReadsAValue(torch.nn.Module):
+    """A forward that reads a tensor's value on the host: the meta device has none to give."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x) * float(x.abs().max() > 0)
+
+
+def test_a_model_that_cannot_be_counted_trains_without_tflops(caplog):
+    with caplog.at_level("WARNING"):
+        counted = throughput(ReadsAValue(), (8, 4), peak_tflops=100.0, devices=1)
+    assert counted.flops_per_sample is None
+    assert counted.metrics(1000.0) == {}  # no perf/tflops, and no MFU from a missing count
+    assert "perf/tflops is not logged" in caplog.text

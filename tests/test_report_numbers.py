@@ -1,0 +1,268 @@
+"""The report's statistics on constructed runs with known values, checked against hand counts
+(two-sided 95 % t quantiles from a printed table: 4.303 for 2 degrees of freedom, 2.776 for 4)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mpexp.report import cli as report
+from mpexp.report.table import build_report
+from tests.test_report import read_table
+
+T2, T4 = 4.303, 2.776
+
+
+def make_run(
+    root: Path,
+    name: str,
+    precision: str,
+    seed: int,
+    accs: list[float],
+    times: list[float],
+    loss_scaling: str = "none",
+    val_loss: float = 0.5,
+    span: tuple[str, str] | None = None,
+    host: str = "box",
+) -> Path:
+    """A finished run directory as `python -m mpexp.train precision=<p> trainer.seed=<s>` leaves
+    it, with the given val accuracy and time of each epoch."""
+    path = root / name
+    (path / ".hydra").mkdir(parents=True)
+    overrides = [f"precision={precision}", f"trainer.seed={seed}"]
+    choices = {"precision": precision, "loss_scaling": loss_scaling, "model": "m", "dataset": "d"}
+    files = {
+        "config.yaml": {"trainer": {"seed": seed, "epochs": len(accs)}},
+        "overrides.yaml": overrides,
+        "hydra.yaml": {"hydra": {"runtime": {"choices": choices}}},
+    }
+    for file, content in files.items():
+        (path / ".hydra" / file).write_text(yaml.safe_dump(content))
+    summary = {
+        "status": "finished",
+        "ran": {
+            "precision": precision,
+            "effective_precision": precision,
+            "loss_scaling": loss_scaling,
+            "device": "cpu",
+            "device_name": "test CPU",
+            "torch_version": "test",
+            "host": host,
+        },
+    }
+    if span:
+        summary["started_at"], summary["ended_at"] = span
+    (path / "summary.json").write_text(json.dumps(summary))
+    rows = []
+    for epoch, (acc, time) in enumerate(zip(accs, times, strict=True), start=1):
+        rows.append({"step": epoch, "train/loss": 1.0, "amp/scale": 1.0, "amp/skipped_steps": 0})
+        rows.append(
+            {
+                "epoch": epoch,
+                "step": epoch,
+                "val/acc": acc,
+                "val/loss": val_loss,
+                "perf/epoch_time_s": time,
+                "perf/samples_per_s": 1000 / time,
+                "perf/tflops": 2.0 / time,
+                "mem/peak_rss_mib": 100.0,
+            }
+        )
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def final_only(root: Path, precision: str, finals: list[float], seeds=(0, 1, 2), first=0):
+    """Runs of one configuration whose last epoch reaches `finals` (one per seed)."""
+    for k, (seed, acc) in enumerate(zip(seeds, finals, strict=True)):
+        make_run(root, str(first + k), precision, seed, [0.1, acc], [2.0, 1.0])
+
+
+def config(report, precision: str):
+    (found,) = [c for c in report.configs if c.first.precision == precision]
+    return found
+
+
+def test_mean_and_interval_over_seeds(tmp_path):
+    final_only(tmp_path, "fp32", [0.90, 0.92, 0.94])
+    fp32 = config(build_report([tmp_path], 0.5), "fp32")
+    # mean 92, sample sd 2 points, n = 3: 92 ± t(2) * 2 / sqrt(3)
+    half = T2 * 2 / math.sqrt(3)
+    assert fp32.n == 3
+    assert fp32.val_acc_pct.value == pytest.approx(92.0)
+    assert fp32.val_acc_pct.half_width == pytest.approx(half, abs=1e-9)
+    assert fp32.parity == "reference"
+
+    report.main([str(tmp_path), "--wandb", "disabled"])
+    (row,) = read_table(tmp_path / "report.md", "Accuracy against fp32")
+    assert (row["n"], row["runs"]) == ("3", "0, 1, 2")
+    assert row["val acc (%)"] == f"92.00 ± {half:.2f}" == "92.00 ± 4.97"
+    assert row["parity"] == "fp32 reference"
+
+
+# Paired by seed: the interval is that of the three per-seed differences (t with 2 df).
+@pytest.mark.parametrize(
+    ("finals", "verdict", "shown"),
+    [
+        # differences -5, -5.5, -5: mean -5.167, sd 0.2887
+        ([0.85, 0.865, 0.89], "worse", "**worse by 5.17 ± 0.72 points**"),
+        # +0.1, -0.1, +0.1: mean +0.033, sd 0.1155: the interval stays above -0.5
+        ([0.901, 0.919, 0.941], "within noise", "within noise"),
+        # -1, +1, -1: mean -0.333, sd 1.155: from -3.2 to +2.5, across the tolerance
+        ([0.89, 0.93, 0.93], "too wide", "inconclusive: interval too wide"),
+        # +2, +2.2, +2.1: mean +2.1, sd 0.1
+        ([0.92, 0.942, 0.961], "better", "better by 2.10 ± 0.25 points"),
+    ],
+)
+def test_parity_verdict_from_the_interval_of_the_difference(tmp_path, finals, verdict, shown):
+    final_only(tmp_path, "fp32", [0.90, 0.92, 0.94])
+    final_only(tmp_path, "fp16", finals, first=3)
+    fp16 = config(build_report([tmp_path], 0.5), "fp16")
+
+    diffs = [100 * (a - b) for a, b in zip(finals, [0.90, 0.92, 0.94], strict=True)]
+    mean = sum(diffs) / 3
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 2)
+    assert fp16.d_val_acc_pts.value == pytest.approx(mean)
+    assert fp16.d_val_acc_pts.half_width == pytest.approx(T2 * sd / math.sqrt(3))
+    assert fp16.parity == verdict
+
+    report.main([str(tmp_path), "--wandb", "disabled"])
+    _, row = read_table(tmp_path / "report.md", "Accuracy against fp32")
+    assert row["parity"] == shown
+    assert row["Δ val acc (points)"] == f"{mean:+.2f} ± {T2 * sd / math.sqrt(3):.2f}"
+
+
+def test_other_seeds_are_compared_unpaired_with_welchs_interval(tmp_path):
+    final_only(tmp_path, "fp32", [0.90, 0.92, 0.94])
+    final_only(tmp_path, "fp16", [0.85, 0.86, 0.87], seeds=(3, 4, 5), first=3)
+    fp16 = config(build_report([tmp_path], 0.5), "fp16")
+    # variances of the means 4/3 and 1/3; Welch's df = (5/3)^2 / ((4/3)^2/2 + (1/3)^2/2) = 2.94,
+    # taken at 2 (never a narrower interval): -6 ± 4.303 * sqrt(5/3) = -6 ± 5.56, which reaches
+    # above -0.5: inconclusive, where 3 df (3.182) would have said worse
+    assert fp16.d_val_acc_pts.value == pytest.approx(-6.0)
+    assert fp16.d_val_acc_pts.half_width == pytest.approx(T2 * math.sqrt(5 / 3))
+    assert fp16.parity == "too wide"
+
+
+def test_single_seed_runs_say_so(tmp_path, capsys):
+    final_only(tmp_path, "fp32", [0.92], seeds=(0,))
+    final_only(tmp_path, "bf16", [0.80], seeds=(0,), first=1)
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    text = (tmp_path / "report.md").read_text()
+    fp32, bf16 = read_table(tmp_path / "report.md", "Accuracy against fp32")
+    assert fp32["val acc (%)"] == "92.00" and fp32["n"] == "1"  # no interval from one value
+    assert bf16["Δ val acc (points)"] == "-12.00"
+    assert bf16["parity"] == "inconclusive: single seed"
+    assert "**Single seed.** `precision=fp32`, `precision=bf16`: one run each" in text
+    assert "below fp32" not in capsys.readouterr().out  # nothing is called worse on one seed
+
+
+def test_worse_configuration_is_named_on_the_console(tmp_path, capsys):
+    final_only(tmp_path, "fp32", [0.90, 0.92, 0.94])
+    final_only(tmp_path, "fp16", [0.85, 0.865, 0.89], first=3)
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    out = capsys.readouterr().out
+    assert "below fp32 by more than 0.5 points: precision=fp16 (-5.17 ± 0.72 points)" in out
+
+
+def test_speedup_with_its_interval(tmp_path):
+    # each run: a warm-up epoch, then three timed epochs at its median
+    for k, (precision, median) in enumerate(
+        [("fp32", 2.0), ("fp32", 2.2), ("fp32", 1.8), ("bf16", 1.0), ("bf16", 1.1), ("bf16", 0.9)]
+    ):
+        make_run(tmp_path, str(k), precision, k % 3, [0.9] * 4, [5.0, median, median, median])
+    bf16 = config(build_report([tmp_path], 0.5), "bf16")
+    # ratio of means 2.0 / 1.0; relative variances of the means 0.04/3/4 and 0.01/3/1, equal, so
+    # Welch's df is 4; the interval is the ratio times/divided by exp(t(4) * se)
+    se = math.sqrt(0.04 / 3 / 4 + 0.01 / 3 / 1)
+    factor = math.exp(T4 * se)
+    assert bf16.epoch_time_s.value == pytest.approx(1.0)
+    assert bf16.epoch_time_s.half_width == pytest.approx(T2 * 0.1 / math.sqrt(3))
+    assert bf16.speedup.value == pytest.approx(2.0)
+    assert (bf16.speedup.low, bf16.speedup.high) == pytest.approx((2.0 / factor, 2.0 * factor))
+
+    report.main([str(tmp_path), "--wandb", "disabled"])
+    fp32_row, bf16_row = read_table(tmp_path / "report.md", "Speed")
+    assert fp32_row["speedup"] == "1.00x"
+    assert bf16_row["speedup"] == f"2.00x ({2 / factor:.2f} to {2 * factor:.2f})"
+    assert bf16_row["epoch time (s)"] == f"1.000 ± {T2 * 0.1 / math.sqrt(3):.3f}"
+    runs = read_table(tmp_path / "report.md", "Runs")
+    assert runs[3]["epoch time (s): median [min to max]"] == "1.000 [1.000 to 1.000]"
+    assert runs[3]["timed epochs"] == "3"
+    assert runs[3]["TFLOP/s"] == "2"  # the median epoch's 2.0 / 1.0
+
+
+FP32_CURVE = ([0.5, 0.8, 0.9, 0.92], [3.0, 2.0, 2.0, 2.0])
+
+
+def time_to_target_sweep(root: Path) -> None:
+    for seed in range(3):
+        make_run(root, f"{seed}", "fp32", seed, *FP32_CURVE)
+        make_run(root, f"{3 + seed}", "fp16", seed, [0.6, 0.88, 0.92, 0.93], [2.0, 1.0, 1.0, 1.0])
+        bf16 = [0.5, 0.6, 0.7, 0.8] if seed else [0.5, 0.6, 0.95, 0.95]  # one seed of 3 gets there
+        make_run(root, f"{6 + seed}", "bf16", seed, bf16, [1.0, 1.0, 1.0, 1.0])
+
+
+def test_time_to_target_defaults_to_fp32_accuracy_minus_the_tolerance(tmp_path):
+    time_to_target_sweep(tmp_path)
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    fp32, fp16, bf16 = read_table(tmp_path / "report.md", "Speed")
+    # target 92 - 0.5 = 91.5 %: fp32 gets there in its 4th epoch (3+2+2+2 s), fp16 in its 3rd
+    # (2+1+1 s); every seed alike, so no spread
+    assert fp32["time to target (s)"] == "9.0 ± 0.0"
+    assert fp16["time to target (s)"] == "4.0 ± 0.0"
+    assert fp16["speedup at target"] == "2.25x (2.25 to 2.25)"
+    assert bf16["time to target (s)"] == "reached by 1 of 3"
+    assert bf16["speedup at target"] == "n/a"
+    text = (tmp_path / "report.md").read_text()
+    assert "91.50 % for `precision=fp32`" in text
+    runs = read_table(tmp_path / "report.md", "Runs")
+    assert [r["time to target (s)"] for r in runs[6:]] == ["3.0", "not reached", "not reached"]
+
+
+def test_target_accuracy_from_the_command_line(tmp_path):
+    time_to_target_sweep(tmp_path)
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--target-acc", "85"]) == 0
+    fp32, fp16, _ = read_table(tmp_path / "report.md", "Speed")
+    assert fp32["time to target (s)"] == "7.0 ± 0.0"  # 0.9 in the 3rd epoch: 3+2+2
+    assert fp16["time to target (s)"] == "3.0 ± 0.0"  # 0.88 in the 2nd: 2+1
+    assert "Target: 85.00 % val accuracy (`--target-acc`)" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("target", ["0", "101", "high"])
+def test_target_accuracy_must_be_a_percentage(tmp_path, target, capsys):
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path), "--target-acc", target])
+    assert "--target-acc" in capsys.readouterr().err
+
+
+def test_timing_warnings_few_epochs_and_overlapping_jobs(tmp_path):
+    spans = [
+        ("2026-01-01T10:00:00+00:00", "2026-01-01T10:05:00+00:00"),
+        ("2026-01-01T10:04:00+00:00", "2026-01-01T10:09:00+00:00"),  # overlaps the first
+        ("2026-01-01T10:09:00+00:00", "2026-01-01T10:12:00+00:00"),  # starts as the 2nd ends
+    ]
+    for k, span in enumerate(spans):
+        make_run(tmp_path, str(k), "fp32", k, [0.9] * 4, [2.0, 1.0, 1.0, 1.0], span=span)
+    # one more epoch than timed: two timed epochs, fewer than 3
+    make_run(tmp_path, "3", "fp16", 0, [0.9] * 3, [2.0, 1.0, 1.0], span=spans[0], host="other")
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    text = (tmp_path / "report.md").read_text()
+    warnings = text.split("## Warnings", 1)[1].split("\n## ", 1)[0]
+    assert "**Few timed epochs.** `3 precision=fp16,trainer.seed=0` timed fewer than 3" in warnings
+    overlap = next(line for line in warnings.splitlines() if "overlapped" in line)
+    # job 3 ran on another machine: overlapping in time there costs nothing
+    assert "`0 precision=fp32,trainer.seed=0`, `1 precision=fp32,trainer.seed=1` trained" in overlap
+    assert "trainer.seed=2" not in overlap and "`3 " not in overlap
+
+
+def test_sequential_jobs_with_enough_epochs_get_no_timing_warning(tmp_path):
+    for k in range(3):
+        span = (f"2026-01-01T10:0{2 * k}:00+00:00", f"2026-01-01T10:0{2 * k + 1}:00+00:00")
+        make_run(tmp_path, str(k), "fp32", k, [0.9] * 4, [2.0, 1.0, 1.0, 1.0], span=span)
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert "## Warnings" not in (tmp_path / "report.md").read_text()
