@@ -254,6 +254,24 @@ def test_incomplete_and_unreadable_runs_are_named(sweep_with_a_failure, tmp_path
     assert [row["run"] for row in read_table(tmp_path / "report.md", "Runs")] == ["complete"]
 
 
+def test_a_run_killed_mid_write_is_reported_without_its_half_line(sweep_with_a_failure, tmp_path):
+    sweep, _ = sweep_with_a_failure
+    for name in ("complete", "crashed"):
+        shutil.copytree(sweep / "0", tmp_path / name)
+    crashed = tmp_path / "crashed"
+    summary = crashed / "summary.json"
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "status": "running"}))
+    metrics = crashed / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + whole.splitlines()[0][:25])  # a row cut off by the kill
+
+    built = build_report([tmp_path], DEFAULT_TOLERANCE)
+    assert [r.label for r in built.rows] == ["complete"]
+    ((label, run),) = built.not_reported
+    assert label == "crashed" and "after 2 of 2 epochs" in run.problem  # its rows were read
+    assert "the last line of metrics.jsonl was cut off mid-write" in run.problem
+
+
 def test_without_an_fp32_run_nothing_is_compared(precision_sweep, tmp_path):
     sweep, _ = precision_sweep
     run = shutil.copytree(sweep / "2", tmp_path / "fp16_only")

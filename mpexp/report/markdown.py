@@ -139,6 +139,12 @@ def _warnings(report: Report) -> list[str]:
             "so their epoch times, speedups and times to target are not comparable. Run the jobs "
             "one after another (Hydra's default launcher) to compare speed."
         )
+    cut = [r for r in report.rows if r.run.cut_off]
+    if cut:
+        warnings.append(
+            f"**Cut-off metrics.** {_names(cut)}: the last line of metrics.jsonl was cut off "
+            "mid-write (a crash) and is left out."
+        )
     single = [c for c in report.configs if c.n == 1]
     if single:
         which = ", ".join(f"`{c.label}`" for c in single)

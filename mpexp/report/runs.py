@@ -37,6 +37,7 @@ class Run:
     epochs: list[dict[str, Any]] = field(default_factory=list)
     diagnostics: list[dict[str, Any]] = field(default_factory=list)  # diag/ rows, by step
     problem: str | None = None
+    cut_off: bool = False  # metrics.jsonl's last line was cut off (a crash mid-write)
 
     @property
     def ran(self) -> dict[str, Any]:
@@ -115,7 +116,7 @@ def load_run(path: Path) -> Run:
         run.problem = f"{what}: {error}" if error else _why_not(path, what)
         return run
     try:
-        run.steps, run.epochs, run.diagnostics = _read_metrics(path / "metrics.jsonl")
+        run.steps, run.epochs, run.diagnostics, run.cut_off = _read_metrics(path / "metrics.jsonl")
     except (OSError, ValueError) as err:
         run.problem = f"metrics.jsonl cannot be read ({err})"
         return run
@@ -132,6 +133,8 @@ def load_run(path: Path) -> Run:
         run.problem = f"summary.json has status {run.status!r}, not 'finished'"
     elif not run.epochs:
         run.problem = "it finished but metrics.jsonl holds no epoch rows"
+    if run.problem and run.cut_off:
+        run.problem += "; the last line of metrics.jsonl was cut off mid-write and is left out"
     return run
 
 
@@ -140,15 +143,22 @@ def _read_yaml(path: Path) -> Any:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else None
 
 
-def _read_metrics(path: Path) -> tuple[list[dict], list[dict], list[dict]]:
-    """Step rows, epoch rows and diagnostics rows (diagnostics.*: their own rows, by step)."""
+def _read_metrics(path: Path) -> tuple[list[dict], list[dict], list[dict], bool]:
+    """Step rows, epoch rows and diagnostics rows (diagnostics.*: their own rows, by step), and
+    whether the last line was cut off: a process killed mid-write leaves half a line, which is
+    left out. Any other line that is not JSON makes the file unreadable."""
     steps, epochs, diagnostics = [], [], []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    lines = path.read_text().splitlines()
+    cut_off = False
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
+            if number == len(lines):
+                cut_off = True
+                break
             raise ValueError(f"line {number} is not JSON") from None
         # epoch rows also carry `step` (the step count so far), so test for `epoch` first
         if "epoch" in row:
@@ -157,7 +167,7 @@ def _read_metrics(path: Path) -> tuple[list[dict], list[dict], list[dict]]:
             steps.append(row)
         else:
             diagnostics.append(row)
-    return steps, epochs, diagnostics
+    return steps, epochs, diagnostics, cut_off
 
 
 def _why_not(path: Path, what: str) -> str:
