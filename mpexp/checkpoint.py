@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import shlex
+import shutil
 import signal
 import threading
 from dataclasses import asdict, dataclass
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from mpexp import sharded_checkpoint
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError, OutputError
 from mpexp.schedules import spans_run
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 SUBDIR = "checkpoints"
+AUTO = "auto"  # trainer.resume=auto: the run dir's newest checkpoint, if it has one
 
 # What may change when a run is resumed: how long it trains, how often it reports and checkpoints,
 # the peak its MFU is measured against, how W&B connects. Any other change would make the resumed
@@ -92,12 +95,18 @@ def sha256_of(path: Path) -> str:
 
 
 def checkpoint_files(run_dir: str | Path) -> list[Path]:
-    """A run's complete checkpoints, oldest first (half-written `.tmp` files are not among them)."""
-    return sorted((Path(run_dir) / SUBDIR).glob("step-*.pt"), key=_step_of)
+    """A run's complete checkpoints, oldest first: `step-<N>.pt` files, and the `step-<N>/`
+    folders of sharded (FSDP) runs. Half-written `.tmp` ones are not among them."""
+    found = [
+        p
+        for p in (Path(run_dir) / SUBDIR).glob("step-*")
+        if (p.is_file() and p.suffix == ".pt") or (p.is_dir() and p.suffix != ".tmp")
+    ]
+    return sorted(found, key=_step_of)
 
 
 def _step_of(path: Path) -> int:
-    return int(path.stem.removeprefix("step-"))
+    return int(path.name.removeprefix("step-").removesuffix(".pt"))
 
 
 def run_dir_of(checkpoint: str | Path) -> Path:
@@ -163,13 +172,17 @@ def restore_rng(state: dict, device: torch.device) -> None:
 
 
 class Checkpointer:
-    """Saves one run's training state into `<run dir>/checkpoints`, keeping the newest few."""
+    """Saves one run's training state into `<run dir>/checkpoints`, keeping the newest few.
+
+    A replicated run (one process, DDP) writes one file from rank 0; an FSDP run, whose ranks each
+    hold a shard of the state, writes a folder from every rank (mpexp/sharded_checkpoint.py).
+    """
 
     def __init__(
         self,
         cfg: DictConfig,
         overrides: list[str],
-        device,
+        world,
         model,
         optimizer,
         scaler,
@@ -183,40 +196,60 @@ class Checkpointer:
         self.upload = cfg.wandb.get("log_checkpoints", False)
         self.config = to_dict(cfg)
         self.overrides = [o for o in overrides if not o.startswith("trainer.resume=")]
-        self.device, self.model, self.optimizer = device, model, optimizer
+        self.world, self.device = world, world.device
+        self.sharded = world.strategy == "fsdp"
+        self.model, self.optimizer = model, optimizer
         self.scaler, self.tracker, self.schedule = scaler, tracker, schedule
 
     def due(self, step: int) -> bool:
         """True when `trainer.checkpoint_every_steps` asks for a checkpoint after this step."""
         return self.every_steps is not None and step % self.every_steps == 0
 
-    def save(self, position: Position, log_state: dict) -> Path:
-        """Write a checkpoint at `position` (a step boundary) and drop the oldest beyond `keep`."""
-        path = self.directory / f"step-{position.step:08d}.pt"
+    def save(self, position: Position, log_state: dict) -> Path | None:
+        """Write a checkpoint at `position` (a step boundary) and drop the oldest beyond `keep`.
+
+        Every rank calls it: an FSDP run's ranks all write their shards; otherwise rank 0 alone
+        writes, and the other ranks, holding the same state, return None.
+        """
+        if not (self.sharded or self.world.is_main):
+            return None
+        name = f"step-{position.step:08d}"
+        path = self.directory / (name if self.sharded else f"{name}.pt")
         try:
             state = {
                 "format": FORMAT,
                 "position": asdict(position),
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "world_size": self.world.size,
                 "scaler": self.scaler.state_dict(),
                 "schedule": self.schedule.state_dict() if self.schedule is not None else None,
-                "rng": rng_state(self.device),
                 "log": log_state,
                 "metrics_bytes": self.tracker.flush(),
                 "wandb_id": self.tracker.wandb_id,
                 "config": self.config,
                 "overrides": self.overrides,
             }
-            self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in self.directory.glob("*.tmp"):  # left behind by a crash mid-write
-                stale.unlink()
-            write_atomically(state, path)
+            if self.world.is_main:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                for stale in self.directory.glob("*.tmp"):  # left behind by a crash mid-write
+                    remove_checkpoint(stale)
+            if self.sharded:
+                state["sharded"] = True
+                rng = rng_state(self.device)
+                sharded_checkpoint.save(
+                    path, state, rng, self.model, self.optimizer, self.world.rank
+                )
+            else:
+                state["model"] = self.model.state_dict()
+                state["optimizer"] = self.optimizer.state_dict()
+                state["rng"] = rng_state(self.device)
+                write_atomically(state, path)
         except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
             raise OutputError(self._failure(path, err)) from err
+        if not self.world.is_main:
+            return path
         for old in checkpoint_files(self.run_dir)[: -self.keep]:
             remove_checkpoint(old)
-        if self.upload:
+        if self.upload and not self.sharded:
             self.tracker.log_checkpoint(path, position.step)
         return path
 
@@ -255,11 +288,23 @@ class Preempted(BaseException):
         self.signum = signum
 
 
+def preemption_signal() -> int | None:
+    """The signal a SLURM job started through submitit gets before it is pre-empted or reaches its
+    time limit (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise); None outside submitit."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+    return getattr(signal, f"SIG{name.removeprefix('SIG')}", signal.SIGUSR2)
+
+
 class StopSignals:
-    """While active, SIGTERM and Ctrl-C (SIGINT) ask the training loop to stop at a step boundary.
+    """While active, SIGTERM and Ctrl-C (SIGINT) ask the training loop to stop at a step boundary;
+    so does submitit's pre-emption signal in a SLURM job (see `preemption_signal`).
 
     The handler only records the signal; the loop reads `received` once per step, which costs no
-    device synchronisation. A second signal stops at once, without a checkpoint.
+    device synchronisation. A second signal stops at once, without a checkpoint. On leaving, the
+    handlers that were there before come back: for the pre-emption signal that is submitit's,
+    which requeues the job once the checkpoint is written (mpexp.train raises the signal again).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -267,6 +312,8 @@ class StopSignals:
     def __init__(self) -> None:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        preempt = preemption_signal()
+        self.signals = (*self.SIGNALS, preempt) if preempt is not None else self.SIGNALS
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None:
@@ -277,7 +324,7 @@ class StopSignals:
         # Python allows signal handlers only in the main thread; elsewhere signals keep their
         # default effect.
         if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
+            for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -300,6 +347,19 @@ class Resume:
     @property
     def position(self) -> Position:
         return Position(**self.state["position"])
+
+    @property
+    def world_size(self) -> int:
+        return self.state.get("world_size", 1)
+
+    def position_on(self, world_size: int) -> Position:
+        """Where to continue on `world_size` ranks. An epoch's order is dealt out to the ranks
+        (rank r takes every world_size-th sample), so the batches done so far, counted over all
+        ranks, are the same first samples of the order on any number of ranks."""
+        at = self.position
+        if world_size == self.world_size or at.batch == 0:
+            return at
+        return Position(at.epoch, at.batch * self.world_size // world_size, at.step)
 
     @property
     def wandb_id(self) -> str | None:
@@ -327,18 +387,43 @@ class Resume:
             for path in later:
                 remove_checkpoint(path)
 
-    def restore(self, model, optimizer, scaler, device: torch.device, schedule=None) -> Position:
-        """Load the saved state into freshly built objects and the RNGs; return the position."""
-        model.load_state_dict(self.state["model"])
-        optimizer.load_state_dict(self.state["optimizer"])
+    def restore(self, model, optimizer, scaler, world, schedule=None) -> Position:
+        """Load the saved state into freshly built objects and the RNGs; return the position.
+
+        A sharded (FSDP) checkpoint loads on any number of ranks: its weights and optimizer state
+        are resharded; each rank's random generators come back when the number of ranks is the
+        same, and otherwise start from the seed (which the run says).
+        """
+        if self.state.get("sharded"):
+            sharded_checkpoint.load_into(self.path, model, optimizer)
+            rng = sharded_checkpoint.load_rng(self.path, world.rank)
+        else:
+            model.load_state_dict(self.state["model"])
+            optimizer.load_state_dict(self.state["optimizer"])
+            rng = self.state["rng"]
         scaler.load_state_dict(self.state["scaler"])
         if schedule is not None:
             schedule.load_state_dict(self.state["schedule"])
-        restore_rng(self.state["rng"], device)
-        return self.position
+        if world.size != self.world_size:
+            if world.is_main:
+                log.warning(
+                    "Resuming a run of %d processes on %d: the weights and optimizer state are "
+                    "the same%s, the data continues from the same sample, but each process's "
+                    "random generators start from the seed, so the run will not repeat an "
+                    "uninterrupted one exactly.",
+                    self.world_size,
+                    world.size,
+                    " (resharded)" if self.state.get("sharded") else "",
+                )
+        elif rng is not None:
+            restore_rng(rng, world.device)
+        return self.position_on(world.size)
 
 
 def remove_checkpoint(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+        return
     path.unlink()
     checksum_file(path).unlink(missing_ok=True)
 
@@ -346,7 +431,7 @@ def remove_checkpoint(path: Path) -> None:
 def find_checkpoint(target: str | Path) -> Path:
     """The checkpoint `trainer.resume` names: that file, or the newest one in a run directory."""
     path = Path(str(target))
-    if path.is_file():
+    if path.is_file() or (path.is_dir() and (path / sharded_checkpoint.COMMON).is_file()):
         return path
     found = checkpoint_files(path) if path.is_dir() else []
     if not found:
@@ -364,7 +449,10 @@ def load(path: Path, mmap: bool = False) -> dict:
     """A checkpoint's state on the CPU, its checksum verified; a damaged file is a ConfigError."""
     verify(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        if path.is_dir():
+            state = sharded_checkpoint.load_common(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:
         raise ConfigError(
             f"trainer.resume: {path} cannot be read as a checkpoint ({err}).\n{_other(path)}"
@@ -376,7 +464,15 @@ def load(path: Path, mmap: bool = False) -> dict:
 
 def verify(path: Path) -> None:
     """Compare a checkpoint with the SHA-256 written beside it; a checkpoint without one (written
-    by an older mpexp) is taken as it is."""
+    by an older mpexp) is taken as it is. A sharded checkpoint's folder lists every file's."""
+    if path.is_dir():
+        bad = sharded_checkpoint.corrupt_files(path)
+        if bad:
+            raise ConfigError(
+                f"trainer.resume: {path} is corrupt: {', '.join(bad)} no longer match the "
+                f"checksums written with them ({sharded_checkpoint.SUMS}).\n{_other(path)}"
+            )
+        return
     sums = checksum_file(path)
     if not sums.is_file():
         log.warning("%s has no checksum beside it (%s): it is not verified.", path, sums.name)
@@ -457,11 +553,21 @@ def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
     )
 
 
-def open_resume(cfg: DictConfig, mmap: bool = False) -> Resume | None:
-    """The checkpoint `trainer.resume` names, loaded and checked; None for a new run."""
+def open_resume(cfg: DictConfig, run_dir: Path | None = None, mmap: bool = False) -> Resume | None:
+    """The checkpoint `trainer.resume` names, loaded and checked; None for a new run.
+
+    `trainer.resume=auto` takes the newest checkpoint in `run_dir` (the run's own directory), or
+    starts a new run when there is none: what a requeued cluster job needs.
+    """
     target = cfg.trainer.resume
     if not target:
         return None
+    if target == AUTO:
+        found = checkpoint_files(run_dir) if run_dir is not None else []
+        if not found:
+            log.info("trainer.resume=auto: no checkpoint in %s, so the run starts afresh.", run_dir)
+            return None
+        target = found[-1]
     path = find_checkpoint(target)
     state = load(path, mmap=mmap)
     check_config(state, cfg, target)

@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 def resumed_run_dir(resume: str | None, default: str) -> str:
     """The run directory: the resumed run's own, or `default` for a new run."""
-    if not resume:
+    if not resume or resume == checkpoint.AUTO:  # auto: the run dir as it is, e.g. hydra.run.dir
         return default
     target = Path(resume)
     if target.is_file():
@@ -66,8 +66,8 @@ class RunChecks(Callback):
         task = _task(config)
         run_dir = Path(config.hydra.run.dir)
         _exit_on_user_error(lambda: validate(task))
-        resume = _exit_on_user_error(lambda: checkpoint.open_resume(task, mmap=True))
-        if resume is None:
+        resume = _exit_on_user_error(lambda: checkpoint.open_resume(task, run_dir, mmap=True))
+        if resume is None and task.trainer.resume != checkpoint.AUTO:
             _exit_on_user_error(lambda: refuse_if_taken(run_dir))
         else:  # the run may still be going on in another process
             _exit_on_user_error(lambda: check_not_locked(run_dir))

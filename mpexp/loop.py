@@ -264,12 +264,6 @@ class Fit:
         )
         progress = cfg.trainer.progress
         self.hide_bar = (None if progress is None else not progress) if world.is_main else True
-        # FSDP holds each rank's shard of the weights: saving them needs distributed checkpoints
-        self.sharded = cfg.trainer.strategy == "fsdp"
-        if self.sharded:
-            log.warning(
-                "trainer.strategy=fsdp writes no checkpoints yet: a stopped FSDP run starts over."
-            )
         self.position = Position()  # where training stands: the next epoch, batches done in it
         self.row: dict | None = None  # the last epoch's metrics
         self.resumed_time = 0.0  # time the epoch in progress had taken before a checkpoint
@@ -278,7 +272,7 @@ class Fit:
         """Continue from a checkpoint: weights, optimizer, scaler, schedule, RNGs and the log."""
         p = self.parts
         schedule = self.saver.schedule
-        self.position = resume.restore(p.model, p.optimizer, p.scaler, self.device, schedule)
+        self.position = resume.restore(p.model, p.optimizer, p.scaler, self.world, schedule)
         carried = resume.log_state
         self.steps.load_state(carried)
         self.diagnostics.floor_hits = carried["floor_hits"]
@@ -416,10 +410,7 @@ class Fit:
             "elapsed": elapsed,
             "epoch_row": self.row,
         }
-        # rank 0 writes; the other ranks hold the same replicated state (DDP)
-        path = None
-        if self.world.is_main and not self.sharded:
-            path = self.saver.save(position, log_state)
+        path = self.saver.save(position, log_state)  # every rank: FSDP's all write their shards
         if stopping and position.epoch <= self.trainer.epochs:  # a signal at the end lets it finish
             signum = self.stop.received or signal.SIGTERM  # another rank may have got it
             raise self.saver.stopped(signum, path, position, self.parts.data.steps_per_epoch())

@@ -11,6 +11,7 @@ releases when the process ends, however it ends; a second process is refused wit
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -20,6 +21,8 @@ try:  # POSIX; elsewhere runs are not locked
     import fcntl
 except ImportError:  # pragma: no cover - not on the platforms mpexp runs on
     fcntl = None
+
+log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
@@ -44,9 +47,22 @@ def holds_run(run_dir: Path) -> str | None:
     return f"a run (status: {status})" if status != "unknown" else "a run's files"
 
 
-def refuse_if_taken(run_dir: Path) -> None:
-    """Raise RunDirTaken when a new run would write into a directory that holds one."""
+def refuse_if_taken(run_dir: Path, restart: bool = False) -> None:
+    """Raise RunDirTaken when a new run would write into a directory that holds one.
+
+    With `restart` (trainer.resume=auto found no checkpoint there), a run that did not finish
+    starts again from scratch: it has nothing to continue from, so its rows are dropped.
+    """
     held = holds_run(run_dir)
+    if held is not None and restart and "finished" not in held:
+        log.warning(
+            "trainer.resume=auto: %s holds %s but no checkpoint: the run starts again from "
+            "scratch, and the rows it had written are dropped.",
+            run_dir,
+            held,
+        )
+        (Path(run_dir) / "metrics.jsonl").unlink(missing_ok=True)
+        return
     if held is not None:
         raise RunDirTaken(
             f"{run_dir} already holds {held}; a new run would mix its results into it.\n"

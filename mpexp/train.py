@@ -25,11 +25,13 @@ from omegaconf import DictConfig
 
 from mpexp import __version__, config, flops, performance
 from mpexp.checkpoint import (
+    AUTO,
     Checkpointer,
     Preempted,
     StopSignals,
     checkpoint_files,
     open_resume,
+    preemption_signal,
     rerun_command,
     resume_command,
 )
@@ -88,9 +90,8 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
     With `trainer.resume`, continue that run instead: in its directory, under its W&B run id.
     """
     validate(cfg)
-    resume = open_resume(cfg)
-    if resume is not None and cfg.trainer.strategy == "fsdp":
-        raise ConfigError("trainer.resume is not supported with trainer.strategy=fsdp yet.")
+    auto = cfg.trainer.resume == AUTO  # the run dir's newest checkpoint, found once it is known
+    resume = None if auto else open_resume(cfg)
     set_deterministic(cfg.trainer.deterministic)
     # signals from here on only ask to stop, at the next point where stopping loses nothing
     with (
@@ -100,6 +101,10 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
         if resume is not None:
             run = replace(run, run_dir=resume.run_dir, wandb_id=resume.wandb_id)
         run = world.from_rank_zero(run)  # all ranks know where rank 0 writes
+        if auto:
+            resume = open_resume(cfg, run.run_dir)
+            if resume is not None:
+                run = replace(run, wandb_id=resume.wandb_id)
         # rank 0 owns the run dir until it ends; a second process there is refused
         with RunLock(run.run_dir) if world.is_main else contextlib.nullcontext():
             return _train(cfg, run, world, resume, stop)
@@ -107,7 +112,7 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
 
 def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSignals) -> dict:
     if world.is_main and resume is None:
-        refuse_if_taken(run.run_dir)
+        refuse_if_taken(run.run_dir, restart=cfg.trainer.resume == AUTO)
     if resume is not None:
         if world.is_main:
             resume.rewind()
@@ -184,7 +189,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     stop_if_asked(stop, world, run, "while the data loaded and the model was built")
     run_config = {**config.to_dict(cfg), "ran": ran}
     tracker = Tracker(run, run_config, cfg.wandb) if world.is_main else NullTracker(run.run_dir)
-    saver = Checkpointer(cfg, run.overrides, device, model, optimizer, scaler, tracker, schedule)
+    saver = Checkpointer(cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule)
     parts = Parts(model, forward, data, optimizer, scaler, precision, throughput)
     try:
         stop_if_asked(stop, world, run, "while W&B started")
@@ -245,6 +250,10 @@ def main(cfg: DictConfig) -> float:
         return train(cfg, run)["val/acc"]
     except Preempted as stopped:
         log.warning("%s", stopped)
+        if stopped.signum == preemption_signal():
+            # the checkpoint is written; submitit's own handler (back in place) requeues the job
+            # and exits. The requeued job continues from the checkpoint with trainer.resume=auto.
+            signal.raise_signal(stopped.signum)
         raise SystemExit(128 + stopped.signum) from None  # the shell's convention for a signal
     except KeyboardInterrupt:  # a second Ctrl-C: out at once, without a checkpoint
         log.warning("Stopped at once by a second Ctrl-C. %s", last_checkpoint_note(run))
