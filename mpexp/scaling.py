@@ -7,8 +7,11 @@ complete scale history without a host-device synchronisation per step.
 
   none        GradScaler disabled: no scaling, nothing skipped
   static      a constant scale; overflowing steps are skipped
-  dynamic     GradScaler's rule: back off on every overflow, grow after growth_interval clean steps
-  hysteresis  DeepSpeed's rule: back off only from the `hysteresis`-th overflow in a row
+  dynamic     GradScaler's rule, bit for bit: back off on every overflow, grow after
+              growth_interval clean steps
+  hysteresis  DeepSpeed's rule: tolerate `hysteresis - 1` overflows before backing off; the
+              tolerance refills when the scale grows (DeepSpeed's default) or, with
+              `consecutive`, after every clean step
   calibrated  measure max |grad| over warm-up steps at scale 1, then fix a power of two (static)
 
 dynamic and hysteresis stop at a floor, `min_scale`. Every scaler also skips a step whose loss is
@@ -159,11 +162,19 @@ class LossScaler(torch.amp.GradScaler):
 class DynamicLossScaler(LossScaler):
     """`dynamic` (hysteresis=1: GradScaler's rule), and the base of `hysteresis` (DeepSpeed's).
 
-    An overflowing step is always skipped. The scale backs off by `backoff_factor` on an overflow
-    that is the `hysteresis`-th or later in an unbroken run of overflows (so a run of n overflows
-    backs off n - hysteresis + 1 times), and grows by `growth_factor` after `growth_interval` clean
-    steps in a row; any overflow restarts that count. The scale never goes below `min_scale`; a
-    back-off due at the floor sets `floor_hit()`, which the loop turns into an error or a warning.
+    An overflowing step is always skipped. The scale moves as torch.amp.GradScaler moves it, bit
+    for bit (the same update primitive: factors applied in double precision, no growth past
+    float32's range), with two additions:
+
+    - Hysteresis, DeepSpeed's `delayed_shift`: of the overflows, the first `hysteresis - 1` only
+      use up a tolerance and leave the scale alone; once it is used up, every overflow backs off.
+      The tolerance refills when the scale grows (DeepSpeed's default,
+      `consecutive_hysteresis=False`) or, with `consecutive=True`, after every clean step, so that
+      only overflows in a row count. Any overflow, tolerated or not, restarts the `growth_interval`
+      clean steps that growth needs.
+    - A floor: the scale never goes below `min_scale`; a back-off due at the floor sets
+      `floor_hit()`, which the loop turns into an error or a warning.
+
     The whole rule runs on the device.
     """
 
@@ -177,6 +188,7 @@ class DynamicLossScaler(LossScaler):
         backoff_factor: float,
         growth_interval: int,
         hysteresis: int = 1,
+        consecutive: bool = False,
         min_scale: float = 0.0,
         on_min_scale: str = "raise",
     ):
@@ -188,9 +200,11 @@ class DynamicLossScaler(LossScaler):
             growth_interval=growth_interval,
         )
         self.hysteresis = hysteresis
+        self.consecutive = consecutive
         self.min_scale = float(min_scale)
         self.on_min_scale = on_min_scale
-        self._overflow_run = torch.zeros((), dtype=torch.int32, device=device)
+        # as DeepSpeed's: the overflows still to be tolerated, plus one
+        self._cur_hysteresis = torch.full((), hysteresis, dtype=torch.int32, device=device)
         self._floor_hit = torch.zeros((), device=device)
 
     def floor_hit(self) -> torch.Tensor:
@@ -203,19 +217,28 @@ class DynamicLossScaler(LossScaler):
         scale, tracker = self._check_scale_growth_tracker("update")
         overflow, clean = self._overflow()
 
-        run = self._overflow_run
-        run = torch.where(overflow, run + 1, torch.where(clean, 0, run))
-        back_off = overflow & (run >= self.hysteresis)
+        # GradScaler's own update, on copies: what torch.amp.GradScaler would make of this step
+        ruled, counted = scale.clone(), tracker.clone()
+        torch._amp_update_scale_(
+            ruled,
+            counted,
+            overflow.float(),
+            self._growth_factor,
+            self._backoff_factor,
+            self._growth_interval,
+        )
+        tolerated = overflow & (self._cur_hysteresis > 1)
+        back_off = overflow & ~tolerated
         self._floor_hit = (back_off & (scale <= self.min_scale)).float()
+        lowered = torch.clamp(ruled, min=self.min_scale)
+        new = torch.where(back_off, lowered, torch.where(clean, ruled, scale))
+        # a step skipped only for its loss leaves the count where it was
+        self._growth_tracker.copy_(torch.where(overflow | clean, counted, tracker))
 
-        count = torch.where(clean, tracker + 1, torch.where(overflow, 0, tracker))
-        grown = scale * self._growth_factor
-        grow = clean & (count >= self._growth_interval) & torch.isfinite(grown)
-        lowered = torch.clamp(scale * self._backoff_factor, min=self.min_scale)
-        new = torch.where(back_off, lowered, torch.where(grow, grown, scale))
-
-        self._growth_tracker.copy_(torch.where(grow, 0, count))
-        self._overflow_run.copy_(run)
+        grown = clean & (counted == 0)  # growth was due: GradScaler restarts its count there
+        refill = clean if self.consecutive else grown
+        left = torch.where(tolerated, self._cur_hysteresis - 1, self._cur_hysteresis)
+        self._cur_hysteresis.copy_(torch.where(refill, self.hysteresis, left))
         super().update(new)
 
     def describe(self) -> dict:
@@ -230,26 +253,29 @@ class DynamicLossScaler(LossScaler):
         }
         if self.strategy == "hysteresis":
             described["hysteresis"] = self.hysteresis
+            described["consecutive"] = self.consecutive
         return described
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state["overflow_run"] = int(self._overflow_run)  # checkpoints only: one read
+        state["cur_hysteresis"] = int(self._cur_hysteresis)  # checkpoints only: one read
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        self._overflow_run.fill_(state_dict.get("overflow_run", 0))
+        self._cur_hysteresis.fill_(state_dict.get("cur_hysteresis", self.hysteresis))
 
 
 class HysteresisLossScaler(DynamicLossScaler):
     """`hysteresis`: DeepSpeed's rule, the dynamic rule with a tolerance of `hysteresis - 1`
-    overflows in a row before the scale backs off."""
+    overflows before the scale backs off (see DynamicLossScaler)."""
 
     strategy = "hysteresis"
 
-    def __init__(self, device: torch.device, hysteresis: int = 2, **dynamic):
-        super().__init__(device, hysteresis=hysteresis, **dynamic)
+    def __init__(
+        self, device: torch.device, hysteresis: int = 2, consecutive: bool = False, **dynamic
+    ):
+        super().__init__(device, hysteresis=hysteresis, consecutive=consecutive, **dynamic)
 
 
 def min_scale_error(step: int, min_scale: float) -> NumericsError:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
 from mpexp.loop import train_step
-from mpexp.scaling import build_scaler, calibrated_scale
+from mpexp.scaling import DynamicLossScaler, build_scaler, calibrated_scale
 from tests.conftest import CPU, precision_of, scaling_cfg
 
 
@@ -124,38 +126,112 @@ def test_dynamic_trajectory_follows_gradscalers_rule_down_to_the_floor():
     assert moved == [not skipped for _, skipped, _ in trajectory]
 
 
-def test_hysteresis_backs_off_only_from_the_nth_overflow_in_a_row():
-    scaling = {
-        **DYNAMIC,
-        "_target_": "mpexp.scaling.HysteresisLossScaler",
-        "hysteresis": 2,
-        "growth_interval": 3,
-    }
-    trajectory, moved, _ = run_script(scaling, "OCOOOCCCC")
-    # an isolated overflow is skipped without a back-off; from the 2nd in a row each one backs off;
-    # any overflow restarts the 3 clean steps needed to grow
-    assert [(used, skipped) for used, skipped, _ in trajectory] == [
-        (1024.0, True),
-        (1024.0, False),
-        (1024.0, True),
-        (1024.0, True),
-        (512.0, True),
-        (256.0, False),
-        (256.0, False),
-        (256.0, False),
-        (512.0, False),
+# The issue's flags (overflow, clean, overflow, clean x3), then overflow, clean, overflow: enough to
+# see growth and both refill rules.
+HYSTERESIS_SCRIPT = "OCOCCCOCO"
+
+
+def hysteresis(**values):
+    """`loss_scaling=hysteresis` as composed from its YAML: hysteresis 2 from 65536, growth after
+    3 clean steps."""
+    return scaling_cfg("hysteresis", init_scale=65536.0, growth_interval=3, **values)
+
+
+def test_hysteresis_default_is_deepspeeds_rule():
+    # Worked out from DeepSpeed's DynamicLossScaler.update_scale with delayed_shift=2,
+    # scale_window=3, consecutive_hysteresis=False (its default). cur_hysteresis starts at 2, an
+    # overflow backs off only at cur_hysteresis == 1 and otherwise lowers it by one, and it is
+    # reset to 2 only when the scale grows, i.e. when (iter - last_overflow_iter) % 3 == 0 on a
+    # clean step:
+    #   it 0 O  cur_hysteresis 2 -> 1, no back-off            last_overflow_iter = 0
+    #   it 1 C  (1 - 0) % 3 = 1: nothing                      (cur_hysteresis stays 1)
+    #   it 2 O  cur_hysteresis == 1: 65536 -> 32768           last_overflow_iter = 2
+    #   it 3 C, it 4 C: (3 - 2) % 3, (4 - 2) % 3 != 0
+    #   it 5 C  (5 - 2) % 3 == 0: grow 32768 -> 65536, cur_hysteresis back to 2
+    #   it 6 O  2 -> 1, no back-off                           last_overflow_iter = 6
+    #   it 7 C  nothing
+    #   it 8 O  cur_hysteresis == 1: 65536 -> 32768
+    assert hysteresis().consecutive is False
+    trajectory, moved, scaler = run_script(hysteresis(), HYSTERESIS_SCRIPT)
+    used = [65536.0, 65536.0, 65536.0, 32768.0, 32768.0, 32768.0, 65536.0, 65536.0, 65536.0]
+    assert [(u, s) for u, s, _ in trajectory] == [
+        (u, c == "O") for u, c in zip(used, HYSTERESIS_SCRIPT, strict=True)
     ]
-    assert moved == [not skipped for _, skipped, _ in trajectory]
+    assert scaler.get_scale() == 32768.0
+    assert moved == [c == "C" for c in HYSTERESIS_SCRIPT]
+    assert scaler.describe()["consecutive"] is False
+
+
+def test_consecutive_hysteresis_counts_only_overflows_in_a_row():
+    # The same flags under consecutive_hysteresis=True: every clean step resets cur_hysteresis to
+    # 2, so an overflow never meets cur_hysteresis == 1 here (no two are adjacent) and the scale
+    # never backs off; growth keeps DeepSpeed's timing: at it 5 ((5 - 2) % 3 == 0) to 131072.
+    trajectory, _, scaler = run_script(hysteresis(consecutive="true"), HYSTERESIS_SCRIPT)
+    assert [u for u, _, _ in trajectory] == [65536.0] * 6 + [131072.0] * 3
+    assert [s for _, s, _ in trajectory] == [c == "O" for c in HYSTERESIS_SCRIPT]
+    assert scaler.get_scale() == 131072.0
+
+
+@pytest.mark.parametrize("consecutive", ["false", "true"])
+def test_hysteresis_backs_off_on_every_overflow_once_the_tolerance_is_used(consecutive):
+    # hysteresis 3, four overflows in a row: cur_hysteresis 3 -> 2 -> 1, then two back-offs, under
+    # either rule; 3 clean steps after the last overflow the scale grows again
+    scaling = scaling_cfg(
+        "hysteresis", init_scale=1024.0, hysteresis=3, growth_interval=3, consecutive=consecutive
+    )
+    trajectory, _, _ = run_script(scaling, "OOOOCCCC")
+    assert [u for u, _, _ in trajectory] == [1024.0] * 3 + [512.0] + [256.0] * 3 + [512.0]
 
 
 def test_hysteresis_state_survives_a_checkpoint():
     scaling = {**DYNAMIC, "_target_": "mpexp.scaling.HysteresisLossScaler", "hysteresis": 3}
     _, _, scaler = run_script(scaling, "OO")
     state = scaler.state_dict()
-    assert (state["scale"], state["overflow_run"]) == (1024.0, 2)
+    assert (state["scale"], state["cur_hysteresis"]) == (1024.0, 1)
     _, _, fresh = run_script(scaling, "")
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
+
+
+def scale_and_tracker(scaler, flags, finite_grad: float = 1.0):
+    """(scale, growth tracker) after each update over steps whose gradient overflows (True) or
+    not; nothing else differs between the scalers fed to it."""
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    seen = []
+    for overflow in flags:
+        weight.grad = torch.tensor([torch.inf if overflow else finite_grad])
+        scaler.scale(torch.ones(()))  # the loss: always finite here
+        scaler.step(optimizer)
+        scaler.update()
+        state = scaler.state_dict()
+        seen.append((state["scale"], state["_growth_tracker"]))
+    return seen
+
+
+def test_dynamic_moves_the_scale_exactly_as_gradscaler_does_for_any_factors():
+    """Random factors, intervals, initial scales (some at float32's top, where growth saturates)
+    and overflow sequences, run through torch.amp.GradScaler itself and through `dynamic`."""
+    rng = random.Random(17)
+    for _ in range(300):
+        settings = {
+            "init_scale": rng.choice([2.0 ** rng.uniform(-8, 24), 2.0 ** rng.uniform(125, 127.9)]),
+            "growth_factor": rng.uniform(1.01, 4.0),
+            "backoff_factor": rng.uniform(0.05, 0.99),
+            "growth_interval": rng.randint(1, 4),
+        }
+        flags = [rng.random() < 0.4 for _ in range(30)]
+        reference = torch.amp.GradScaler("cpu", **settings)
+        ours = DynamicLossScaler(CPU, **settings, min_scale=0.0)  # GradScaler has no floor
+        assert scale_and_tracker(ours, flags) == scale_and_tracker(reference, flags), settings
+
+
+def test_dynamic_restarts_its_growth_count_where_growth_would_pass_float32s_range():
+    settings = {"init_scale": 2.0**127, "growth_factor": 2.0, "backoff_factor": 0.5}
+    ours = DynamicLossScaler(CPU, **settings, growth_interval=2)
+    steps = scale_and_tracker(ours, [False] * 5)
+    # 2^128 is inf in float32: the scale stays, and the count starts over as GradScaler's does
+    assert steps == [(2.0**127, 1), (2.0**127, 0), (2.0**127, 1), (2.0**127, 0), (2.0**127, 1)]
 
 
 def test_static_trajectory_never_moves():
