@@ -14,7 +14,9 @@
   same way: a back-off due at `loss_scaling.min_scale` stops the run or warns.
 
 Values are gathered on the device during the step and read back at the metrics flush, with the step
-history, never per step.
+history, never per step. Under FSDP each rank holds a shard of every gradient: it counts its own
+shard, and the counts (and flags) are summed over the ranks at the flush, so the figures are those
+of the whole gradients, as in a single process.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from mpexp.distributed import all_reduce, local_shard, shard_group
 from mpexp.history import DeviceRows
-from mpexp.scaling import LossScaler, grad_max_abs, min_scale_error
+from mpexp.scaling import LossScaler, min_scale_error
 from mpexp.tracking import Histogram, Tracker
 
 log = logging.getLogger(__name__)
@@ -81,10 +84,16 @@ class Diagnostics:
         self._layer_of = torch.tensor([self.layers.index(o) for o in owners], device=device)
         self._numel = [0] * len(self.layers)
         for owner, (_, p) in zip(owners, self.params, strict=True):
-            self._numel[self.layers.index(owner)] += p.numel()
+            self._numel[self.layers.index(owner)] += p.numel()  # a DTensor's is the whole one's
+        # parameters whose shard on this rank holds elements (under FSDP some may hold none)
+        self._filled = [i for i, (_, p) in enumerate(self.params) if local_shard(p).numel()]
+        self._filled_index = torch.tensor(self._filled, dtype=torch.long, device=device)
 
-        self._stats = DeviceRows()
-        self._steps = DeviceRows()
+        # under FSDP, each rank's counts and flags are combined at the flush (one collective each)
+        group = shard_group([p for _, p in self.params])
+        sharded = group is not None
+        self._stats = DeviceRows(partial(all_reduce, op="SUM", group=group) if sharded else None)
+        self._steps = DeviceRows(partial(all_reduce, op="MAX", group=group) if sharded else None)
         self._flags: torch.Tensor | None = None
 
     def inspector(self, step: int) -> Callable[[], None] | None:
@@ -95,9 +104,12 @@ class Diagnostics:
         return partial(self._inspect, step, stats)
 
     def _inspect(self, step: int, stats: bool) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.params]
+        grads = [
+            local_shard(p.grad if p.grad is not None else torch.zeros_like(p))
+            for _, p in self.params
+        ]
         if self.attribute:
-            self._flags = (~torch.isfinite(grad_max_abs(grads))).float()
+            self._flags = self._nonfinite(grads)
         if stats:
             scale = self.scaler.scale_tensor()
             per_param = torch.stack([fp16_counts(g, scale) for g in grads])
@@ -106,6 +118,14 @@ class Diagnostics:
             )
             per_layer.index_add_(0, self._layer_of, per_param)
             self._stats.append(step, per_layer.flatten())
+
+    def _nonfinite(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """1.0 for each gradient holding an inf or NaN, else 0.0: one multi-tensor pass."""
+        bad = torch.zeros(len(grads), device=self.scaler.device)
+        if self._filled:
+            peaks = torch._foreach_norm([grads[i] for i in self._filled], float("inf"))
+            bad.index_put_((self._filled_index,), (~torch.isfinite(torch.stack(peaks))).float())
+        return bad
 
     def after_update(self, step: int) -> None:
         """Record the step's flags (after scaler.update(), which decides the floor)."""

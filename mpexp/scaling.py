@@ -85,11 +85,12 @@ class LossScaler(torch.amp.GradScaler):
         return self._found_inf
 
     def skip_together(self) -> None:
-        """Sum the overflow flags over all ranks before each step is taken or skipped.
+        """Combine the overflow flags over all ranks (MAX) before each step is taken or skipped.
 
         Needed when each rank unscales different gradients (FSDP shards): one rank may find an
         inf that the others cannot see, and all must skip that step and back the scale off
-        alike, as torch's ShardedGradScaler does.
+        alike, as torch's ShardedGradScaler does. (Torch versions whose DTensor dispatch already
+        combines the flag of a sharded unscale do not need it: see mpexp.distributed.)
         """
         self._sum_overflow_over_ranks = True
 
