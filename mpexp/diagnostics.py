@@ -4,10 +4,13 @@
   what the step's gradients g (true units, after unscale_ and before clipping) become in fp16 at the
   scale S that step used: the fraction of elements that underflow (g != 0 but S*g is zero or
   subnormal in fp16), that overflow (S*g is not finite in fp16), that were exactly zero already,
-  and a histogram of log2|S*g|. On that axis fp16's range is fixed: bins -24..-15 are its
-  subnormals, -14..15 its normal numbers, 16 and up overflow. Under fp16 the gradients have already
-  passed through fp16 once, so what was lost shows up as exact zeros; under fp32 the statistics
-  are a what-if for fp16 at that scale.
+  and a histogram of log2 of what fp16 holds of S*g, one bin per power of two. On that axis fp16's
+  range is fixed: bins -24..-15 are its subnormals, -14..15 its normal numbers, 16 its overflows
+  (S*g rounded to inf); elements that fp16 rounds to zero are binned by |S*g| itself, which puts
+  them at -25 and below ("lost"; the end bin -40 also holds everything smaller). Each value is
+  binned after fp16's rounding: 65520 rounds to inf (bin 16), 1.5 * 2^-25 to 2^-24 (bin -24).
+  Under fp16 the gradients have already passed through fp16 once, so what was lost shows up as
+  exact zeros; under fp32 the statistics are a what-if for fp16 at that scale.
 - Overflow attribution (`diagnostics.overflow_attribution=true`): the names of the parameters whose
   gradients were not finite, on each step where any was (a skipped step, under loss scaling).
 - The loss-scale floor of dynamic and hysteresis scaling, checked here because it is read back the
@@ -37,7 +40,7 @@ from mpexp.tracking import Histogram, Tracker
 log = logging.getLogger(__name__)
 
 FP16_SMALLEST_NORMAL = 2.0**-14
-# log2|S*g| bins, one per power of two; the first and last also hold everything beyond them
+# log2 bins, one per power of two; the first and last also hold everything beyond them
 HIST_LOW, HIST_HIGH = -40, 16
 HIST_BINS = HIST_HIGH - HIST_LOW + 1
 HIST_EDGES = [float(e) for e in range(HIST_LOW, HIST_HIGH + 2)]
@@ -51,14 +54,16 @@ def fp16_counts(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """
     g = grad.detach().float()
     scaled = g * scale
-    half = scaled.to(torch.float16)
+    held = scaled.to(torch.float16).float().abs()  # what fp16 makes of it
     zero = g == 0
-    underflow = ~zero & (half.abs() < FP16_SMALLEST_NORMAL)
-    overflow = ~torch.isfinite(half)
-    magnitude = scaled.abs()
+    lost = ~zero & (held == 0)
+    underflow = ~zero & (held < FP16_SMALLEST_NORMAL)
+    overflow = ~torch.isfinite(held)
+    # the value fp16 holds; for what it rounds to zero (|S*g| <= 2^-25), how small it was
+    magnitude = torch.where(lost, scaled.abs(), held)
     bins = torch.floor(torch.log2(magnitude)).clamp(HIST_LOW, HIST_HIGH) - HIST_LOW
-    # zeros and non-finite values go to an extra bin that is dropped (masking would sync)
-    bins = torch.where(~zero & torch.isfinite(magnitude), bins, HIST_BINS).long().flatten()
+    # zeros and non-finite gradients go to an extra bin that is dropped (masking would sync)
+    bins = torch.where(~zero & torch.isfinite(g), bins, HIST_BINS).long().flatten()
     hist = torch.zeros(HIST_BINS + 1, dtype=torch.int64, device=g.device)
     hist.scatter_add_(0, bins, torch.ones_like(bins))
     totals = torch.stack((zero.sum(), underflow.sum(), overflow.sum()))
