@@ -31,6 +31,7 @@ from hydra.utils import get_object
 from torch.amp.grad_scaler import OptState
 
 from mpexp.config import to_dict
+from mpexp.distributed import local_shard
 from mpexp.errors import NumericsError
 from mpexp.precision import Precision
 
@@ -39,9 +40,14 @@ log = logging.getLogger(__name__)
 FP16_MAX = 65504.0
 
 
-def grad_max_abs(grads: list[torch.Tensor]) -> torch.Tensor:
-    """max |g| of each gradient, as one device tensor (inf or NaN where one is not finite)."""
-    return torch.stack([torch.linalg.vector_norm(g, float("inf")) for g in grads])
+def finite_max_abs(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The largest finite |g| over all elements of all gradients (0 if none), on the device.
+
+    Elements that are inf or NaN are left out, not the gradients holding them: one overflowing
+    parameter must not hide the others' maxima.
+    """
+    peaks = [g.detach().abs().nan_to_num(0.0, posinf=0.0).amax() for g in grads if g.numel()]
+    return torch.stack(peaks).max() if peaks else torch.zeros(())
 
 
 def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -323,14 +329,23 @@ class NonfiniteGuard(StaticLossScaler):
         return {"loss_scaling": "none", "nonfinite_guard": True}
 
 
+# The calibrated scale's ceiling: Apex's largest loss scale (its max_loss_scale default). At 2^24
+# fp16 already holds every gradient down to 2^-48 (3.6e-15); a larger scale rescues only smaller
+# ones, and a near-zero maximum (1e-42, say) would ask for 2^150, past float32's range.
+MAX_CALIBRATED_SCALE = 2.0**24
+
+
 def calibrated_scale(max_grad: float, margin: float) -> float:
-    """The largest power of two S with max_grad * S < 65504 / margin (fp16's largest value)."""
+    """The largest power of two S <= MAX_CALIBRATED_SCALE with max_grad * S < 65504 / margin
+    (fp16's largest value, with headroom)."""
     limit = FP16_MAX / margin
-    exponent = math.floor(math.log2(limit / max_grad))
+    ceiling = round(math.log2(MAX_CALIBRATED_SCALE))
+    # two logs, not log2(limit / max_grad): that ratio overflows a double for tiny maxima
+    exponent = min(math.floor(math.log2(limit) - math.log2(max_grad)), ceiling)
     # log2 may round either way; powers of two multiply exactly, so settle it with products
     while max_grad * 2.0**exponent >= limit:
         exponent -= 1
-    while max_grad * 2.0 ** (exponent + 1) < limit:
+    while exponent < ceiling and max_grad * 2.0 ** (exponent + 1) < limit:
         exponent += 1
     return 2.0**exponent
 
@@ -340,8 +355,10 @@ class CalibratedLossScaler(StaticLossScaler):
     Performance Analysis: Mixed Precision Training").
 
     The first `calibration_steps` steps train at scale 1 (overflowing ones skipped) while the
-    largest finite |gradient| is tracked on the device. At the end of them the scale becomes the
-    largest power of two keeping that maximum, scaled, under 65504 / margin, and stays there.
+    largest finite |gradient| element is tracked on the device; inf and NaN elements are left out,
+    also on a step that is skipped for them. At the end of them the scale becomes the largest
+    power of two keeping that maximum, scaled, under 65504 / margin, but at most
+    MAX_CALIBRATED_SCALE (2^24), and stays there.
     """
 
     strategy = "calibrated"
@@ -357,10 +374,9 @@ class CalibratedLossScaler(StaticLossScaler):
 
     def unscale_(self, optimizer) -> None:
         super().unscale_(optimizer)
-        grads = optimizer_grads(optimizer)
-        if self.chosen_scale is None and grads:
-            peak = grad_max_abs(grads).max()
-            self._max = torch.maximum(self._max, torch.where(torch.isfinite(peak), peak, 0.0))
+        if self.chosen_scale is None:
+            peak = finite_max_abs([local_shard(g) for g in optimizer_grads(optimizer)])
+            self._max = torch.maximum(self._max, peak.to(self.device))
 
     def update(self, new_scale=None) -> None:
         if self.chosen_scale is None and new_scale is None:
@@ -370,6 +386,9 @@ class CalibratedLossScaler(StaticLossScaler):
         super().update(new_scale)
 
     def _fix_scale(self) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # under FSDP each rank measured its own shard of the gradients
+            torch.distributed.all_reduce(self._max, op=torch.distributed.ReduceOp.MAX)
         self.max_grad = float(self._max)  # the run's one read of it, when calibration ends
         if not self.max_grad > 0:
             raise NumericsError(
@@ -379,6 +398,12 @@ class CalibratedLossScaler(StaticLossScaler):
             )
         self.chosen_scale = calibrated_scale(self.max_grad, self.margin)
         self._static_scale = self.chosen_scale
+        if self.chosen_scale == MAX_CALIBRATED_SCALE:
+            log.warning(
+                "Calibrated loss scale at its ceiling, 2^24: the largest |gradient| in "
+                "calibration was only %.4g (MAX_CALIBRATED_SCALE in mpexp/scaling.py).",
+                self.max_grad,
+            )
         log.info(
             "Calibrated loss scale: 2^%d = %g (max |grad| %.4g over %d steps, margin %g: "
             "scaled max %.4g < %.4g)",

@@ -18,7 +18,7 @@ from torch import nn
 
 from mpexp.diagnostics import Diagnostics
 from mpexp.distributed import dtensor_combines_overflow_flags, start_world
-from mpexp.scaling import LossScaler
+from mpexp.scaling import CalibratedLossScaler, LossScaler
 from mpexp.tracking import Histogram
 from tests.conftest import precision_of
 
@@ -168,6 +168,24 @@ def fsdp_diagnostics(world) -> dict:
     return figures
 
 
+def fsdp_calibration(world) -> dict:
+    """`calibrated` under FSDP: each rank measures the maximum of its own shards, and the ranks
+    settle on the whole model's (3.0, on rank 1's shard only)."""
+    model = replace(world, strategy="fsdp").wrap(small_model(0), precision_of("fp32"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = CalibratedLossScaler(world.device, calibration_steps=1, margin=8.0)
+    for name, p in model.named_parameters():
+        grad = torch.full(p.shape, 1e-3)
+        if name == "4.weight":
+            grad[-1, 0] = 3.0
+        p.grad = distribute_tensor(grad, p.device_mesh, p.placements)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    return scaler.outcome()
+
+
 def rank_local_overflow(world, together: bool) -> dict:
     """Gradients that differ by rank (as FSDP shards do), inf on rank 1 only: `skip_together`
     decides whether rank 0 skips too. (Recent torch also reduces the flag inside DTensor's
@@ -203,6 +221,7 @@ def main(out: Path) -> None:
             "alone": rank_local_overflow(world, together=False),
             "replicas": replica_check(world),
             "fsdp_diagnostics": fsdp_diagnostics(world),
+            "fsdp_calibration": fsdp_calibration(world),
         }
         (out / f"rank{world.rank}.json").write_text(json.dumps(result))
 

@@ -160,6 +160,12 @@ def test_fsdp_diagnostics_count_every_shard_once(checks):
         assert 0 < stats["diag/total/underflow"] < 1 and stats["diag/total/overflow"] > 0
 
 
+def test_fsdp_calibration_settles_on_the_whole_models_maximum(checks):
+    # 3.0 * 2048 < 65504 / 8 <= 3.0 * 4096
+    for rank in checks:
+        assert rank["fsdp_calibration"] == {"calibrated_scale": 2048.0, "calibration_max_grad": 3.0}
+
+
 def test_skip_together_sums_the_overflow_flags_over_ranks(checks):
     rank0, rank1 = checks
     assert rank0["alone"] == {"skipped": 0.0, "scale": 1024.0}  # rank 0 cannot see rank 1's inf

@@ -10,7 +10,12 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mpexp.loop import train_step
-from mpexp.scaling import DynamicLossScaler, build_scaler, calibrated_scale
+from mpexp.scaling import (
+    MAX_CALIBRATED_SCALE,
+    DynamicLossScaler,
+    build_scaler,
+    calibrated_scale,
+)
 from tests.conftest import CPU, precision_of, scaling_cfg
 
 
@@ -250,16 +255,21 @@ def test_static_trajectory_never_moves():
         (65504.0 / 1024, 1.0, 512.0),  # 1024 would land exactly on 65504: not under it
         (100.0, 8.0, 64.0),  # 6400 < 8188 <= 12800
         (1e5, 1.0, 0.5),  # gradients already above fp16's range: a scale below 1
+        (65504 / 8 / 2**24, 8.0, 2.0**23),  # 2^24 would land exactly on the limit
+        (1e-4, 8.0, 2.0**24),  # 2^26 would fit, but 2^24 is the ceiling
+        (1e-42, 8.0, 2.0**24),  # (float32 subnormal) 2^152 would fit
     ],
 )
 def test_calibrated_scale_is_the_largest_power_of_two_under_the_limit(max_grad, margin, expected):
     assert calibrated_scale(max_grad, margin) == expected
+    assert expected <= MAX_CALIBRATED_SCALE == 2.0**24
 
 
 CALIBRATION = OmegaConf.create(
     {"_target_": "mpexp.scaling.CalibratedLossScaler", "calibration_steps": 3, "margin": 2.0}
 )
-# a hook makes each step's gradient exactly one of these; the inf one is skipped, not measured
+# a hook makes each step's gradient exactly one of these; the step with the inf is skipped, but
+# its finite elements are measured
 GRADIENTS = [[0.5, -1.5, 0, 0], [0, 0, -3, 1], [0, torch.inf, 9, 0], [1, 1, 1, 1], [0, 0, 9, 0]]
 
 
@@ -285,16 +295,43 @@ def calibrated_steps(grads, scaler=None):
 
 def test_calibrated_measures_the_largest_gradient_then_stays_static():
     used, scaler = calibrated_steps(GRADIENTS)
-    # max |g| over the 3 calibration steps is 3.0 (the inf step excluded); margin 2 -> 8192
-    assert used == [1.0, 1.0, 1.0, 8192.0, 8192.0]
-    assert scaler.outcome() == {"calibrated_scale": 8192.0, "calibration_max_grad": 3.0}
+    # max finite |g| over the 3 calibration steps is 9.0; margin 2: 9 * 2048 < 32752 <= 9 * 4096
+    assert used == [1.0, 1.0, 1.0, 2048.0, 2048.0]
+    assert scaler.outcome() == {"calibrated_scale": 2048.0, "calibration_max_grad": 9.0}
+
+
+def test_a_vanishing_gradient_maximum_calibrates_to_the_ceiling(caplog):
+    used, scaler = calibrated_steps([[1e-42, 0, 0, 0]] * 4)
+    assert used == [1.0, 1.0, 1.0, 2.0**24]
+    assert scaler.outcome()["calibration_max_grad"] == torch.tensor(1e-42).item()  # float32's
+    assert "at its ceiling, 2^24" in caplog.text
+
+
+def test_calibration_keeps_finite_maxima_from_a_step_with_an_inf_gradient():
+    """Two parameters; in the first calibration step one of them holds an inf beside a 3.0, the
+    other 0.5. The step is skipped, but 3.0 is still the largest finite gradient measured."""
+    fresh = build_scaler(CALIBRATION, precision_of("fp16"), CPU)
+    first, second = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([first, second], lr=0.0)
+    steps = [([torch.inf, 3.0], [0.5]), ([1e-3, 0.0], [1e-3]), ([0.0, 0.0], [1e-3])]
+    used = []
+    for grad_first, grad_second in [*steps, ([0.0, 0.0], [0.0])]:
+        first.grad, second.grad = torch.tensor(grad_first), torch.tensor(grad_second)
+        fresh.scale(torch.ones(()))  # a finite loss: only the gradient overflows
+        fresh.unscale_(optimizer)
+        fresh.step(optimizer)
+        used.append((fresh.scale_tensor().item(), fresh.found_inf().item()))
+        fresh.update()
+    # margin 2: 3 * 2^13 = 24576 < 32752 <= 3 * 2^14
+    assert used == [(1.0, 1.0), (1.0, 0.0), (1.0, 0.0), (8192.0, 0.0)]
+    assert fresh.outcome() == {"calibrated_scale": 8192.0, "calibration_max_grad": 3.0}
 
 
 def test_calibration_resumed_midway_chooses_the_same_scale():
     _, halfway = calibrated_steps(GRADIENTS[:2])  # a checkpoint after two calibration steps
     used, resumed = calibrated_steps(GRADIENTS[2:], scaler=halfway)
-    assert used == [1.0, 8192.0, 8192.0]
-    assert resumed.outcome()["calibration_max_grad"] == 3.0
+    assert used == [1.0, 2048.0, 2048.0]
+    assert resumed.outcome()["calibration_max_grad"] == 9.0
 
 
 def test_nonfinite_loss_skips_the_step_without_touching_the_scale():
