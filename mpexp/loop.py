@@ -53,6 +53,10 @@ def train_step(
     The batch is split into `accumulate` micro-batches, each scaled and back-propagated on its own;
     their losses are weighted by size so the gradients add up to the whole batch's. `inspect`, if
     given, sees the gradients in true units before clipping (diagnostics).
+
+    Gradients are unscaled before the step only when something reads them there (`inspect`,
+    clipping, a calibrating scaler). Otherwise `scaler.step` unscales them: a fused optimizer
+    does it inside its update kernel, sparing a separate multiply over every gradient.
     """
     total = torch.zeros((), device=labels.device)
     chunks = list(zip(images.chunk(accumulate), labels.chunk(accumulate), strict=True))
@@ -64,7 +68,8 @@ def train_step(
                 loss = F.cross_entropy(model(x), y) * (len(y) / len(labels))
             scaler.scale(loss).backward()
         total += loss.detach()
-    scaler.unscale_(optimizer)  # once, after the last micro-batch: true units from here on
+    if inspect is not None or clip_grad_norm is not None or scaler.needs_true_units():
+        scaler.unscale_(optimizer)  # once, after the last micro-batch: true units from here on
     if inspect is not None:
         inspect()
     if clip_grad_norm is not None:

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from hydra.utils import get_object
-from torch.amp.grad_scaler import OptState
 
 from mpexp.config import to_dict
 from mpexp.distributed import local_shard
@@ -48,6 +47,16 @@ def finite_max_abs(grads: list[torch.Tensor]) -> torch.Tensor:
     """
     peaks = [g.detach().abs().nan_to_num(0.0, posinf=0.0).amax() for g in grads if g.numel()]
     return torch.stack(peaks).max() if peaks else torch.zeros(())
+
+
+def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
+    """1.0 if any element of `grads` (all on one device) is inf or NaN, else 0.0, on the device:
+    one multi-tensor read of every gradient."""
+    filled = [g for g in grads if g.numel()]
+    if not filled:
+        return torch.zeros((), device=grads[0].device)
+    peaks = torch._foreach_norm(filled, float("inf"))
+    return (~torch.isfinite(torch.stack(peaks))).any().float()
 
 
 def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -90,6 +99,12 @@ class LossScaler(torch.amp.GradScaler):
         """1.0 if the last `step` was skipped (non-finite gradients or loss), else 0.0 (device)."""
         return self._found_inf
 
+    def needs_true_units(self) -> bool:
+        """Whether the scaler itself reads the gradients in true units before the step, so that
+        `unscale_` must run before it (it need not otherwise: a fused optimizer unscales inside
+        its own kernel)."""
+        return False
+
     def skip_together(self) -> None:
         """Combine the overflow flags over all ranks (MAX) before each step is taken or skipped.
 
@@ -102,11 +117,41 @@ class LossScaler(torch.amp.GradScaler):
 
     def unscale_(self, optimizer) -> None:
         super().unscale_(optimizer)
-        if self._enabled and self._sum_overflow_over_ranks:
-            per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            for found_inf in per_device.values():
+        self._settle_flags(optimizer)
+
+    def _check_inf_per_device(self, optimizer):
+        # GradScaler.step's overflow check for a fused optimizer whose gradients are still scaled:
+        # its kernel unscales them as it updates, writing each one back. GradScaler's own check
+        # is an unscale by 1, which writes every gradient once more; on CUDA a multi-tensor
+        # max-norm only reads them. (Torch's CPU max-norm is a slow path, and sharded FSDP
+        # gradients need torch's check, which combines the ranks' flags.)
+        grads = optimizer_grads(optimizer)
+        if all(g.is_cuda and local_shard(g) is g for g in grads):
+            devices = {g.device for g in grads}
+            flags = {d: any_nonfinite([g for g in grads if g.device == d]) for d in devices}
+            self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = flags
+        else:
+            flags = super()._check_inf_per_device(optimizer)
+        self._settle_flags(optimizer)
+        return flags
+
+    def _settle_flags(self, optimizer) -> None:
+        """Make the step's overflow flags final: the same on every rank, and set as well when a
+        loss was not finite (such a step is skipped even if its gradients happen to be finite)."""
+        if not self._enabled:
+            return
+        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        if self._sum_overflow_over_ranks:
+            for found_inf in flags:
                 # MAX, not SUM: fused optimizers skip a step only for a flag of exactly 1.0
                 torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+        bad_loss = (~self._loss_finite).float()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # every rank must skip (and keep its scale) alike, or the replicas drift apart
+            torch.distributed.all_reduce(bad_loss, op=torch.distributed.ReduceOp.MAX)
+            self._loss_finite = bad_loss == 0
+        for found in flags:
+            torch.maximum(found, bad_loss.to(found.device), out=found)
 
     def floor_hit(self) -> torch.Tensor:
         """1.0 if the last `update` wanted to back off from a scale already at the floor."""
@@ -119,23 +164,13 @@ class LossScaler(torch.amp.GradScaler):
         return super().scale(outputs)
 
     def step(self, optimizer, *args, **kwargs):
-        if not self._enabled:
-            return super().step(optimizer, *args, **kwargs)
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
-        # A non-finite loss skips the step even if its gradients happen to be finite.
-        bad_loss = (~self._loss_finite).float()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # every rank must skip (and keep its scale) alike, or the replicas drift apart
-            torch.distributed.all_reduce(bad_loss, op=torch.distributed.ReduceOp.MAX)
-            self._loss_finite = bad_loss == 0
-        for found in state["found_inf_per_device"].values():
-            torch.maximum(found, bad_loss.to(found.device), out=found)
+        # GradScaler.step unscales (or, for a fused optimizer, only checks) if unscale_ has not
+        # run; either way the flags pass through _settle_flags first
         result = super().step(optimizer, *args, **kwargs)
-        # sum of per-device flags: stays on the device, read in the next metrics flush
-        self._found_inf = sum(v.to(self.device) for v in state["found_inf_per_device"].values())
-        self._found_inf = self._found_inf.clamp(max=1)
+        if self._enabled:
+            flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+            # sum of per-device flags: stays on the device, read in the next metrics flush
+            self._found_inf = sum(v.to(self.device) for v in flags).clamp(max=1)
         return result
 
     def update(self, new_scale=None) -> None:
@@ -371,6 +406,9 @@ class CalibratedLossScaler(StaticLossScaler):
         self.chosen_scale: float | None = None
         self._updates = 0
         self._max = torch.zeros((), device=device)
+
+    def needs_true_units(self) -> bool:
+        return self.chosen_scale is None  # calibration measures the unscaled gradients
 
     def unscale_(self, optimizer) -> None:
         super().unscale_(optimizer)

@@ -1,5 +1,5 @@
 """Training-loop practice: clipping after unscale_, gradient accumulation, schedules that skip
-skipped steps, and modules kept out of autocast."""
+skipped steps, the fused optimizer's own unscale, and modules kept out of autocast."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpexp.errors import ConfigError
 from mpexp.loop import train_step
@@ -160,3 +161,85 @@ def test_schedule_refuses_a_fused_optimizer_under_loss_scaling():
     # without scaling every step is real, so the same schedule is fine
     plain = build_scaler(NONE, precision_of("fp32"), CPU)
     assert build_schedule(cosine_cfg, copy.deepcopy(optimizer), plain, 10) is not None
+
+
+DYNAMIC = {
+    "_target_": "mpexp.scaling.DynamicLossScaler",
+    "init_scale": 1024.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 1000,
+}
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the operators dispatched (on a GPU, each is at least one kernel launch) and keeps
+    their names."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.names = 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def fused_training(inspect: bool, device: torch.device = CPU):
+    """Three fp16 steps of fused Adam at the scale 1000; with `inspect` something reads the
+    gradients before the step, so they are unscaled there; without it the fused kernel does it."""
+    model = small_cnn().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    precision = precision_of("fp16", device)
+    scaling = OmegaConf.create({"_target_": "mpexp.scaling.StaticLossScaler", "scale": 1000.0})
+    scaler = build_scaler(scaling, precision, device)
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, *_: seen.append(getattr(opt, "grad_scale", None)))
+    images, labels = (t.to(device) for t in batch(16))
+    with OpCount() as ops:
+        for _ in range(3):
+            train_step(model, images, labels, optimizer, scaler, precision,
+                       inspect=(lambda: None) if inspect else None)  # fmt: skip
+            scaler.update()
+            optimizer.zero_grad()
+    return model, seen, ops.names
+
+
+UNSCALE_OP = "aten._amp_foreach_non_finite_check_and_unscale_.default"
+
+
+@pytest.mark.parametrize("device", [CPU, pytest.param(torch.device("cuda"), marks=pytest.mark.gpu)])
+def test_fused_optimizer_unscales_inside_its_kernel_when_nothing_reads_the_gradients(device):
+    _, seen, ops = fused_training(inspect=False, device=device)
+    assert [s.item() for s in seen] == [1000.0] * 3  # the scale goes to the fused kernel
+    # on CUDA the overflow check before it only reads the gradients (no unscale by 1)
+    assert (UNSCALE_OP in ops) is (device.type != "cuda")
+    _, seen, ops = fused_training(inspect=True, device=device)
+    assert seen == [None] * 3  # unscaled before the step: nothing left for the kernel to do
+    assert UNSCALE_OP in ops
+
+
+@pytest.mark.parametrize("device", [CPU, pytest.param(torch.device("cuda"), marks=pytest.mark.gpu)])
+def test_both_unscale_paths_agree_to_float32_rounding(device):
+    kernel, *_ = fused_training(inspect=False, device=device)
+    early, *_ = fused_training(inspect=True, device=device)
+    for a, b in zip(kernel.parameters(), early.parameters(), strict=True):
+        # g * (1/1000) and g / 1000 may differ in the last bit; Adam carries that along
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert not torch.equal(kernel.fc.weight.cpu(), small_cnn().fc.weight)  # it did train
+
+
+def test_fused_step_still_skips_an_overflow():
+    model = small_cnn()
+    optimizer = torch.optim.Adam(model.parameters(), fused=True)
+    precision = precision_of("fp16")
+    scaler = build_scaler(OmegaConf.create(DYNAMIC), precision, CPU)
+    before = [p.detach().clone() for p in model.parameters()]
+    handle = model.fc.weight.register_hook(lambda g: g * torch.inf)
+    train_step(model, *batch(16), optimizer, scaler, precision)
+    handle.remove()
+    assert scaler.found_inf().item() == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    scaler.update()
+    assert scaler.get_scale() == 512.0
