@@ -30,6 +30,7 @@ from mpexp.distributed import World
 from mpexp.errors import NumericsError
 from mpexp.history import StepHistory, StepRow
 from mpexp.precision import Precision
+from mpexp.rollback import BufferRollback
 from mpexp.scaling import LossScaler
 from mpexp.system import PeakMemory, synchronize
 from mpexp.tracking import Tracker
@@ -97,10 +98,15 @@ class Stepper:
     accumulate: int = 1
     clip_grad_norm: float | None = None
 
+    def __post_init__(self) -> None:
+        self.buffers = BufferRollback.for_step(self.model, can_skip=self.scaler.is_enabled())
+
     def step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> None:
-        """The optimizer step, its history row and the scale update. No host-device
-        synchronisation: a GPU test runs this in CUDA's sync-debug error mode."""
+        """The optimizer step, its history row and the scale update; a skipped step leaves the
+        model's buffers (BatchNorm statistics) as they were. No host-device synchronisation: a
+        GPU test runs this in CUDA's sync-debug error mode."""
         lr = self.optimizer.param_groups[0]["lr"]  # read first: a real step advances the schedule
+        self.buffers.save()
         loss = train_step(
             self.model,
             images,
@@ -112,6 +118,7 @@ class Stepper:
             self.clip_grad_norm,
             inspect=self.diagnostics.inspector(step),
         )
+        self.buffers.restore_if(self.scaler.found_inf())
         # between step() and update(): the scale this step used and whether it was skipped
         self.history.record(step, lr, loss, self.scaler.scale_tensor(), self.scaler.found_inf())
         self.scaler.update()

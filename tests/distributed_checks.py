@@ -18,8 +18,10 @@ from torch import nn
 
 from mpexp.diagnostics import Diagnostics
 from mpexp.distributed import dtensor_combines_overflow_flags, start_world
+from mpexp.history import StepHistory
+from mpexp.loop import Stepper
 from mpexp.scaling import CalibratedLossScaler, LossScaler
-from mpexp.tracking import Histogram
+from mpexp.tracking import Histogram, NullTracker
 from tests.conftest import precision_of
 
 try:
@@ -186,6 +188,33 @@ def fsdp_calibration(world) -> dict:
     return scaler.outcome()
 
 
+def buffers(model: nn.Module) -> list:
+    return [b.tolist() for b in model.buffers()]
+
+
+def skipped_step_keeps_buffers(world, strategy: str) -> dict:
+    """Rank 1's batch holds an inf, so its loss is not finite and every rank skips the step; the
+    BatchNorm statistics that the step's forward pass changed are put back on every rank. The
+    next, clean step moves them as usual."""
+    ranks = replace(world, strategy=strategy)
+    precision = precision_of("fp32", world.device)
+    model = ranks.wrap(small_model(0), precision)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler(world.device, init_scale=1024.0)
+    ranks.prepare_scaler(scaler)
+    off = OmegaConf.create({"grad_stats_every": 0, "overflow_attribution": False, "max_names": 8})
+    diagnostics = Diagnostics(off, model, scaler, NullTracker(Path(".")))
+    stepper = Stepper(model, optimizer, scaler, precision, StepHistory(), diagnostics)
+    before = buffers(model)
+    images, labels = batch(world.rank)
+    if world.rank == 1:
+        images[0, 0, 0, 0] = float("inf")
+    stepper.step(1, images, labels)
+    skipped, kept = scaler.found_inf().item(), buffers(model) == before
+    stepper.step(2, *batch(world.rank))
+    return {"skipped": skipped, "kept": kept, "moved_after": buffers(model) != before}
+
+
 def rank_local_overflow(world, together: bool) -> dict:
     """Gradients that differ by rank (as FSDP shards do), inf on rank 1 only: `skip_together`
     decides whether rank 0 skips too. (Recent torch also reduces the flag inside DTensor's
@@ -222,6 +251,8 @@ def main(out: Path) -> None:
             "replicas": replica_check(world),
             "fsdp_diagnostics": fsdp_diagnostics(world),
             "fsdp_calibration": fsdp_calibration(world),
+            "ddp_buffers": skipped_step_keeps_buffers(world, "ddp"),
+            "fsdp_buffers": skipped_step_keeps_buffers(world, "fsdp"),
         }
         (out / f"rank{world.rank}.json").write_text(json.dumps(result))
 

@@ -166,6 +166,12 @@ def test_fsdp_calibration_settles_on_the_whole_models_maximum(checks):
         assert rank["fsdp_calibration"] == {"calibrated_scale": 2048.0, "calibration_max_grad": 3.0}
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_skipped_step_leaves_batchnorm_statistics_alone_on_every_rank(checks, strategy):
+    for rank in checks:
+        assert rank[f"{strategy}_buffers"] == {"skipped": 1.0, "kept": True, "moved_after": True}
+
+
 def test_skip_together_sums_the_overflow_flags_over_ranks(checks):
     rank0, rank1 = checks
     assert rank0["alone"] == {"skipped": 0.0, "scale": 1024.0}  # rank 0 cannot see rank 1's inf
