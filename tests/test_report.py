@@ -12,7 +12,9 @@ from matplotlib.image import imread
 
 from mpexp.report import cli as report
 from mpexp.report.table import DEFAULT_TOLERANCE, build_report
-from tests.conftest import run_cli
+from mpexp.tracking import RunContext
+from mpexp.train import train
+from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
 from tests.test_wandb import leet_records
 
@@ -287,3 +289,20 @@ def test_world4ai_preset_is_fp32_against_fp16_over_three_seeds(tmp_path):
     assert ["trainer.seed=0" in s for s in seeds] == [True, False, False, True, False, False]
     config = (sweep / "0" / ".hydra" / "config.yaml").read_text()
     assert "epochs: 2" in config  # the caller's overrides win over the preset's
+
+
+def test_runs_that_logged_diagnostics_are_reported_and_plotted(tmp_path):
+    # diagnostics rows are keyed by step too, and one comes after the last step row
+    for name, precision in (("fp32", "precision=fp32"), ("fp16", "precision=fp16")):
+        cfg = make_cfg(*TINY, precision, "trainer.epochs=1", "diagnostics.grad_stats_every=4")
+        train(cfg, RunContext(tmp_path / name))
+    assert report.main([str(tmp_path)]) == 0
+
+    table = read_table(tmp_path / "report.md")
+    assert [(r["run"], r["loss scaling"]) for r in table] == [("fp16", "dynamic"), ("fp32", "none")]
+    for row in table:
+        steps, _ = read_metrics(tmp_path / row["run"])
+        step_rows = [r for r in steps if "train/loss" in r]
+        assert row["skipped steps"] == str(step_rows[-1]["amp/skipped_steps"])
+    for name in ("loss_curves", "loss_scale"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG_SIGNATURE

@@ -140,6 +140,11 @@ def _read_yaml(path: Path) -> Any:
 
 
 def _read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
+    """The step rows and the epoch rows of a metrics.jsonl, each known by its keys.
+
+    Other rows share the file: diagnostics (`diag/...`) are logged by step too, between and after
+    the step rows, and are not read here.
+    """
     steps, epochs = [], []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -149,7 +154,10 @@ def _read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
         except json.JSONDecodeError:
             raise ValueError(f"line {number} is not JSON") from None
         # epoch rows also carry `step` (the step count so far), so test for `epoch` first
-        (epochs if "epoch" in row else steps).append(row)
+        if "epoch" in row:
+            epochs.append(row)
+        elif "train/loss" in row:
+            steps.append(row)
     return steps, epochs
 
 
