@@ -130,15 +130,17 @@ class Stepper:
 def evaluate(model, data: InMemoryData, device, precision: Precision) -> tuple[float, float]:
     """Validation loss and accuracy, accumulated on the device and read once."""
     model.eval()
-    total = torch.zeros(3, device=device)  # loss sum, correct, count
+    total = torch.zeros(2, device=device)  # loss sum, correct
+    count = 0  # on the host: a batch's size is known there, and a tensor of it would be a copy
     for images, labels in data.val_batches(device):
         with precision.autocast():
             logits = model(images)
         loss = F.cross_entropy(logits.float(), labels, reduction="sum")
         correct = (logits.argmax(1) == labels).sum()
-        total += torch.stack((loss, correct.float(), torch.tensor(len(labels), device=device)))
+        total += torch.stack((loss, correct.float()))
+        count += len(labels)
     model.train()
-    loss_sum, correct, count = total.tolist()
+    loss_sum, correct = total.tolist()
     return loss_sum / count, correct / count
 
 
@@ -155,7 +157,6 @@ class StepLog:
         self.skipped = 0
         self.nonfinite_losses = 0
         self.last_finite: tuple[int, float] | None = None
-        self.last_scale = float("nan")
         self.losses: list[float] = []
 
     def write(self, rows: list[StepRow]) -> None:
@@ -167,7 +168,6 @@ class StepLog:
             else:
                 raise self._nonfinite_error(r)
             self.skipped += r.skipped
-            self.last_scale = r.scale
             self.losses.append(r.loss)
             row = {
                 "step": r.step,
@@ -188,14 +188,13 @@ class StepLog:
         """What a checkpoint keeps of it (the epoch's losses included)."""
         return {
             "skipped": self.skipped,
-            "last_scale": self.last_scale,
             "nonfinite_losses": self.nonfinite_losses,
             "last_finite": self.last_finite,
             "losses": self.losses,
         }
 
     def load_state(self, state: dict) -> None:
-        self.skipped, self.last_scale = state["skipped"], state["last_scale"]
+        self.skipped = state["skipped"]
         self.nonfinite_losses = state["nonfinite_losses"]
         self.last_finite = tuple(state["last_finite"]) if state["last_finite"] else None
         self.losses = state["losses"]
@@ -298,7 +297,8 @@ class Fit:
         return {
             **self.row,
             "amp/skipped_steps": steps.skipped,
-            "amp/final_scale": steps.last_scale,
+            # after the last update: the scale the next step would use (one read, at the end)
+            "amp/final_scale": float(self.parts.scaler.scale_tensor()),
             **(
                 {"amp/nonfinite_loss_steps": steps.nonfinite_losses} if steps.skip_nonfinite else {}
             ),
@@ -352,7 +352,7 @@ class Fit:
             "val/loss": val_loss,
             "val/acc": val_acc,
             "perf/epoch_time_s": epoch_time,
-            "perf/samples_per_s": len(self.steps.losses) * p.data.batch_size / epoch_time,
+            "perf/samples_per_s": p.data.samples_per_epoch() / epoch_time,
             self.memory.key: self.memory.read_mib(),
         }
         row = self.world.reduce_epoch(row)
