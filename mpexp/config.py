@@ -208,7 +208,10 @@ class DynamicScalingConfig(LossScalingConfig):
 
 @dataclass
 class HysteresisScalingConfig(DynamicScalingConfig):
-    hysteresis: int = 2
+    hysteresis: int = 2  # overflows tolerated before a back-off, plus one (DeepSpeed's)
+    # false: the tolerance refills when the scale grows (DeepSpeed's default);
+    # true: after every clean step, so only overflows in a row count (consecutive_hysteresis)
+    consecutive: bool = False
 
 
 @dataclass

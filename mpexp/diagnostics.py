@@ -4,17 +4,22 @@
   what the step's gradients g (true units, after unscale_ and before clipping) become in fp16 at the
   scale S that step used: the fraction of elements that underflow (g != 0 but S*g is zero or
   subnormal in fp16), that overflow (S*g is not finite in fp16), that were exactly zero already,
-  and a histogram of log2|S*g|. On that axis fp16's range is fixed: bins -24..-15 are its
-  subnormals, -14..15 its normal numbers, 16 and up overflow. Under fp16 the gradients have already
-  passed through fp16 once, so what was lost shows up as exact zeros; under fp32 the statistics
-  are a what-if for fp16 at that scale.
+  and a histogram of log2 of what fp16 holds of S*g, one bin per power of two. On that axis fp16's
+  range is fixed: bins -24..-15 are its subnormals, -14..15 its normal numbers, 16 its overflows
+  (S*g rounded to inf); elements that fp16 rounds to zero are binned by |S*g| itself, which puts
+  them at -25 and below ("lost"; the end bin -40 also holds everything smaller). Each value is
+  binned after fp16's rounding: 65520 rounds to inf (bin 16), 1.5 * 2^-25 to 2^-24 (bin -24).
+  Under fp16 the gradients have already passed through fp16 once, so what was lost shows up as
+  exact zeros; under fp32 the statistics are a what-if for fp16 at that scale.
 - Overflow attribution (`diagnostics.overflow_attribution=true`): the names of the parameters whose
   gradients were not finite, on each step where any was (a skipped step, under loss scaling).
 - The loss-scale floor of dynamic and hysteresis scaling, checked here because it is read back the
   same way: a back-off due at `loss_scaling.min_scale` stops the run or warns.
 
 Values are gathered on the device during the step and read back at the metrics flush, with the step
-history, never per step.
+history, never per step. Under FSDP each rank holds a shard of every gradient: it counts its own
+shard, and the counts (and flags) are summed over the ranks at the flush, so the figures are those
+of the whole gradients, as in a single process.
 """
 
 from __future__ import annotations
@@ -27,14 +32,15 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from mpexp.distributed import all_reduce, local_shard, shard_group
 from mpexp.history import DeviceRows
-from mpexp.scaling import LossScaler, grad_max_abs, min_scale_error
+from mpexp.scaling import LossScaler, min_scale_error
 from mpexp.tracking import Histogram, Tracker
 
 log = logging.getLogger(__name__)
 
 FP16_SMALLEST_NORMAL = 2.0**-14
-# log2|S*g| bins, one per power of two; the first and last also hold everything beyond them
+# log2 bins, one per power of two; the first and last also hold everything beyond them
 HIST_LOW, HIST_HIGH = -40, 16
 HIST_BINS = HIST_HIGH - HIST_LOW + 1
 HIST_EDGES = [float(e) for e in range(HIST_LOW, HIST_HIGH + 2)]
@@ -48,14 +54,16 @@ def fp16_counts(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """
     g = grad.detach().float()
     scaled = g * scale
-    half = scaled.to(torch.float16)
+    held = scaled.to(torch.float16).float().abs()  # what fp16 makes of it
     zero = g == 0
-    underflow = ~zero & (half.abs() < FP16_SMALLEST_NORMAL)
-    overflow = ~torch.isfinite(half)
-    magnitude = scaled.abs()
+    lost = ~zero & (held == 0)
+    underflow = ~zero & (held < FP16_SMALLEST_NORMAL)
+    overflow = ~torch.isfinite(held)
+    # the value fp16 holds; for what it rounds to zero (|S*g| <= 2^-25), how small it was
+    magnitude = torch.where(lost, scaled.abs(), held)
     bins = torch.floor(torch.log2(magnitude)).clamp(HIST_LOW, HIST_HIGH) - HIST_LOW
-    # zeros and non-finite values go to an extra bin that is dropped (masking would sync)
-    bins = torch.where(~zero & torch.isfinite(magnitude), bins, HIST_BINS).long().flatten()
+    # zeros and non-finite gradients go to an extra bin that is dropped (masking would sync)
+    bins = torch.where(~zero & torch.isfinite(g), bins, HIST_BINS).long().flatten()
     hist = torch.zeros(HIST_BINS + 1, dtype=torch.int64, device=g.device)
     hist.scatter_add_(0, bins, torch.ones_like(bins))
     totals = torch.stack((zero.sum(), underflow.sum(), overflow.sum()))
@@ -81,10 +89,16 @@ class Diagnostics:
         self._layer_of = torch.tensor([self.layers.index(o) for o in owners], device=device)
         self._numel = [0] * len(self.layers)
         for owner, (_, p) in zip(owners, self.params, strict=True):
-            self._numel[self.layers.index(owner)] += p.numel()
+            self._numel[self.layers.index(owner)] += p.numel()  # a DTensor's is the whole one's
+        # parameters whose shard on this rank holds elements (under FSDP some may hold none)
+        self._filled = [i for i, (_, p) in enumerate(self.params) if local_shard(p).numel()]
+        self._filled_index = torch.tensor(self._filled, dtype=torch.long, device=device)
 
-        self._stats = DeviceRows()
-        self._steps = DeviceRows()
+        # under FSDP, each rank's counts and flags are combined at the flush (one collective each)
+        group = shard_group([p for _, p in self.params])
+        sharded = group is not None
+        self._stats = DeviceRows(partial(all_reduce, op="SUM", group=group) if sharded else None)
+        self._steps = DeviceRows(partial(all_reduce, op="MAX", group=group) if sharded else None)
         self._flags: torch.Tensor | None = None
 
     def inspector(self, step: int) -> Callable[[], None] | None:
@@ -95,9 +109,12 @@ class Diagnostics:
         return partial(self._inspect, step, stats)
 
     def _inspect(self, step: int, stats: bool) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.params]
+        grads = [
+            local_shard(p.grad if p.grad is not None else torch.zeros_like(p))
+            for _, p in self.params
+        ]
         if self.attribute:
-            self._flags = (~torch.isfinite(grad_max_abs(grads))).float()
+            self._flags = self._nonfinite(grads)
         if stats:
             scale = self.scaler.scale_tensor()
             per_param = torch.stack([fp16_counts(g, scale) for g in grads])
@@ -106,6 +123,14 @@ class Diagnostics:
             )
             per_layer.index_add_(0, self._layer_of, per_param)
             self._stats.append(step, per_layer.flatten())
+
+    def _nonfinite(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """1.0 for each gradient holding an inf or NaN, else 0.0: one multi-tensor pass."""
+        bad = torch.zeros(len(grads), device=self.scaler.device)
+        if self._filled:
+            peaks = torch._foreach_norm([grads[i] for i in self._filled], float("inf"))
+            bad.index_put_((self._filled_index,), (~torch.isfinite(torch.stack(peaks))).float())
+        return bad
 
     def after_update(self, step: int) -> None:
         """Record the step's flags (after scaler.update(), which decides the floor)."""

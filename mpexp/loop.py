@@ -31,6 +31,7 @@ from mpexp.errors import NumericsError
 from mpexp.flops import Throughput
 from mpexp.history import StepHistory, StepRow
 from mpexp.precision import Precision
+from mpexp.rollback import BufferRollback
 from mpexp.scaling import LossScaler
 from mpexp.system import PeakMemory, synchronize
 from mpexp.tracking import Tracker
@@ -54,6 +55,10 @@ def train_step(
     The batch is split into `accumulate` micro-batches, each scaled and back-propagated on its own;
     their losses are weighted by size so the gradients add up to the whole batch's. `inspect`, if
     given, sees the gradients in true units before clipping (diagnostics).
+
+    Gradients are unscaled before the step only when something reads them there (`inspect`,
+    clipping, a calibrating scaler). Otherwise `scaler.step` unscales them: a fused optimizer
+    does it inside its update kernel, sparing a separate multiply over every gradient.
     """
     total = torch.zeros((), device=labels.device)
     chunks = list(zip(images.chunk(accumulate), labels.chunk(accumulate), strict=True))
@@ -65,7 +70,8 @@ def train_step(
                 loss = F.cross_entropy(model(x), y) * (len(y) / len(labels))
             scaler.scale(loss).backward()
         total += loss.detach()
-    scaler.unscale_(optimizer)  # once, after the last micro-batch: true units from here on
+    if inspect is not None or clip_grad_norm is not None or scaler.needs_true_units():
+        scaler.unscale_(optimizer)  # once, after the last micro-batch: true units from here on
     if inspect is not None:
         inspect()
     if clip_grad_norm is not None:
@@ -93,10 +99,15 @@ class Stepper:
     accumulate: int = 1
     clip_grad_norm: float | None = None
 
+    def __post_init__(self) -> None:
+        self.buffers = BufferRollback.for_step(self.model, can_skip=self.scaler.is_enabled())
+
     def step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> None:
-        """The optimizer step, its history row and the scale update. No host-device
-        synchronisation: a GPU test runs this in CUDA's sync-debug error mode."""
+        """The optimizer step, its history row and the scale update; a skipped step leaves the
+        model's buffers (BatchNorm statistics) as they were. No host-device synchronisation: a
+        GPU test runs this in CUDA's sync-debug error mode."""
         lr = self.optimizer.param_groups[0]["lr"]  # read first: a real step advances the schedule
+        self.buffers.save()
         loss = train_step(
             self.model,
             images,
@@ -108,6 +119,7 @@ class Stepper:
             self.clip_grad_norm,
             inspect=self.diagnostics.inspector(step),
         )
+        self.buffers.restore_if(self.scaler.found_inf())
         # between step() and update(): the scale this step used and whether it was skipped
         self.history.record(step, lr, loss, self.scaler.scale_tensor(), self.scaler.found_inf())
         self.scaler.update()
@@ -119,15 +131,17 @@ class Stepper:
 def evaluate(model, data: InMemoryData, device, precision: Precision) -> tuple[float, float]:
     """Validation loss and accuracy, accumulated on the device and read once."""
     model.eval()
-    total = torch.zeros(3, device=device)  # loss sum, correct, count
+    total = torch.zeros(2, device=device)  # loss sum, correct
+    count = 0  # on the host: a batch's size is known there, and a tensor of it would be a copy
     for images, labels in data.val_batches(device):
         with precision.autocast():
             logits = model(images)
         loss = F.cross_entropy(logits.float(), labels, reduction="sum")
         correct = (logits.argmax(1) == labels).sum()
-        total += torch.stack((loss, correct.float(), torch.tensor(len(labels), device=device)))
+        total += torch.stack((loss, correct.float()))
+        count += len(labels)
     model.train()
-    loss_sum, correct, count = total.tolist()
+    loss_sum, correct = total.tolist()
     return loss_sum / count, correct / count
 
 
@@ -144,7 +158,6 @@ class StepLog:
         self.skipped = 0
         self.nonfinite_losses = 0
         self.last_finite: tuple[int, float] | None = None
-        self.last_scale = float("nan")
         self.losses: list[float] = []  # this epoch's
         self.epoch_skipped = 0  # this epoch's skipped steps
 
@@ -158,7 +171,6 @@ class StepLog:
                 raise self._nonfinite_error(r)
             self.skipped += r.skipped
             self.epoch_skipped += r.skipped
-            self.last_scale = r.scale
             self.losses.append(r.loss)
             row = {
                 "step": r.step,
@@ -182,7 +194,6 @@ class StepLog:
         """What a checkpoint keeps of it (the epoch's losses included)."""
         return {
             "skipped": self.skipped,
-            "last_scale": self.last_scale,
             "nonfinite_losses": self.nonfinite_losses,
             "last_finite": self.last_finite,
             "losses": self.losses,
@@ -190,7 +201,7 @@ class StepLog:
         }
 
     def load_state(self, state: dict) -> None:
-        self.skipped, self.last_scale = state["skipped"], state["last_scale"]
+        self.skipped = state["skipped"]
         self.nonfinite_losses = state["nonfinite_losses"]
         self.last_finite = tuple(state["last_finite"]) if state["last_finite"] else None
         self.losses = state["losses"]
@@ -289,7 +300,8 @@ class Fit:
         return {
             **self.row,
             "amp/skipped_steps": steps.skipped,
-            "amp/final_scale": steps.last_scale,
+            # after the last update: the scale the next step would use (one read, at the end)
+            "amp/final_scale": float(self.parts.scaler.scale_tensor()),
             **(
                 {"amp/nonfinite_loss_steps": steps.nonfinite_losses} if steps.skip_nonfinite else {}
             ),
@@ -356,7 +368,7 @@ class Fit:
             "val/loss": val_loss,
             "val/acc": val_acc,
             "perf/epoch_time_s": epoch_time,
-            "perf/samples_per_s": len(self.steps.losses) * p.data.batch_size / epoch_time,
+            "perf/samples_per_s": p.data.samples_per_epoch() / epoch_time,
             self.memory.key: self.memory.read_mib(),
         }
         row = self.world.reduce_epoch(row)
@@ -370,8 +382,9 @@ class Fit:
                 "gradients or losses), so the weights did not change in it.%s",
                 epoch,
                 steps,
-                " The loss scale is still coming down from loss_scaling.init_scale."
-                if p.scaler.is_enabled() and self.steps.last_scale > 1
+                " Under loss scaling, a scale still coming down from a high "
+                "loss_scaling.init_scale does this."
+                if p.scaler.is_enabled()
                 else "",
             )
         log.info(

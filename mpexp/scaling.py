@@ -7,8 +7,11 @@ complete scale history without a host-device synchronisation per step.
 
   none        GradScaler disabled: no scaling, nothing skipped
   static      a constant scale; overflowing steps are skipped
-  dynamic     GradScaler's rule: back off on every overflow, grow after growth_interval clean steps
-  hysteresis  DeepSpeed's rule: back off only from the `hysteresis`-th overflow in a row
+  dynamic     GradScaler's rule, bit for bit: back off on every overflow, grow after
+              growth_interval clean steps
+  hysteresis  DeepSpeed's rule: tolerate `hysteresis - 1` overflows before backing off; the
+              tolerance refills when the scale grows (DeepSpeed's default) or, with
+              `consecutive`, after every clean step
   calibrated  measure max |grad| over warm-up steps at scale 1, then fix a power of two (static)
 
 dynamic and hysteresis stop at a floor, `min_scale`. Every scaler also skips a step whose loss is
@@ -25,9 +28,9 @@ from typing import Any
 
 import torch
 from hydra.utils import get_object
-from torch.amp.grad_scaler import OptState
 
 from mpexp.config import to_dict
+from mpexp.distributed import local_shard
 from mpexp.errors import NumericsError
 from mpexp.precision import Precision
 
@@ -36,9 +39,24 @@ log = logging.getLogger(__name__)
 FP16_MAX = 65504.0
 
 
-def grad_max_abs(grads: list[torch.Tensor]) -> torch.Tensor:
-    """max |g| of each gradient, as one device tensor (inf or NaN where one is not finite)."""
-    return torch.stack([torch.linalg.vector_norm(g, float("inf")) for g in grads])
+def finite_max_abs(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The largest finite |g| over all elements of all gradients (0 if none), on the device.
+
+    Elements that are inf or NaN are left out, not the gradients holding them: one overflowing
+    parameter must not hide the others' maxima.
+    """
+    peaks = [g.detach().abs().nan_to_num(0.0, posinf=0.0).amax() for g in grads if g.numel()]
+    return torch.stack(peaks).max() if peaks else torch.zeros(())
+
+
+def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
+    """1.0 if any element of `grads` (all on one device) is inf or NaN, else 0.0, on the device:
+    one multi-tensor read of every gradient."""
+    filled = [g for g in grads if g.numel()]
+    if not filled:
+        return torch.zeros((), device=grads[0].device)
+    peaks = torch._foreach_norm(filled, float("inf"))
+    return (~torch.isfinite(torch.stack(peaks))).any().float()
 
 
 def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -81,22 +99,59 @@ class LossScaler(torch.amp.GradScaler):
         """1.0 if the last `step` was skipped (non-finite gradients or loss), else 0.0 (device)."""
         return self._found_inf
 
+    def needs_true_units(self) -> bool:
+        """Whether the scaler itself reads the gradients in true units before the step, so that
+        `unscale_` must run before it (it need not otherwise: a fused optimizer unscales inside
+        its own kernel)."""
+        return False
+
     def skip_together(self) -> None:
-        """Sum the overflow flags over all ranks before each step is taken or skipped.
+        """Combine the overflow flags over all ranks (MAX) before each step is taken or skipped.
 
         Needed when each rank unscales different gradients (FSDP shards): one rank may find an
         inf that the others cannot see, and all must skip that step and back the scale off
-        alike, as torch's ShardedGradScaler does.
+        alike, as torch's ShardedGradScaler does. (Torch versions whose DTensor dispatch already
+        combines the flag of a sharded unscale do not need it: see mpexp.distributed.)
         """
         self._sum_overflow_over_ranks = True
 
     def unscale_(self, optimizer) -> None:
         super().unscale_(optimizer)
-        if self._enabled and self._sum_overflow_over_ranks:
-            per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            for found_inf in per_device.values():
+        self._settle_flags(optimizer)
+
+    def _check_inf_per_device(self, optimizer):
+        # GradScaler.step's overflow check for a fused optimizer whose gradients are still scaled:
+        # its kernel unscales them as it updates, writing each one back. GradScaler's own check
+        # is an unscale by 1, which writes every gradient once more; on CUDA a multi-tensor
+        # max-norm only reads them. (Torch's CPU max-norm is a slow path, and sharded FSDP
+        # gradients need torch's check, which combines the ranks' flags.)
+        grads = optimizer_grads(optimizer)
+        if all(g.is_cuda and local_shard(g) is g for g in grads):
+            devices = {g.device for g in grads}
+            flags = {d: any_nonfinite([g for g in grads if g.device == d]) for d in devices}
+            self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = flags
+        else:
+            flags = super()._check_inf_per_device(optimizer)
+        self._settle_flags(optimizer)
+        return flags
+
+    def _settle_flags(self, optimizer) -> None:
+        """Make the step's overflow flags final: the same on every rank, and set as well when a
+        loss was not finite (such a step is skipped even if its gradients happen to be finite)."""
+        if not self._enabled:
+            return
+        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        if self._sum_overflow_over_ranks:
+            for found_inf in flags:
                 # MAX, not SUM: fused optimizers skip a step only for a flag of exactly 1.0
                 torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+        bad_loss = (~self._loss_finite).float()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # every rank must skip (and keep its scale) alike, or the replicas drift apart
+            torch.distributed.all_reduce(bad_loss, op=torch.distributed.ReduceOp.MAX)
+            self._loss_finite = bad_loss == 0
+        for found in flags:
+            torch.maximum(found, bad_loss.to(found.device), out=found)
 
     def floor_hit(self) -> torch.Tensor:
         """1.0 if the last `update` wanted to back off from a scale already at the floor."""
@@ -109,23 +164,13 @@ class LossScaler(torch.amp.GradScaler):
         return super().scale(outputs)
 
     def step(self, optimizer, *args, **kwargs):
-        if not self._enabled:
-            return super().step(optimizer, *args, **kwargs)
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
-        # A non-finite loss skips the step even if its gradients happen to be finite.
-        bad_loss = (~self._loss_finite).float()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # every rank must skip (and keep its scale) alike, or the replicas drift apart
-            torch.distributed.all_reduce(bad_loss, op=torch.distributed.ReduceOp.MAX)
-            self._loss_finite = bad_loss == 0
-        for found in state["found_inf_per_device"].values():
-            torch.maximum(found, bad_loss.to(found.device), out=found)
+        # GradScaler.step unscales (or, for a fused optimizer, only checks) if unscale_ has not
+        # run; either way the flags pass through _settle_flags first
         result = super().step(optimizer, *args, **kwargs)
-        # sum of per-device flags: stays on the device, read in the next metrics flush
-        self._found_inf = sum(v.to(self.device) for v in state["found_inf_per_device"].values())
-        self._found_inf = self._found_inf.clamp(max=1)
+        if self._enabled:
+            flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+            # sum of per-device flags: stays on the device, read in the next metrics flush
+            self._found_inf = sum(v.to(self.device) for v in flags).clamp(max=1)
         return result
 
     def update(self, new_scale=None) -> None:
@@ -159,11 +204,19 @@ class LossScaler(torch.amp.GradScaler):
 class DynamicLossScaler(LossScaler):
     """`dynamic` (hysteresis=1: GradScaler's rule), and the base of `hysteresis` (DeepSpeed's).
 
-    An overflowing step is always skipped. The scale backs off by `backoff_factor` on an overflow
-    that is the `hysteresis`-th or later in an unbroken run of overflows (so a run of n overflows
-    backs off n - hysteresis + 1 times), and grows by `growth_factor` after `growth_interval` clean
-    steps in a row; any overflow restarts that count. The scale never goes below `min_scale`; a
-    back-off due at the floor sets `floor_hit()`, which the loop turns into an error or a warning.
+    An overflowing step is always skipped. The scale moves as torch.amp.GradScaler moves it, bit
+    for bit (the same update primitive: factors applied in double precision, no growth past
+    float32's range), with two additions:
+
+    - Hysteresis, DeepSpeed's `delayed_shift`: of the overflows, the first `hysteresis - 1` only
+      use up a tolerance and leave the scale alone; once it is used up, every overflow backs off.
+      The tolerance refills when the scale grows (DeepSpeed's default,
+      `consecutive_hysteresis=False`) or, with `consecutive=True`, after every clean step, so that
+      only overflows in a row count. Any overflow, tolerated or not, restarts the `growth_interval`
+      clean steps that growth needs.
+    - A floor: the scale never goes below `min_scale`; a back-off due at the floor sets
+      `floor_hit()`, which the loop turns into an error or a warning.
+
     The whole rule runs on the device.
     """
 
@@ -177,6 +230,7 @@ class DynamicLossScaler(LossScaler):
         backoff_factor: float,
         growth_interval: int,
         hysteresis: int = 1,
+        consecutive: bool = False,
         min_scale: float = 0.0,
         on_min_scale: str = "raise",
     ):
@@ -188,9 +242,11 @@ class DynamicLossScaler(LossScaler):
             growth_interval=growth_interval,
         )
         self.hysteresis = hysteresis
+        self.consecutive = consecutive
         self.min_scale = float(min_scale)
         self.on_min_scale = on_min_scale
-        self._overflow_run = torch.zeros((), dtype=torch.int32, device=device)
+        # as DeepSpeed's: the overflows still to be tolerated, plus one
+        self._cur_hysteresis = torch.full((), hysteresis, dtype=torch.int32, device=device)
         self._floor_hit = torch.zeros((), device=device)
 
     def floor_hit(self) -> torch.Tensor:
@@ -203,19 +259,28 @@ class DynamicLossScaler(LossScaler):
         scale, tracker = self._check_scale_growth_tracker("update")
         overflow, clean = self._overflow()
 
-        run = self._overflow_run
-        run = torch.where(overflow, run + 1, torch.where(clean, 0, run))
-        back_off = overflow & (run >= self.hysteresis)
+        # GradScaler's own update, on copies: what torch.amp.GradScaler would make of this step
+        ruled, counted = scale.clone(), tracker.clone()
+        torch._amp_update_scale_(
+            ruled,
+            counted,
+            overflow.float(),
+            self._growth_factor,
+            self._backoff_factor,
+            self._growth_interval,
+        )
+        tolerated = overflow & (self._cur_hysteresis > 1)
+        back_off = overflow & ~tolerated
         self._floor_hit = (back_off & (scale <= self.min_scale)).float()
+        lowered = torch.clamp(ruled, min=self.min_scale)
+        new = torch.where(back_off, lowered, torch.where(clean, ruled, scale))
+        # a step skipped only for its loss leaves the count where it was
+        self._growth_tracker.copy_(torch.where(overflow | clean, counted, tracker))
 
-        count = torch.where(clean, tracker + 1, torch.where(overflow, 0, tracker))
-        grown = scale * self._growth_factor
-        grow = clean & (count >= self._growth_interval) & torch.isfinite(grown)
-        lowered = torch.clamp(scale * self._backoff_factor, min=self.min_scale)
-        new = torch.where(back_off, lowered, torch.where(grow, grown, scale))
-
-        self._growth_tracker.copy_(torch.where(grow, 0, count))
-        self._overflow_run.copy_(run)
+        grown = clean & (counted == 0)  # growth was due: GradScaler restarts its count there
+        refill = clean if self.consecutive else grown
+        left = torch.where(tolerated, self._cur_hysteresis - 1, self._cur_hysteresis)
+        self._cur_hysteresis.copy_(torch.where(refill, self.hysteresis, left))
         super().update(new)
 
     def describe(self) -> dict:
@@ -230,26 +295,29 @@ class DynamicLossScaler(LossScaler):
         }
         if self.strategy == "hysteresis":
             described["hysteresis"] = self.hysteresis
+            described["consecutive"] = self.consecutive
         return described
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        state["overflow_run"] = int(self._overflow_run)  # checkpoints only: one read
+        state["cur_hysteresis"] = int(self._cur_hysteresis)  # checkpoints only: one read
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        self._overflow_run.fill_(state_dict.get("overflow_run", 0))
+        self._cur_hysteresis.fill_(state_dict.get("cur_hysteresis", self.hysteresis))
 
 
 class HysteresisLossScaler(DynamicLossScaler):
     """`hysteresis`: DeepSpeed's rule, the dynamic rule with a tolerance of `hysteresis - 1`
-    overflows in a row before the scale backs off."""
+    overflows before the scale backs off (see DynamicLossScaler)."""
 
     strategy = "hysteresis"
 
-    def __init__(self, device: torch.device, hysteresis: int = 2, **dynamic):
-        super().__init__(device, hysteresis=hysteresis, **dynamic)
+    def __init__(
+        self, device: torch.device, hysteresis: int = 2, consecutive: bool = False, **dynamic
+    ):
+        super().__init__(device, hysteresis=hysteresis, consecutive=consecutive, **dynamic)
 
 
 def min_scale_error(step: int, min_scale: float) -> NumericsError:
@@ -296,14 +364,23 @@ class NonfiniteGuard(StaticLossScaler):
         return {"loss_scaling": "none", "nonfinite_guard": True}
 
 
+# The calibrated scale's ceiling: Apex's largest loss scale (its max_loss_scale default). At 2^24
+# fp16 already holds every gradient down to 2^-48 (3.6e-15); a larger scale rescues only smaller
+# ones, and a near-zero maximum (1e-42, say) would ask for 2^150, past float32's range.
+MAX_CALIBRATED_SCALE = 2.0**24
+
+
 def calibrated_scale(max_grad: float, margin: float) -> float:
-    """The largest power of two S with max_grad * S < 65504 / margin (fp16's largest value)."""
+    """The largest power of two S <= MAX_CALIBRATED_SCALE with max_grad * S < 65504 / margin
+    (fp16's largest value, with headroom)."""
     limit = FP16_MAX / margin
-    exponent = math.floor(math.log2(limit / max_grad))
+    ceiling = round(math.log2(MAX_CALIBRATED_SCALE))
+    # two logs, not log2(limit / max_grad): that ratio overflows a double for tiny maxima
+    exponent = min(math.floor(math.log2(limit) - math.log2(max_grad)), ceiling)
     # log2 may round either way; powers of two multiply exactly, so settle it with products
     while max_grad * 2.0**exponent >= limit:
         exponent -= 1
-    while max_grad * 2.0 ** (exponent + 1) < limit:
+    while exponent < ceiling and max_grad * 2.0 ** (exponent + 1) < limit:
         exponent += 1
     return 2.0**exponent
 
@@ -313,8 +390,10 @@ class CalibratedLossScaler(StaticLossScaler):
     Performance Analysis: Mixed Precision Training").
 
     The first `calibration_steps` steps train at scale 1 (overflowing ones skipped) while the
-    largest finite |gradient| is tracked on the device. At the end of them the scale becomes the
-    largest power of two keeping that maximum, scaled, under 65504 / margin, and stays there.
+    largest finite |gradient| element is tracked on the device; inf and NaN elements are left out,
+    also on a step that is skipped for them. At the end of them the scale becomes the largest
+    power of two keeping that maximum, scaled, under 65504 / margin, but at most
+    MAX_CALIBRATED_SCALE (2^24), and stays there.
     """
 
     strategy = "calibrated"
@@ -328,12 +407,14 @@ class CalibratedLossScaler(StaticLossScaler):
         self._updates = 0
         self._max = torch.zeros((), device=device)
 
+    def needs_true_units(self) -> bool:
+        return self.chosen_scale is None  # calibration measures the unscaled gradients
+
     def unscale_(self, optimizer) -> None:
         super().unscale_(optimizer)
-        grads = optimizer_grads(optimizer)
-        if self.chosen_scale is None and grads:
-            peak = grad_max_abs(grads).max()
-            self._max = torch.maximum(self._max, torch.where(torch.isfinite(peak), peak, 0.0))
+        if self.chosen_scale is None:
+            peak = finite_max_abs([local_shard(g) for g in optimizer_grads(optimizer)])
+            self._max = torch.maximum(self._max, peak.to(self.device))
 
     def update(self, new_scale=None) -> None:
         if self.chosen_scale is None and new_scale is None:
@@ -343,6 +424,9 @@ class CalibratedLossScaler(StaticLossScaler):
         super().update(new_scale)
 
     def _fix_scale(self) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # under FSDP each rank measured its own shard of the gradients
+            torch.distributed.all_reduce(self._max, op=torch.distributed.ReduceOp.MAX)
         self.max_grad = float(self._max)  # the run's one read of it, when calibration ends
         if not self.max_grad > 0:
             raise NumericsError(
@@ -352,6 +436,12 @@ class CalibratedLossScaler(StaticLossScaler):
             )
         self.chosen_scale = calibrated_scale(self.max_grad, self.margin)
         self._static_scale = self.chosen_scale
+        if self.chosen_scale == MAX_CALIBRATED_SCALE:
+            log.warning(
+                "Calibrated loss scale at its ceiling, 2^24: the largest |gradient| in "
+                "calibration was only %.4g (MAX_CALIBRATED_SCALE in mpexp/scaling.py).",
+                self.max_grad,
+            )
         log.info(
             "Calibrated loss scale: 2^%d = %g (max |grad| %.4g over %d steps, margin %g: "
             "scaled max %.4g < %.4g)",

@@ -1,12 +1,17 @@
 """Where metrics go: `metrics.jsonl` and `summary.json` in the run dir always, W&B when enabled.
 
 Metric names are a contract read by dashboards and the report:
-  per step   step, train/loss, amp/scale, amp/skipped_steps (cumulative), lr; with
-             trainer.on_nonfinite_loss=skip also amp/nonfinite_loss_steps (cumulative)
-  per epoch  epoch, train/epoch_loss, val/loss, val/acc, perf/epoch_time_s, perf/samples_per_s,
-             perf/tflops, mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU); perf/mfu
-             where the device's peak is known (mpexp/flops.py)
-  diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/diagnostics.py)
+  per step   step, train/loss, amp/scale (the scale the step used), amp/skipped_steps
+             (cumulative), lr; with trainer.on_nonfinite_loss=skip also amp/nonfinite_loss_steps
+             (cumulative)
+  per epoch  epoch, train/epoch_loss, val/loss, val/acc, perf/epoch_time_s, perf/samples_per_s
+             (samples actually trained on: a last partial batch counts its size), perf/tflops,
+             mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU); perf/mfu where the device's
+             peak is known (mpexp/flops.py)
+  diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/diagnostics.py); they
+             share `step` with the step rows, so readers tell rows apart by their other keys
+  summary    the final epoch's metrics, amp/skipped_steps, and under `ran` what ran, with
+             final_scale: the scale after the last update, the one a next step would use
 W&B is optional at every point: if it cannot start or stops accepting data, training goes on with
 the local files and one warning.
 """

@@ -9,6 +9,11 @@ In one process on one device, after a warm-up epoch, for each precision mode it 
             mpexp, in a loop with no metrics at all: mpexp's overhead is measured against it.
 All loops use the same model, data (MNIST's on-disk format), batch size and precision switches.
 
+It also measures what a step pays so that a skipped step can leave BatchNorm's statistics as they
+were (mpexp/rollback.py): saving DeepCNN's 42 buffers and selecting them back, with multi-tensor
+ops as mpexp does and, for comparison, with a copy and a select per buffer. Operators dispatched
+(each at least one kernel launch on a GPU) and wall time per step, on the device benchmarked.
+
     python scripts/bench.py                       # CUDA: DeepCNN on MNIST-sized data
     python scripts/bench.py --device cpu          # a small model, under two minutes on 2 cores
     python scripts/bench.py --json bench.json     # the same numbers as JSON
@@ -30,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 from torchvision import datasets
 from torchvision import transforms as T
@@ -41,8 +47,10 @@ from mpexp import config  # noqa: E402
 from mpexp.data.mnist import MNISTData, write_mnist_files  # noqa: E402
 from mpexp.data.synthetic import SyntheticData  # noqa: E402
 from mpexp.flops import device_peak_tflops, flops_per_sample  # noqa: E402
+from mpexp.models.deepcnn import DeepCNN  # noqa: E402
 from mpexp.performance import build_optimizer  # noqa: E402
 from mpexp.precision import setup_precision  # noqa: E402
+from mpexp.rollback import BufferRollback  # noqa: E402
 from mpexp.scaling import build_scaler  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
 from mpexp.tracking import RunContext  # noqa: E402
@@ -205,6 +213,59 @@ def time_bare(args, root: Path, precision: str) -> dict:
     return _summarise(times[1:])
 
 
+class _OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _per_buffer_rollback(buffers: list[torch.Tensor]):
+    """The straightforward rollback, for comparison: a copy to save and a select per buffer."""
+    saved = [torch.empty_like(b) for b in buffers]
+
+    def step(skipped: torch.Tensor) -> None:
+        for keep, b in zip(saved, buffers, strict=True):
+            keep.copy_(b)
+        skip = skipped.to(torch.bool)
+        for keep, b in zip(saved, buffers, strict=True):
+            b.copy_(torch.where(skip, keep, b))
+
+    return step
+
+
+def time_rollback(device: torch.device, steps: int = 2000) -> dict:
+    """Per step: operators dispatched and microseconds to save DeepCNN's buffers and select them
+    back (a step that was not skipped, the usual case: the same work either way)."""
+    model = DeepCNN().to(device)
+    rollback = BufferRollback.for_step(model, can_skip=True)
+
+    def foreach(skipped: torch.Tensor) -> None:
+        rollback.save()
+        rollback.restore_if(skipped)
+
+    skipped = torch.zeros((), device=device)
+    result = {"buffers": len(list(model.buffers()))}
+    for name, step in (
+        ("foreach", foreach),
+        ("per_buffer", _per_buffer_rollback(list(model.buffers()))),
+    ):
+        with _OpCount() as count:
+            step(skipped)
+        for _ in range(50):  # warm-up
+            step(skipped)
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(skipped)
+        synchronize(device)
+        result[name] = {"ops": count.ops, "us": 1e6 * (time.perf_counter() - start) / steps}
+    return result
+
+
 def _summarise(times: list[float]) -> dict:
     # the median for epoch times; the best epoch for overhead, since interference from other
     # processes only ever adds time and would otherwise swamp a difference of a few per cent
@@ -282,6 +343,7 @@ def run(args) -> dict:
         "timed_epochs": args.epochs,
         "gflop_per_sample": flops / 1e9,
         "rows": results,
+        "rollback": time_rollback(args.device),
     }
 
 
@@ -320,6 +382,15 @@ def table(result: dict) -> str:
                 fmt(100 * r["overhead_vs_bare"], "+.1f") + "%",
             ]
         lines.append(" | ".join(cells))
+    rollback = result["rollback"]
+    lines += [
+        "",
+        f"skipped-step buffer rollback, DeepCNN's {rollback['buffers']} buffers, per step:",
+        "rollback | operators | us/step",
+        "--- | --- | ---",
+        *(f"{name} | {rollback[name]['ops']} | {rollback[name]['us']:.1f}"
+          for name in ("foreach", "per_buffer")),
+    ]  # fmt: skip
     return "\n".join(lines)
 
 

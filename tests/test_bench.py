@@ -31,3 +31,10 @@ def test_cpu_benchmark_prints_its_table_and_writes_json(tmp_path):
         assert row[key] > 0
     assert row["speedup_vs_tutorial"] == row["tutorial_s_per_epoch"] / row["mpexp_s_per_epoch"]
     assert abs(bench["gflop_per_sample"] - 0.0060) < 0.001  # simplecnn width 16 on 1x28x28
+
+    # the skipped-step rollback: a few multi-tensor operators, not three per buffer
+    rollback = bench["rollback"]
+    assert rollback["buffers"] == 42  # DeepCNN: 14 BatchNorm layers of 3
+    assert rollback["foreach"]["ops"] <= 10 < 3 * 42 <= rollback["per_buffer"]["ops"]
+    assert rollback["foreach"]["us"] > 0 and rollback["per_buffer"]["us"] > 0
+    assert "rollback | operators | us/step" in result.stdout

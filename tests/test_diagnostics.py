@@ -44,6 +44,28 @@ def test_underflow_and_overflow_fractions_are_exact():
     assert len(hist) == HIST_BINS == len(HIST_EDGES) - 1
 
 
+# Values at fp16's edges (scale 1), each binned by what fp16 makes of it:
+EDGES = [
+    (65520.0, 16),  # rounds to inf: overflow, not the normal number it was
+    (65519.0, 15),  # rounds down to 65504, fp16's largest: normal
+    (2047.9, 11),  # rounds up to 2048
+    (2.0**-14 - 2.0**-26, -14),  # rounds up to the smallest normal
+    (1.5 * 2.0**-25, -24),  # rounds up to the smallest subnormal, 2^-24
+    (2.0**-25, -25),  # rounds (to even) to zero: lost, binned by its own magnitude
+    (2.0**-30, -30),  # lost
+]
+
+
+@pytest.mark.parametrize(("value", "expected_bin"), EDGES)
+def test_histogram_bins_what_fp16_holds(value, expected_bin):
+    counts = fp16_counts(torch.tensor([value]), torch.tensor(1.0)).tolist()
+    hist = counts[3:]
+    assert {HIST_LOW + i for i, c in enumerate(hist) if c} == {expected_bin}
+    # the bin and the counts tell the same story
+    assert counts[2] == (expected_bin == 16)  # overflow
+    assert counts[1] == (expected_bin < -14)  # underflow: subnormal or lost
+
+
 def test_per_layer_and_total_fractions_reach_the_metrics(tmp_path):
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1, bias=False))  # 12 and 3 elements
     tracker = Tracker(RunContext(tmp_path), {}, OmegaConf.create({"mode": "disabled"}))

@@ -34,7 +34,7 @@ def only_run_dir(cwd: Path) -> Path:
 
 def losses(run_dir: Path) -> list[float]:
     steps, _ = read_metrics(run_dir)
-    return [r["train/loss"] for r in steps]
+    return [r["train/loss"] for r in steps if "train/loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,12 @@ def test_ddp_on_two_ranks_matches_one_process_with_the_same_global_batch(ddp_run
 
 
 def test_fsdp_in_fp16_trains_like_one_process(tmp_path):
-    fp16 = ["precision=fp16", "loss_scaling.init_scale=1024"]
+    fp16 = [
+        "precision=fp16",
+        "loss_scaling.init_scale=1024",
+        "diagnostics.grad_stats_every=8",
+        "diagnostics.overflow_attribution=true",
+    ]
     cwd = tmp_path / "fsdp"
     cwd.mkdir()
     fsdp_args = ["trainer.strategy=fsdp", *ONE_EPOCH, PER_RANK, *fp16]
@@ -99,6 +104,20 @@ def test_fsdp_in_fp16_trains_like_one_process(tmp_path):
     assert len(fsdp) == STEPS
     # fp16 rounds per rank's batch of 32 rather than over all 64: close, not equal
     assert fsdp == pytest.approx(single, abs=5e-3)
+
+    # diagnostics count every rank's shard once: every element of the whole model is either an
+    # exact zero or in the histogram, and the fractions are close to one process's
+    def stats(run):
+        return [r for r in read_metrics(run)[0] if "diag/total/zero" in r]
+
+    fsdp_stats, single_stats = stats(run_dir), stats(tmp_path / "single")
+    assert [r["step"] for r in fsdp_stats] == [r["step"] for r in single_stats] == [8, 16]
+    elements = ran["parameters"]
+    for row in fsdp_stats:
+        histogram = sum(row["diag/total/log2_hist"]["counts"])
+        assert histogram + round(row["diag/total/zero"] * elements) == elements
+    first, first_single = fsdp_stats[0], single_stats[0]
+    assert first["diag/total/zero"] == pytest.approx(first_single["diag/total/zero"], abs=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +140,36 @@ def test_fsdp_gathers_fp16_weights_and_skips_together(checks):
         fsdp = rank["fsdp"]
         assert fsdp["dtypes_in_forward"] == {"linear": "torch.float16", "norm": "torch.float32"}
         assert (fsdp["skipped"], fsdp["scale"]) == (1.0, 512.0)
+
+
+def test_fsdp_overflow_flags_are_all_reduced_once(checks):
+    # one all-reduce agrees on non-finite losses; the flags of the sharded unscale take a second
+    # only where torch's DTensor dispatch does not combine them itself
+    for rank in checks:
+        fsdp = rank["fsdp"]
+        assert fsdp["all_reduces_in_step"] == (1 if fsdp["torch_combines_flags"] else 2)
+
+
+def test_fsdp_diagnostics_count_every_shard_once(checks):
+    for rank in checks:
+        fsdp, single = rank["fsdp_diagnostics"]["fsdp"], rank["fsdp_diagnostics"]["single"]
+        assert fsdp == single  # every figure, histograms included, as one process counts them
+        (names,) = [r for r in fsdp if "diag/nonfinite_params" in r]
+        assert names["diag/nonfinite_params"] == "4.weight"  # its inf is on rank 1's shard only
+        (stats,) = [r for r in fsdp if "diag/total/zero" in r]
+        assert 0 < stats["diag/total/underflow"] < 1 and stats["diag/total/overflow"] > 0
+
+
+def test_fsdp_calibration_settles_on_the_whole_models_maximum(checks):
+    # 3.0 * 2048 < 65504 / 8 <= 3.0 * 4096
+    for rank in checks:
+        assert rank["fsdp_calibration"] == {"calibrated_scale": 2048.0, "calibration_max_grad": 3.0}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_skipped_step_leaves_batchnorm_statistics_alone_on_every_rank(checks, strategy):
+    for rank in checks:
+        assert rank[f"{strategy}_buffers"] == {"skipped": 1.0, "kept": True, "moved_after": True}
 
 
 def test_skip_together_sums_the_overflow_flags_over_ranks(checks):

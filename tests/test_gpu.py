@@ -11,7 +11,7 @@ from torch import nn
 from mpexp.precision import setup_precision
 from mpexp.tracking import RunContext
 from mpexp.train import train
-from tests.conftest import TINY, make_cfg
+from tests.conftest import TINY, make_cfg, precision_of
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,7 @@ def test_forward_dtype_on_cuda(mode, dtype):
     if mode == "bf16" and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("bf16 needs Ampere or newer")
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(4 * 26 * 26, 3)).cuda()
-    with setup_precision(mode, cuda()).autocast():
+    with precision_of(mode, cuda()).autocast():
         assert model(torch.randn(2, 1, 28, 28, device="cuda")).dtype == dtype
 
 
@@ -52,9 +52,9 @@ def test_tf32_matmul_differs_from_strict_fp32_on_ampere():
         pytest.skip("TF32 needs Ampere or newer")
     a, b = torch.randn(512, 512, device="cuda"), torch.randn(512, 512, device="cuda")
     exact = (a.double() @ b.double()).float()
-    setup_precision("fp32", cuda())
+    precision_of("fp32", cuda())
     strict = (a @ b - exact).abs().max().item()
-    setup_precision("tf32", cuda())
+    precision_of("tf32", cuda())
     tf32 = (a @ b - exact).abs().max().item()
     assert tf32 > 10 * strict  # TF32 keeps 10 mantissa bits: visibly coarser
 
@@ -68,24 +68,40 @@ def test_channels_last_and_compile_paths_train_on_cuda(tmp_path, switch):
     assert saved["val/loss"] < 2.3
 
 
-@pytest.mark.parametrize("mode", ["fp16", "bf16", "fp32"])
-def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode):
+# fp16 with BatchNorm, the non-finite-loss guard and diagnostics: buffers saved and restored,
+# gradient statistics and overflow attribution on every step
+WITH_EVERYTHING = [
+    "model._target_=tests.test_training_loop.BatchNormCNN",
+    "trainer.on_nonfinite_loss=skip",
+    "diagnostics.grad_stats_every=1",
+    "diagnostics.overflow_attribution=true",
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "extra"),
+    [("fp16", []), ("bf16", []), ("fp32", []), ("fp16", WITH_EVERYTHING)],
+    ids=["fp16", "bf16", "fp32", "fp16-batchnorm-guard-diagnostics"],
+)
+def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode, extra):
     """The loop's whole per-step work, run in CUDA's sync-debug mode set to error."""
     from mpexp.diagnostics import Diagnostics
     from mpexp.history import StepHistory
+    from mpexp.loop import Stepper
     from mpexp.performance import build_optimizer
     from mpexp.scaling import build_scaler
     from mpexp.tracking import NullTracker
-    from mpexp.train import Stepper, build
+    from mpexp.train import build
 
     device = cuda()
-    cfg = make_cfg(*TINY, f"precision={mode}", "trainer.device=cuda")
-    precision = setup_precision(mode, device)
+    cfg = make_cfg(*TINY, f"precision={mode}", "trainer.device=cuda", *extra)
+    precision = setup_precision(cfg.precision, device)
     data = build(cfg.dataset)
     info = data.setup(device)
     model = build(cfg.model, in_channels=info.channels, num_classes=info.num_classes,
                   image_size=(info.height, info.width)).to(device)  # fmt: skip
-    scaler = build_scaler(cfg.loss_scaling, precision, device)
+    skip = cfg.trainer.on_nonfinite_loss == "skip"
+    scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip)
     optimizer = build_optimizer(cfg, model, device, scaler)
     assert optimizer.defaults["fused"]  # the path that keeps GradScaler off the host
     diagnostics = Diagnostics(cfg.diagnostics, model, scaler, NullTracker(tmp_path))
@@ -100,3 +116,28 @@ def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode):
             stepper.step(step, images, labels)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_evaluation_waits_on_the_gpu_once():
+    """Validation sums on the device and reads the result once: one synchronisation in all,
+    none per batch (CUDA's sync-debug mode warns at each)."""
+    import warnings
+
+    from mpexp.data.synthetic import SyntheticData
+    from mpexp.loop import evaluate
+
+    device = cuda()
+    data = SyntheticData(train_size=8, val_size=100, batch_size=32, seed=0)
+    data.setup(device)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10)).to(device)
+    evaluate(model, data, device, precision_of("fp32", device))  # lazy initialisation first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            evaluate(model, data, device, precision_of("fp32", device))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1

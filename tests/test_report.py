@@ -12,7 +12,9 @@ from matplotlib.image import imread
 
 from mpexp.report import cli as report
 from mpexp.report.table import DEFAULT_TOLERANCE, build_report
-from tests.conftest import run_cli
+from mpexp.tracking import RunContext
+from mpexp.train import train
+from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
 from tests.test_wandb import leet_records
 
@@ -385,3 +387,23 @@ def test_world4ai_preset_reports_fp32_against_fp16_over_three_seeds(tmp_path):
         sweep,
         ["val_accuracy", "loss_curves", "epoch_time", "peak_memory", "loss_scale", "underflow"],
     )
+
+
+def test_runs_that_logged_diagnostics_are_reported_and_plotted(tmp_path):
+    # diagnostics rows are keyed by step too, and one comes after the last step row
+    for name, precision in (("fp32", "precision=fp32"), ("fp16", "precision=fp16")):
+        cfg = make_cfg(*TINY, precision, "trainer.epochs=1", "diagnostics.grad_stats_every=4")
+        train(cfg, RunContext(tmp_path / name))
+    assert report.main([str(tmp_path)]) == 0
+
+    accuracy = read_table(tmp_path / "report.md", "Accuracy against fp32")
+    assert sorted((r["precision"], r["loss scaling"]) for r in accuracy) == [
+        ("fp16", "dynamic"),
+        ("fp32", "none"),
+    ]
+    for row in read_table(tmp_path / "report.md", "Runs"):
+        steps, _ = read_metrics(tmp_path / row["run"])
+        step_rows = [r for r in steps if "train/loss" in r]
+        assert row["skipped steps"] == str(step_rows[-1]["amp/skipped_steps"])
+    for name in ("loss_curves", "loss_scale"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG_SIGNATURE

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
 from mpexp.loop import train_step
-from mpexp.scaling import build_scaler, calibrated_scale
+from mpexp.scaling import (
+    MAX_CALIBRATED_SCALE,
+    DynamicLossScaler,
+    build_scaler,
+    calibrated_scale,
+)
 from tests.conftest import CPU, precision_of, scaling_cfg
 
 
@@ -124,38 +131,112 @@ def test_dynamic_trajectory_follows_gradscalers_rule_down_to_the_floor():
     assert moved == [not skipped for _, skipped, _ in trajectory]
 
 
-def test_hysteresis_backs_off_only_from_the_nth_overflow_in_a_row():
-    scaling = {
-        **DYNAMIC,
-        "_target_": "mpexp.scaling.HysteresisLossScaler",
-        "hysteresis": 2,
-        "growth_interval": 3,
-    }
-    trajectory, moved, _ = run_script(scaling, "OCOOOCCCC")
-    # an isolated overflow is skipped without a back-off; from the 2nd in a row each one backs off;
-    # any overflow restarts the 3 clean steps needed to grow
-    assert [(used, skipped) for used, skipped, _ in trajectory] == [
-        (1024.0, True),
-        (1024.0, False),
-        (1024.0, True),
-        (1024.0, True),
-        (512.0, True),
-        (256.0, False),
-        (256.0, False),
-        (256.0, False),
-        (512.0, False),
+# The issue's flags (overflow, clean, overflow, clean x3), then overflow, clean, overflow: enough to
+# see growth and both refill rules.
+HYSTERESIS_SCRIPT = "OCOCCCOCO"
+
+
+def hysteresis(**values):
+    """`loss_scaling=hysteresis` as composed from its YAML: hysteresis 2 from 65536, growth after
+    3 clean steps."""
+    return scaling_cfg("hysteresis", init_scale=65536.0, growth_interval=3, **values)
+
+
+def test_hysteresis_default_is_deepspeeds_rule():
+    # Worked out from DeepSpeed's DynamicLossScaler.update_scale with delayed_shift=2,
+    # scale_window=3, consecutive_hysteresis=False (its default). cur_hysteresis starts at 2, an
+    # overflow backs off only at cur_hysteresis == 1 and otherwise lowers it by one, and it is
+    # reset to 2 only when the scale grows, i.e. when (iter - last_overflow_iter) % 3 == 0 on a
+    # clean step:
+    #   it 0 O  cur_hysteresis 2 -> 1, no back-off            last_overflow_iter = 0
+    #   it 1 C  (1 - 0) % 3 = 1: nothing                      (cur_hysteresis stays 1)
+    #   it 2 O  cur_hysteresis == 1: 65536 -> 32768           last_overflow_iter = 2
+    #   it 3 C, it 4 C: (3 - 2) % 3, (4 - 2) % 3 != 0
+    #   it 5 C  (5 - 2) % 3 == 0: grow 32768 -> 65536, cur_hysteresis back to 2
+    #   it 6 O  2 -> 1, no back-off                           last_overflow_iter = 6
+    #   it 7 C  nothing
+    #   it 8 O  cur_hysteresis == 1: 65536 -> 32768
+    assert hysteresis().consecutive is False
+    trajectory, moved, scaler = run_script(hysteresis(), HYSTERESIS_SCRIPT)
+    used = [65536.0, 65536.0, 65536.0, 32768.0, 32768.0, 32768.0, 65536.0, 65536.0, 65536.0]
+    assert [(u, s) for u, s, _ in trajectory] == [
+        (u, c == "O") for u, c in zip(used, HYSTERESIS_SCRIPT, strict=True)
     ]
-    assert moved == [not skipped for _, skipped, _ in trajectory]
+    assert scaler.get_scale() == 32768.0
+    assert moved == [c == "C" for c in HYSTERESIS_SCRIPT]
+    assert scaler.describe()["consecutive"] is False
+
+
+def test_consecutive_hysteresis_counts_only_overflows_in_a_row():
+    # The same flags under consecutive_hysteresis=True: every clean step resets cur_hysteresis to
+    # 2, so an overflow never meets cur_hysteresis == 1 here (no two are adjacent) and the scale
+    # never backs off; growth keeps DeepSpeed's timing: at it 5 ((5 - 2) % 3 == 0) to 131072.
+    trajectory, _, scaler = run_script(hysteresis(consecutive="true"), HYSTERESIS_SCRIPT)
+    assert [u for u, _, _ in trajectory] == [65536.0] * 6 + [131072.0] * 3
+    assert [s for _, s, _ in trajectory] == [c == "O" for c in HYSTERESIS_SCRIPT]
+    assert scaler.get_scale() == 131072.0
+
+
+@pytest.mark.parametrize("consecutive", ["false", "true"])
+def test_hysteresis_backs_off_on_every_overflow_once_the_tolerance_is_used(consecutive):
+    # hysteresis 3, four overflows in a row: cur_hysteresis 3 -> 2 -> 1, then two back-offs, under
+    # either rule; 3 clean steps after the last overflow the scale grows again
+    scaling = scaling_cfg(
+        "hysteresis", init_scale=1024.0, hysteresis=3, growth_interval=3, consecutive=consecutive
+    )
+    trajectory, _, _ = run_script(scaling, "OOOOCCCC")
+    assert [u for u, _, _ in trajectory] == [1024.0] * 3 + [512.0] + [256.0] * 3 + [512.0]
 
 
 def test_hysteresis_state_survives_a_checkpoint():
     scaling = {**DYNAMIC, "_target_": "mpexp.scaling.HysteresisLossScaler", "hysteresis": 3}
     _, _, scaler = run_script(scaling, "OO")
     state = scaler.state_dict()
-    assert (state["scale"], state["overflow_run"]) == (1024.0, 2)
+    assert (state["scale"], state["cur_hysteresis"]) == (1024.0, 1)
     _, _, fresh = run_script(scaling, "")
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
+
+
+def scale_and_tracker(scaler, flags, finite_grad: float = 1.0):
+    """(scale, growth tracker) after each update over steps whose gradient overflows (True) or
+    not; nothing else differs between the scalers fed to it."""
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    seen = []
+    for overflow in flags:
+        weight.grad = torch.tensor([torch.inf if overflow else finite_grad])
+        scaler.scale(torch.ones(()))  # the loss: always finite here
+        scaler.step(optimizer)
+        scaler.update()
+        state = scaler.state_dict()
+        seen.append((state["scale"], state["_growth_tracker"]))
+    return seen
+
+
+def test_dynamic_moves_the_scale_exactly_as_gradscaler_does_for_any_factors():
+    """Random factors, intervals, initial scales (some at float32's top, where growth saturates)
+    and overflow sequences, run through torch.amp.GradScaler itself and through `dynamic`."""
+    rng = random.Random(17)
+    for _ in range(300):
+        settings = {
+            "init_scale": rng.choice([2.0 ** rng.uniform(-8, 24), 2.0 ** rng.uniform(125, 127.9)]),
+            "growth_factor": rng.uniform(1.01, 4.0),
+            "backoff_factor": rng.uniform(0.05, 0.99),
+            "growth_interval": rng.randint(1, 4),
+        }
+        flags = [rng.random() < 0.4 for _ in range(30)]
+        reference = torch.amp.GradScaler("cpu", **settings)
+        ours = DynamicLossScaler(CPU, **settings, min_scale=0.0)  # GradScaler has no floor
+        assert scale_and_tracker(ours, flags) == scale_and_tracker(reference, flags), settings
+
+
+def test_dynamic_restarts_its_growth_count_where_growth_would_pass_float32s_range():
+    settings = {"init_scale": 2.0**127, "growth_factor": 2.0, "backoff_factor": 0.5}
+    ours = DynamicLossScaler(CPU, **settings, growth_interval=2)
+    steps = scale_and_tracker(ours, [False] * 5)
+    # 2^128 is inf in float32: the scale stays, and the count starts over as GradScaler's does
+    assert steps == [(2.0**127, 1), (2.0**127, 0), (2.0**127, 1), (2.0**127, 0), (2.0**127, 1)]
 
 
 def test_static_trajectory_never_moves():
@@ -174,16 +255,21 @@ def test_static_trajectory_never_moves():
         (65504.0 / 1024, 1.0, 512.0),  # 1024 would land exactly on 65504: not under it
         (100.0, 8.0, 64.0),  # 6400 < 8188 <= 12800
         (1e5, 1.0, 0.5),  # gradients already above fp16's range: a scale below 1
+        (65504 / 8 / 2**24, 8.0, 2.0**23),  # 2^24 would land exactly on the limit
+        (1e-4, 8.0, 2.0**24),  # 2^26 would fit, but 2^24 is the ceiling
+        (1e-42, 8.0, 2.0**24),  # (float32 subnormal) 2^152 would fit
     ],
 )
 def test_calibrated_scale_is_the_largest_power_of_two_under_the_limit(max_grad, margin, expected):
     assert calibrated_scale(max_grad, margin) == expected
+    assert expected <= MAX_CALIBRATED_SCALE == 2.0**24
 
 
 CALIBRATION = OmegaConf.create(
     {"_target_": "mpexp.scaling.CalibratedLossScaler", "calibration_steps": 3, "margin": 2.0}
 )
-# a hook makes each step's gradient exactly one of these; the inf one is skipped, not measured
+# a hook makes each step's gradient exactly one of these; the step with the inf is skipped, but
+# its finite elements are measured
 GRADIENTS = [[0.5, -1.5, 0, 0], [0, 0, -3, 1], [0, torch.inf, 9, 0], [1, 1, 1, 1], [0, 0, 9, 0]]
 
 
@@ -209,16 +295,43 @@ def calibrated_steps(grads, scaler=None):
 
 def test_calibrated_measures_the_largest_gradient_then_stays_static():
     used, scaler = calibrated_steps(GRADIENTS)
-    # max |g| over the 3 calibration steps is 3.0 (the inf step excluded); margin 2 -> 8192
-    assert used == [1.0, 1.0, 1.0, 8192.0, 8192.0]
-    assert scaler.outcome() == {"calibrated_scale": 8192.0, "calibration_max_grad": 3.0}
+    # max finite |g| over the 3 calibration steps is 9.0; margin 2: 9 * 2048 < 32752 <= 9 * 4096
+    assert used == [1.0, 1.0, 1.0, 2048.0, 2048.0]
+    assert scaler.outcome() == {"calibrated_scale": 2048.0, "calibration_max_grad": 9.0}
+
+
+def test_a_vanishing_gradient_maximum_calibrates_to_the_ceiling(caplog):
+    used, scaler = calibrated_steps([[1e-42, 0, 0, 0]] * 4)
+    assert used == [1.0, 1.0, 1.0, 2.0**24]
+    assert scaler.outcome()["calibration_max_grad"] == torch.tensor(1e-42).item()  # float32's
+    assert "at its ceiling, 2^24" in caplog.text
+
+
+def test_calibration_keeps_finite_maxima_from_a_step_with_an_inf_gradient():
+    """Two parameters; in the first calibration step one of them holds an inf beside a 3.0, the
+    other 0.5. The step is skipped, but 3.0 is still the largest finite gradient measured."""
+    fresh = build_scaler(CALIBRATION, precision_of("fp16"), CPU)
+    first, second = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([first, second], lr=0.0)
+    steps = [([torch.inf, 3.0], [0.5]), ([1e-3, 0.0], [1e-3]), ([0.0, 0.0], [1e-3])]
+    used = []
+    for grad_first, grad_second in [*steps, ([0.0, 0.0], [0.0])]:
+        first.grad, second.grad = torch.tensor(grad_first), torch.tensor(grad_second)
+        fresh.scale(torch.ones(()))  # a finite loss: only the gradient overflows
+        fresh.unscale_(optimizer)
+        fresh.step(optimizer)
+        used.append((fresh.scale_tensor().item(), fresh.found_inf().item()))
+        fresh.update()
+    # margin 2: 3 * 2^13 = 24576 < 32752 <= 3 * 2^14
+    assert used == [(1.0, 1.0), (1.0, 0.0), (1.0, 0.0), (8192.0, 0.0)]
+    assert fresh.outcome() == {"calibrated_scale": 8192.0, "calibration_max_grad": 3.0}
 
 
 def test_calibration_resumed_midway_chooses_the_same_scale():
     _, halfway = calibrated_steps(GRADIENTS[:2])  # a checkpoint after two calibration steps
     used, resumed = calibrated_steps(GRADIENTS[2:], scaler=halfway)
-    assert used == [1.0, 8192.0, 8192.0]
-    assert resumed.outcome()["calibration_max_grad"] == 3.0
+    assert used == [1.0, 2048.0, 2048.0]
+    assert resumed.outcome()["calibration_max_grad"] == 9.0
 
 
 def test_nonfinite_loss_skips_the_step_without_touching_the_scale():

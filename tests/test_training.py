@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from mpexp.data.synthetic import SyntheticData
+from mpexp.loop import evaluate
 from mpexp.tracking import RunContext
 from mpexp.train import train
-from tests.conftest import TINY, make_cfg
+from tests.conftest import CPU, TINY, make_cfg, precision_of
 
 STEP_KEYS = {"step", "train/loss", "amp/scale", "amp/skipped_steps", "lr"}
 EPOCH_KEYS = {
@@ -75,3 +80,55 @@ def test_scale_history_is_complete_under_fp16(tmp_path):
     # no overflow at these tiny scales: the scale doubles after every 3 clean steps
     assert scales[:7] == [4.0, 4.0, 4.0, 8.0, 8.0, 8.0, 16.0]
     assert {r["amp/skipped_steps"] for r in steps} == {0}
+
+
+def test_final_scale_is_the_one_after_the_last_update(tmp_path):
+    cfg = make_cfg(
+        *TINY,
+        "precision=fp16",
+        "loss_scaling=dynamic",
+        "loss_scaling.init_scale=4",
+        "loss_scaling.growth_interval=8",
+        "trainer.epochs=1",
+    )
+    summary = train(cfg, RunContext(tmp_path))
+    steps, _ = read_metrics(tmp_path)
+    # 16 clean steps: the scale grew after step 8 and again after step 16, the last one
+    assert [r["amp/scale"] for r in steps][-1] == 8.0
+    assert summary["ran"]["final_scale"] == 16.0  # what a step after the run would use
+
+
+def test_samples_per_second_counts_the_last_partial_batch(tmp_path):
+    cfg = make_cfg(*TINY, "dataset.train_size=1000", "dataset.drop_last=false", "trainer.epochs=1")
+    train(cfg, RunContext(tmp_path))
+    steps, (epoch,) = read_metrics(tmp_path)
+    assert len(steps) == 16  # 15 batches of 64 and one of 40
+    assert epoch["perf/samples_per_s"] * epoch["perf/epoch_time_s"] == pytest.approx(1000)
+
+
+class HostTensors(TorchDispatchMode):
+    """Counts tensors made from host values (torch.tensor(...)): on CUDA each is a blocking
+    copy to the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.made += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_evaluation_reads_the_device_once_and_makes_no_host_tensors():
+    data = SyntheticData(train_size=8, val_size=100, batch_size=32, seed=0)  # 3 x 32 and 4
+    data.setup(CPU)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
+    with HostTensors() as host:
+        loss, acc = evaluate(model, data, CPU, precision_of("fp32"))
+    assert host.made == 0
+    images, labels = data.val
+    logits = model(images)
+    expected = nn.functional.cross_entropy(logits, labels).item()
+    assert loss == pytest.approx(expected, rel=1e-6)
+    assert acc == (logits.argmax(1) == labels).float().mean().item()

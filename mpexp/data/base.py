@@ -94,6 +94,12 @@ class InMemoryData:
         n, b = self.train_size // self.world_size, self.batch_size
         return n // b if self.drop_last else -(-n // b)
 
+    def samples_per_epoch(self) -> int:
+        """Training samples this rank takes per epoch: with drop_last=false the last, smaller
+        batch counts what it holds."""
+        n = self.train_size // self.world_size
+        return n - n % self.batch_size if self.drop_last else n
+
     def train_batches(self, epoch: int, seed: int, device: torch.device) -> Iterator[Batch]:
         """One epoch of shuffled training batches on `device`, in an order set by (seed, epoch)."""
         epoch_seed = seed * 100_003 + epoch

@@ -337,10 +337,21 @@ def run_values(row: Row, target: float | None) -> dict[str, Any]:
 
 
 def group_configs(rows: list[Row], tolerance: float) -> list[Config]:
-    """Runs whose overrides differ only in the seed, as configurations, in job order."""
+    """Runs whose overrides differ only in the seed, as configurations, in job order.
+
+    What ran (precision, loss scaling, model, dataset) is part of a configuration too, so that runs
+    without a Hydra record of their overrides (trained from Python) are not mixed up.
+    """
     groups: dict[tuple[str, ...], list[Row]] = {}
     for row in rows:
-        key = tuple(sorted(o for o in row.run.overrides if not _in(o, NOT_CONFIG)))
+        ran = {
+            f"precision={row.precision}",
+            f"loss_scaling={row.loss_scaling}",
+            f"model={row.run.chosen('model')}",
+            f"dataset={row.run.chosen('dataset')}",
+        }
+        given = {o for o in row.run.overrides if not _in(o, NOT_CONFIG)}
+        key = tuple(sorted(given | ran))
         groups.setdefault(key, []).append(row)
     common = set.intersection(*(set(k) for k in groups)) if groups else set()
     configs = []
