@@ -60,16 +60,22 @@ def train_step(
     clipping, a calibrating scaler). Otherwise `scaler.step` unscales them: a fused optimizer
     does it inside its update kernel, sparing a separate multiply over every gradient.
     """
-    total = torch.zeros((), device=labels.device)
-    chunks = list(zip(images.chunk(accumulate), labels.chunk(accumulate), strict=True))
-    for i, (x, y) in enumerate(chunks):
-        # under DDP, all-reduce the gradients once, with the last micro-batch's backward
-        last = i == len(chunks) - 1
-        with _no_grad_sync(model, last):
-            with precision.autocast():  # forward only: backward runs outside autocast
-                loss = F.cross_entropy(model(x), y) * (len(y) / len(labels))
-            scaler.scale(loss).backward()
-        total += loss.detach()
+    if accumulate == 1:  # the common case, straight: no chunks, no weights, no accumulator
+        with precision.autocast():  # forward only: backward runs outside autocast
+            loss = F.cross_entropy(model(images), labels)
+        scaler.scale(loss).backward()
+        total = loss.detach()
+    else:
+        total = torch.zeros((), device=labels.device)
+        chunks = list(zip(images.chunk(accumulate), labels.chunk(accumulate), strict=True))
+        for i, (x, y) in enumerate(chunks):
+            # under DDP, all-reduce the gradients once, with the last micro-batch's backward
+            last = i == len(chunks) - 1
+            with _no_grad_sync(model, last):
+                with precision.autocast():
+                    loss = F.cross_entropy(model(x), y) * (len(y) / len(labels))
+                scaler.scale(loss).backward()
+            total += loss.detach()
     if inspect is not None or clip_grad_norm is not None or scaler.needs_true_units():
         scaler.unscale_(optimizer)  # once, after the last micro-batch: true units from here on
     if inspect is not None:

@@ -57,7 +57,9 @@ def set_deterministic(enabled: bool) -> None:
         # cuBLAS is deterministic only with a fixed workspace; read when its handle is created
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(enabled)
+    # the call imports torch._inductor (over a second): only make it when the switch changes
+    if torch.are_deterministic_algorithms_enabled() != enabled:
+        torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.deterministic = enabled
 
 

@@ -22,6 +22,7 @@ import json
 import logging
 import netrc
 import os
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -88,7 +89,13 @@ def resolve_wandb_mode(mode: str) -> str:
 
 
 class Tracker:
-    """One run's metric sink."""
+    """One run's metric sink.
+
+    W&B starts in a background thread (its service process and the run take a second or more,
+    longer against a slow server) while training begins; rows logged before it is up wait in a
+    queue and reach it in order once it is. Whatever needs W&B itself (its run id for a checkpoint,
+    the summary, the end of the run) waits for the start to finish.
+    """
 
     def __init__(self, run: RunContext, config: dict, wandb_cfg: Any):
         self.run_dir = Path(run.run_dir)
@@ -102,14 +109,23 @@ class Tracker:
         }
         self._write_summary()
         self.wandb_mode = resolve_wandb_mode(wandb_cfg.mode)
-        self._announce_sync = False
-        self._wandb = (
-            self._start_wandb(run, config, wandb_cfg) if self.wandb_mode != "disabled" else None
-        )
+        self._announce_sync = self.wandb_mode == "offline" and not run.in_sweep
+        self._wandb = None
+        self._queued: list[dict[str, Any]] = []  # rows logged while W&B was starting
+        self._starting: threading.Thread | None = None
+        self._start_result: tuple[Any, BaseException | None] = (None, None)
+        if self.wandb_mode != "disabled":
+            # W&B's own console lines (login, sync hints, run summaries) stay quiet unless asked
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._starting = threading.Thread(
+                target=self._start_wandb, args=(run, config, wandb_cfg), name="wandb-start"
+            )
+            self._starting.daemon = True  # a run that ends first must not wait for it to exit
+            self._starting.start()
+        self._run, self._wandb_cfg = run, wandb_cfg
 
-    def _start_wandb(self, run: RunContext, config: dict, wandb_cfg: Any):
-        # W&B's own console lines (login, sync hints, run summaries) stay quiet unless asked for
-        os.environ.setdefault("WANDB_SILENT", "true")
+    def _start_wandb(self, run: RunContext, config: dict, wandb_cfg: Any) -> None:
+        """In the background thread: start the W&B run; the outcome waits in _start_result."""
         try:
             import wandb
 
@@ -130,42 +146,62 @@ class Tracker:
                     init_timeout=wandb_cfg.get("init_timeout", 90), silent=True
                 ),
             )
+            wb.define_metric("step")
+            wb.define_metric("epoch")
+            for pattern in STEP_METRICS:
+                wb.define_metric(pattern, step_metric="step")
+            for pattern in EPOCH_METRICS:
+                wb.define_metric(pattern, step_metric="epoch")
+            # the run's summary holds the best of these, not whatever the last epoch gave
+            for name, best in BEST_OF.items():
+                wb.define_metric(name, step_metric="epoch", summary=best)
+            self._start_result = (wb, None)
         except Exception as err:  # W&B must never stop a training run
-            hint = ""
-            if "init_timeout" in str(err):  # W&B's hint names its own setting, not mpexp's key
-                now = wandb_cfg.init_timeout
-                hint = f" Give it longer: wandb.init_timeout=<seconds> (now {now:g})."
-            said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            log.warning("W&B could not start; logging to %s only.%s (%s)", self.run_dir, hint, said)
-            return None
-        wb.define_metric("step")
-        wb.define_metric("epoch")
-        for pattern in STEP_METRICS:
-            wb.define_metric(pattern, step_metric="step")
-        for pattern in EPOCH_METRICS:
-            wb.define_metric(pattern, step_metric="epoch")
-        # the run's summary holds the best of these, not whatever the last epoch gave
-        for name, best in BEST_OF.items():
-            wb.define_metric(name, step_metric="epoch", summary=best)
+            self._start_result = (None, err)
+
+    def _wandb_up(self, wait: bool = True) -> bool:
+        """Whether W&B takes data now; with wait, wait for a start under way to end first."""
+        if self._starting is None:
+            return self._wandb is not None
+        if not wait and self._starting.is_alive():
+            return False
+        self._starting.join()
+        self._starting = None
+        wb, err = self._start_result
+        if err is not None:
+            self._warn_not_started(err)
+            self._queued = []
+            return False
+        self._wandb = wb
         # the report reads this to log its table into the same project and group
         self._summary["wandb"] = {
             "mode": self.wandb_mode,
-            "project": wandb_cfg.project,
-            "entity": wandb_cfg.entity,
-            "group": run.group,
+            "project": self._wandb_cfg.project,
+            "entity": self._wandb_cfg.entity,
+            "group": self._run.group,
             "id": wb.id,
         }
         self._write_summary()
-        self._announce_sync = self.wandb_mode == "offline" and not run.in_sweep
-        return wb
+        queued, self._queued = self._queued, []
+        for row in queued:
+            self._send(row)
+        return self._wandb is not None
+
+    def _warn_not_started(self, err: BaseException) -> None:
+        hint = ""
+        if "init_timeout" in str(err):  # W&B's hint names its own setting, not mpexp's key
+            now = self._wandb_cfg.init_timeout
+            hint = f" Give it longer: wandb.init_timeout=<seconds> (now {now:g})."
+        said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning("W&B could not start; logging to %s only.%s (%s)", self.run_dir, hint, said)
 
     @property
     def wandb_run_dir(self) -> Path | None:
-        return Path(self._wandb.dir).parent if self._wandb is not None else None
+        return Path(self._wandb.dir).parent if self._wandb_up() else None
 
     @property
     def wandb_id(self) -> str | None:
-        return self._wandb.id if self._wandb is not None else None
+        return self._wandb.id if self._wandb_up() else None
 
     def flush(self) -> int:
         """Push metrics.jsonl to disk; return its size in bytes (a checkpoint's place in it)."""
@@ -175,7 +211,7 @@ class Tracker:
 
     def log_checkpoint(self, path: Path, step: int) -> None:
         """Upload a checkpoint as a W&B artifact of the run (wandb.log_checkpoints=true)."""
-        if self._wandb is None:
+        if not self._wandb_up():
             return
         try:
             import wandb
@@ -189,17 +225,22 @@ class Tracker:
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (it must hold `step` or `epoch`)."""
         self._metrics.write(json.dumps(row, default=_histogram_json) + "\n")
-        if self._wandb is not None:
-            try:
-                self._wandb.log(_for_wandb(row))
-            except Exception as err:
-                log.warning("W&B stopped accepting data (%s); local metrics continue.", err)
-                self._wandb = None
+        if self._wandb_up(wait=False):
+            self._send(row)
+        elif self._starting is not None:
+            self._queued.append(row)
+
+    def _send(self, row: dict[str, Any]) -> None:
+        try:
+            self._wandb.log(_for_wandb(row))
+        except Exception as err:
+            log.warning("W&B stopped accepting data (%s); local metrics continue.", err)
+            self._wandb = None
 
     def update_summary(self, values: dict[str, Any]) -> None:
         self._summary.update(values)
         self._write_summary()
-        if self._wandb is not None:
+        if self._wandb_up():
             try:
                 self._wandb.summary.update(
                     {k: v for k, v in flatten(values).items() if k not in BEST_OF}
@@ -213,7 +254,7 @@ class Tracker:
             self.update_summary(ended)
         finally:  # even when summary.json cannot be written (a full disk)
             self._metrics.close()
-            if self._wandb is not None:
+            if self._wandb_up():
                 where = self.wandb_run_dir
                 try:
                     self._wandb.finish(exit_code=0 if status == "finished" else 1)

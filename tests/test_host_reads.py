@@ -1,0 +1,82 @@
+"""No host read of a tensor value per training step, for every precision, loss-scaling strategy and
+training-loop option, on the fused-optimizer path that CUDA takes by default.
+
+Reading a device value on the host (`.item()`, `float(t)`, `if t:`, GradScaler's `get_scale()`)
+makes the CPU wait for the GPU. On any device each such read is one `aten._local_scalar_dense`
+call, so counting those calls over the real training loop on CPU stands in, in every CI run, for
+the GPU's sync-debug test (tests/test_gpu.py). Two runs take the same number of metric flushes,
+epochs and checkpoints but one takes twice the steps: any read per step shows as a difference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpexp.tracking import RunContext
+from mpexp.train import train
+from tests.conftest import make_cfg
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor value on the host while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+BASE = [
+    "dataset=synthetic",
+    "dataset.val_size=64",
+    "dataset.batch_size=32",
+    "model=simplecnn",
+    "model.width=4",
+    "optimizer.fused=true",  # CUDA's path: GradScaler leaves the overflow flag on the device
+    "trainer.epochs=1",
+    "trainer.progress=false",
+    "wandb.mode=disabled",
+]
+
+
+def reads(tmp_path, name: str, steps: int, flushes: int, *overrides: str) -> int:
+    cfg = make_cfg(
+        *BASE,
+        f"dataset.train_size={32 * steps}",
+        f"trainer.log_every={steps // flushes}",
+        *overrides,
+    )
+    with HostReads() as mode:
+        train(cfg, RunContext(tmp_path / name))
+    return mode.count
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["precision=fp32"],
+        ["precision=bf16"],
+        ["precision=fp16", "loss_scaling=dynamic"],
+        ["precision=fp16", "loss_scaling=static"],
+        ["precision=fp16", "loss_scaling=hysteresis"],
+        ["precision=fp16", "loss_scaling=calibrated", "loss_scaling.calibration_steps=2"],
+        ["precision=fp16", "trainer.accumulate=2", "trainer.clip_grad_norm=1.0"],
+        ["precision=fp32", "trainer.on_nonfinite_loss=skip"],
+        [
+            "precision=fp16",
+            "diagnostics.grad_stats_every=2",
+            "diagnostics.overflow_attribution=true",
+        ],
+    ],
+    ids=lambda o: ",".join(x.split(".")[-1] for x in o),
+)
+def test_no_host_read_per_step(tmp_path, overrides):
+    short = reads(tmp_path, "short", 8, 4, *overrides)
+    long = reads(tmp_path, "long", 16, 4, *overrides)
+    assert long == short, f"{long - short} reads for 8 more steps"
