@@ -8,13 +8,16 @@ convention behind MFU figures); elementwise work is small next to them. A batch 
 `trainer.accumulate` does the same work per sample, so the figure holds under accumulation too.
 
 The loop turns it into `perf/tflops` from numbers it has anyway (samples trained / epoch time): no
-extra synchronisation.
+extra synchronisation. The count runs in a background thread while training begins: the first
+dispatch mode a process enters (FlopCounterMode is one) imports TorchDynamo, over a second of
+start-up that the first epoch need not wait for.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +51,7 @@ def device_peak_tflops(device_name: str, precision: str) -> float | None:
 def flops_per_sample(model: nn.Module, batch_shape: tuple[int, ...]) -> float:
     """Forward and backward FLOPs of one training sample, counted on a batch of `batch_shape`
     (N x C x H x W) for a classifier trained with cross-entropy."""
-    meta = copy.deepcopy(model).to("meta")
+    meta = model if any(p.is_meta for p in model.parameters()) else copy.deepcopy(model).to("meta")
     images = torch.zeros(batch_shape, device="meta")
     labels = torch.zeros(batch_shape[0], dtype=torch.long, device="meta")
     with FlopCounterMode(display=False) as counter:
@@ -77,13 +80,22 @@ class Throughput:
 
 def throughput(
     model: nn.Module, batch_shape: tuple[int, ...], peak_tflops: float | None, devices: int
-) -> Throughput:
-    """The run's Throughput. A model the meta device cannot run (a forward that reads a tensor's
-    value, say) trains all the same, without perf/tflops: the count is a measurement, not a
-    reason to stop."""
-    try:
-        per_sample = flops_per_sample(model, batch_shape)
-    except Exception as err:
-        log.warning("perf/tflops is not logged: counting the model's FLOPs failed (%s).", err)
-        per_sample = None
-    return Throughput(per_sample, peak_tflops, devices)
+) -> Future[Throughput]:
+    """The run's Throughput, counted in a background thread on a copy of the model taken now (so
+    that training may change the model meanwhile). A model the meta device cannot run (a forward
+    that reads a tensor's value, say) trains all the same, without perf/tflops: the count is a
+    measurement, not a reason to stop."""
+    meta = copy.deepcopy(model).to("meta")
+
+    def count() -> Throughput:
+        try:
+            per_sample = flops_per_sample(meta, batch_shape)
+        except Exception as err:
+            log.warning("perf/tflops is not logged: counting the model's FLOPs failed (%s).", err)
+            per_sample = None
+        return Throughput(per_sample, peak_tflops, devices)
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flop-count")
+    counting = pool.submit(count)
+    pool.shutdown(wait=False)  # the thread ends with the count
+    return counting

@@ -15,6 +15,7 @@ import logging
 import math
 import signal
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import islice
 
@@ -240,7 +241,8 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scaler: LossScaler
     precision: Precision
-    throughput: Throughput  # FLOPs per sample, counted once at setup, and the device's peak
+    # FLOPs per sample, counted once in the background from setup on, and the device's peak
+    throughput: Future[Throughput]
 
 
 class Fit:
@@ -379,7 +381,7 @@ class Fit:
         }
         row = self.world.reduce_epoch(row)
         # from the samples/s already computed (summed over ranks): no device read of its own
-        row.update(p.throughput.metrics(row["perf/samples_per_s"]))
+        row.update(p.throughput.result().metrics(row["perf/samples_per_s"]))
         self.tracker.log(row)
         steps = len(self.steps.losses)
         if steps and self.steps.epoch_skipped == steps:

@@ -168,8 +168,6 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         "accumulate": cfg.trainer.accumulate,
         "clip_grad_norm": cfg.trainer.clip_grad_norm,
         "parameters": parameters,
-        "flops_per_sample": throughput.flops_per_sample,
-        "peak_tflops": throughput.peak_tflops,
         "steps_per_epoch": data.steps_per_epoch(),
         "deterministic": cfg.trainer.deterministic,
     }
@@ -197,7 +195,14 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         if resume is not None:
             fit.restore(resume)
         summary = fit.run()
-        summary["ran"] = {**ran, "final_scale": summary.pop("amp/final_scale"), **scaler.outcome()}
+        counted = throughput.result()
+        summary["ran"] = {
+            **ran,
+            "final_scale": summary.pop("amp/final_scale"),
+            **scaler.outcome(),
+            "flops_per_sample": counted.flops_per_sample,  # counted in the background
+            "peak_tflops": counted.peak_tflops,
+        }
         summary["ran"].update(world.check_replicas(model))
         tracker.update_summary(summary)
         fit.check_it_trained()

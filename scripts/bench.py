@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -94,10 +96,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, help="the device's peak, for unlisted GPUs")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument(
+        "--process-repeats",
+        type=int,
+        help="CPU: how often to time the whole quickstart process against a bare script "
+        "(default 3; 0 skips it)",
+    )
+    p.add_argument(
+        "--process-size",
+        type=int,
+        nargs=2,
+        metavar=("EPOCHS", "TRAIN_SIZE"),
+        default=(5, 8192),
+        help="the quickstart's epochs and training samples for the process comparison",
+    )
+    p.add_argument(
         "overrides", nargs="*", help="mpexp overrides for every loop, e.g. trainer.compile=true"
     )
     args = p.parse_args(argv)
     args.device = resolve_device(args.device)
+    if args.process_repeats is None:
+        args.process_repeats = 3 if args.device.type == "cpu" else 0
     for key, value in DEFAULTS[args.device.type].items():
         if not getattr(args, key):
             setattr(args, key, value)
@@ -344,6 +362,37 @@ def run(args) -> dict:
         "gflop_per_sample": flops / 1e9,
         "rows": results,
         "rollback": time_rollback(args.device),
+        "process": time_processes(args) if args.process_repeats else None,
+    }
+
+
+def time_processes(args) -> dict:
+    """The whole `python -m mpexp.train experiment=quickstart` process (imports, config, data,
+    W&B offline, training, validation, files) against scripts/bare_quickstart.py doing the same
+    training with nothing else, run alternately; wall-clock seconds."""
+    epochs, size = args.process_size
+    commands = {
+        "mpexp": [sys.executable, "-m", "mpexp.train", "experiment=quickstart",
+                  f"trainer.epochs={epochs}", f"dataset.train_size={size}", "trainer.device=cpu",
+                  "trainer.progress=false"],
+        "bare": [sys.executable, str(ROOT / "scripts" / "bare_quickstart.py"), "--epochs",
+                 str(epochs), "--train-size", str(size)],
+    }  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(args.process_repeats):
+        for name, command in commands.items():
+            with tempfile.TemporaryDirectory() as cwd:
+                start = time.perf_counter()
+                subprocess.run(command, cwd=cwd, env=env, check=True, capture_output=True)
+                times[name].append(time.perf_counter() - start)
+    return {
+        "epochs": epochs,
+        "train_size": size,
+        "mpexp_s": times["mpexp"],
+        "bare_s": times["bare"],
+        "ratio_median": statistics.median(times["mpexp"]) / statistics.median(times["bare"]),
+        "ratio_best": min(times["mpexp"]) / min(times["bare"]),
     }
 
 
@@ -391,6 +440,19 @@ def table(result: dict) -> str:
         *(f"{name} | {rollback[name]['ops']} | {rollback[name]['us']:.1f}"
           for name in ("foreach", "per_buffer")),
     ]  # fmt: skip
+    process = result.get("process")
+    if process:
+        lines += [
+            "",
+            f"whole process, experiment=quickstart ({process['epochs']} epochs of "
+            f"{process['train_size']} samples, W&B offline) against scripts/bare_quickstart.py, "
+            f"{len(process['mpexp_s'])} runs each:",
+            "process | median s | best s",
+            "--- | --- | ---",
+            f"mpexp | {statistics.median(process['mpexp_s']):.2f} | {min(process['mpexp_s']):.2f}",
+            f"bare | {statistics.median(process['bare_s']):.2f} | {min(process['bare_s']):.2f}",
+            f"ratio | {process['ratio_median']:.2f}x | {process['ratio_best']:.2f}x",
+        ]
     return "\n".join(lines)
 
 

@@ -106,7 +106,7 @@ class ReadsAValue(torch.nn.Module):
 
 def test_a_model_that_cannot_be_counted_trains_without_tflops(caplog):
     with caplog.at_level("WARNING"):
-        counted = throughput(ReadsAValue(), (8, 4), peak_tflops=100.0, devices=1)
+        counted = throughput(ReadsAValue(), (8, 4), peak_tflops=100.0, devices=1).result()
     assert counted.flops_per_sample is None
     assert counted.metrics(1000.0) == {}  # no perf/tflops, and no MFU from a missing count
     assert "perf/tflops is not logged" in caplog.text
