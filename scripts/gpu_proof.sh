@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU proof in one command, for a CUDA machine (an H100 or H200): the GPU-marked tests, the
+# benchmark (tutorial loop, mpexp, bare loop; DeepCNN on 60,000 MNIST-format samples per epoch,
+# batch 256) eager, with torch.compile and with channels_last, ViT in bf16 against fp8, and a
+# four-precision sweep with its report. Everything lands in one folder, as logs, JSON and
+# markdown; the sweep is tarred without its checkpoints. Meant to end well inside 8 minutes.
+#
+#   scripts/gpu_proof.sh [OUT_DIR]            # default: gpu-proof/
+#
+# On a machine without hydra-core, omegaconf or wandb, prepare their wheels first as
+# ../shared/device/README.md says, then start with its install line. Record what it measured in
+# docs/benchmarks.md: nothing there is estimated.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-gpu-proof}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=offline WANDB_SILENT=true
+status=0
+step() {  # name, command...: run one part, keep its output, go on even if it fails
+  local name="$1"
+  shift
+  echo "== $name: $*" | tee -a "$out/steps.log"
+  local began=$SECONDS
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc after $((SECONDS - began)) s" | tee -a "$out/steps.log"
+  [ "$rc" -eq 0 ] || status=1
+  tail -n 30 "$out/$name.log"
+}
+
+step machine bash -c 'nvidia-smi; python3 -c "import torch; print(torch.__version__, \
+  torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"'
+step gpu-tests python3 -m pytest -m gpu -q -p no:cacheprovider
+step bench-eager python3 scripts/bench.py --bare --json "$out/bench-eager.json"
+step bench-compile python3 scripts/bench.py --bare --precisions fp16,bf16 \
+  --json "$out/bench-compile.json" trainer.compile=true
+step bench-channels-last python3 scripts/bench.py --bare --precisions fp16,bf16 \
+  --json "$out/bench-channels-last.json" trainer.channels_last=true
+step bench-vit-fp8 python3 scripts/bench.py --bare --model vit --precisions bf16,fp8 \
+  --epochs 2 --json "$out/bench-vit-fp8.json"
+step sweep python3 -m mpexp.train -m experiment=quickstart model=deepcnn \
+  precision=fp32,tf32,fp16,bf16 trainer.device=cuda trainer.epochs=4 \
+  dataset.train_size=60000 dataset.batch_size=256 "hydra.sweep.dir=$out/sweep"
+tar --exclude=checkpoints -czf "$out/sweep.tar.gz" -C "$out" sweep && rm -rf "$out/sweep"
+echo "results in $out/ (steps.log lists each part's exit status and time)"
+exit "$status"
