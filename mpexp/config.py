@@ -172,6 +172,15 @@ class SimpleCNNConfig(ModelConfig):
     width: int = 64
 
 
+@dataclass
+class ViTConfig(ModelConfig):
+    patch_size: int = 4
+    width: int = 192
+    depth: int = 6
+    heads: int = 3
+    mlp_ratio: int = 4
+
+
 # --- precision -----------------------------------------------------------------------------------
 
 
@@ -264,7 +273,7 @@ class StepDecayConfig(SchedulerConfig):
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "dataset": {"torchvision": TorchvisionDatasetConfig, "synthetic": SyntheticDatasetConfig},
-    "model": {"base": ModelConfig, "simplecnn": SimpleCNNConfig},
+    "model": {"base": ModelConfig, "simplecnn": SimpleCNNConfig, "vit": ViTConfig},
     "precision": {"base": PrecisionConfig},
     "loss_scaling": {
         "none": LossScalingConfig,
