@@ -26,9 +26,11 @@ CHANCE = 2.3026  # ln 10: the loss of a uniform guess over 10 classes
 
 @pytest.fixture(scope="module")
 def fp8_run(tmp_path_factory):
-    """The tiny ViT trained in fp8, W&B offline."""
+    """The tiny ViT trained in fp8 with its range statistics every 8 steps, W&B offline."""
     run_dir = tmp_path_factory.mktemp("fp8_run")
-    cfg = make_cfg(*TINY_VIT, "precision=fp8", "wandb.mode=offline")
+    cfg = make_cfg(
+        *TINY_VIT, "precision=fp8", "diagnostics.grad_stats_every=8", "wandb.mode=offline"
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("WANDB_SILENT", "true")
         summary = train(cfg, RunContext(run_dir))
@@ -63,6 +65,20 @@ def test_what_ran_names_converted_and_unconverted_layers_in_summary_and_wandb(fp
     in_wandb = record["config"]["update"]["ran"]
     for key in ("fp8_recipe", "fp8_converted", "fp8_unconverted", "emulated"):
         assert in_wandb[key] == ran[key]
+
+
+def test_fp8_range_statistics_cover_the_converted_layers_only(fp8_run):
+    run_dir, _ = fp8_run
+    steps, _ = read_metrics(run_dir)
+    stats = [r for r in steps if "diag/total/weight_e4m3_underflow" in r]
+    assert [r["step"] for r in stats] == [8, 16, 24, 32]
+    layers = {k.removeprefix("diag/").rpartition("/")[0] for r in stats for k in r if "/" in k}
+    assert layers == {*VIT_FP8_LAYERS, "total"}  # not the head; no fp16 statistics
+    for row in stats:
+        fractions = [v for k, v in row.items() if k.startswith("diag/")]
+        assert len(fractions) == 9 * 8 and all(0 <= v <= 1 for v in fractions)
+        # at torchao's amax scale the largest element lands on the format's largest value
+        assert all(v == 0 for k, v in row.items() if k.endswith("_overflow"))
 
 
 def test_emulated_fp8_warns_once_that_the_numerics_are_real_and_the_speed_is_not(caplog):
@@ -168,3 +184,11 @@ def test_fp8_that_cannot_take_effect_stops_before_training(tmp_path, overrides, 
     with pytest.raises(ConfigError, match=message):
         train(make_cfg(*TINY, "precision=fp8", *overrides), RunContext(tmp_path))
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_fsdp_refuses_fp8_range_statistics(tmp_path):
+    cfg = make_cfg(
+        *TINY_VIT, "precision=fp8", "trainer.strategy=fsdp", "diagnostics.grad_stats_every=8"
+    )
+    with pytest.raises(ConfigError, match="fp8 range statistics need each weight's amax"):
+        train(cfg, RunContext(tmp_path))

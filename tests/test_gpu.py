@@ -111,7 +111,7 @@ def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode, extra):
     scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip)
     optimizer = build_optimizer(cfg, model, device, scaler)
     assert optimizer.defaults["fused"]  # the path that keeps GradScaler off the host
-    diagnostics = Diagnostics(cfg.diagnostics, model, scaler, NullTracker(tmp_path))
+    diagnostics = Diagnostics(cfg.diagnostics, model, scaler, NullTracker(tmp_path), precision)
     stepper = Stepper(model, optimizer, scaler, precision, StepHistory(), diagnostics)
     batches = list(data.train_batches(1, 0, device))
     for step, (images, labels) in enumerate(batches[:3], start=1):  # lazy state is made here
