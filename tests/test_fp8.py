@@ -17,7 +17,16 @@ from mpexp.precision import convert_to_fp8, setup_precision
 from mpexp.scaling import build_scaler
 from mpexp.tracking import RunContext
 from mpexp.train import train
-from tests.conftest import CPU, TINY, TINY_VIT, VIT_FP8_LAYERS, make_cfg, precision_of
+from tests.conftest import (
+    CPU,
+    TINY,
+    TINY_VIT,
+    VIT_FP8_LAYERS,
+    make_cfg,
+    precision_of,
+    run_cli,
+)
+from tests.test_report import read_table, sweep_dir
 from tests.test_training import read_metrics
 from tests.test_wandb import leet_records
 
@@ -192,3 +201,33 @@ def test_fsdp_refuses_fp8_range_statistics(tmp_path):
     )
     with pytest.raises(ConfigError, match="fp8 range statistics need each weight's amax"):
         train(cfg, RunContext(tmp_path))
+
+
+def test_a_sweep_over_fp32_bf16_fp8_reports_three_configurations(tmp_path):
+    vit = [o for o in TINY_VIT if not o.startswith(("trainer.epochs", "wandb"))]
+    result = run_cli(
+        "mpexp.train", "-m", "experiment=quickstart", *vit, "precision=fp32,bf16,fp8",
+        "trainer.epochs=2", "dataset.train_size=256", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = sweep_dir(tmp_path)
+    rows = read_table(sweep / "report.md", "Accuracy against fp32")
+    assert [r["precision"] for r in rows] == ["fp32", "bf16", "fp8 (tensorwise, emulated)"]
+    assert [r["parity"] for r in rows] == ["fp32 reference", *["inconclusive: single seed"] * 2]
+    (fp8,) = read_table(sweep / "report.md", "fp8 against bf16")
+    assert (fp8["configuration"], fp8["bf16 reference"]) == ("precision=fp8", "precision=bf16")
+    assert fp8["converted layers"] == "8 of 9"
+    assert (
+        "Emulated fp8 (on a CPU) has fp8's numerics but not its speed"
+        in (sweep / "report.md").read_text()
+    )
+
+    (report_dir,) = (sweep / "wandb").glob("offline-run-*")
+    (table_file,) = report_dir.glob("files/media/table/report/table_*.table.json")
+    table = json.loads(table_file.read_text())
+    column = {name: table["columns"].index(name) for name in ("precision", "parity_vs_bf16")}
+    assert [(r[column["precision"]], r[column["parity_vs_bf16"]]) for r in table["data"]] == [
+        ("fp32", None),
+        ("bf16", None),
+        ("fp8", "single seed"),
+    ]
