@@ -69,6 +69,13 @@ class AutocastDtype(Choice):
     bfloat16 = "bfloat16"
 
 
+class Fp8Recipe(Choice):
+    """torchao's float8 training recipes that mpexp offers (Float8LinearRecipeName)."""
+
+    tensorwise = "tensorwise"  # one scale per tensor; e4m3 forward, e5m2 gradients; fastest
+    rowwise = "rowwise"  # one scale per row, rounded down to a power of two; e4m3 throughout
+
+
 # `raise` is a keyword, so these two are built by name
 NonfiniteLoss = Choice("NonfiniteLoss", {"raise": "raise", "skip": "skip"})
 FloorPolicy = Choice("FloorPolicy", {"raise": "raise", "continue": "continue"})
@@ -172,7 +179,21 @@ class SimpleCNNConfig(ModelConfig):
     width: int = 64
 
 
+@dataclass
+class ViTConfig(ModelConfig):
+    patch_size: int = 4
+    width: int = 192
+    depth: int = 6
+    heads: int = 3
+    mlp_ratio: int = 4
+
+
 # --- precision -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Fp8Config:
+    recipe: Fp8Recipe = Fp8Recipe.tensorwise
 
 
 @dataclass
@@ -180,6 +201,7 @@ class PrecisionConfig:
     autocast: Optional[AutocastDtype] = None  # the forward pass's dtype; null: no autocast
     tf32: bool = False  # TF32 tensor-core math for float32 matmul and convolutions
     fp32_modules: list[str] = field(default_factory=list)
+    fp8: Optional[Fp8Config] = None  # float8 training of Linear layers (torchao); null: none
 
 
 # --- loss scaling --------------------------------------------------------------------------------
@@ -264,7 +286,7 @@ class StepDecayConfig(SchedulerConfig):
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "dataset": {"torchvision": TorchvisionDatasetConfig, "synthetic": SyntheticDatasetConfig},
-    "model": {"base": ModelConfig, "simplecnn": SimpleCNNConfig},
+    "model": {"base": ModelConfig, "simplecnn": SimpleCNNConfig, "vit": ViTConfig},
     "precision": {"base": PrecisionConfig},
     "loss_scaling": {
         "none": LossScalingConfig,

@@ -11,6 +11,17 @@
   binned after fp16's rounding: 65520 rounds to inf (bin 16), 1.5 * 2^-25 to 2^-24 (bin -24).
   Under fp16 the gradients have already passed through fp16 once, so what was lost shows up as
   exact zeros; under fp32 the statistics are a what-if for fp16 at that scale.
+- fp8 range (the same `diagnostics.grad_stats_every=N`, under precision=fp8, in place of the fp16
+  statistics): every N steps, for each Linear layer that fp8 converted and over all of them, the
+  fraction of the weight's elements, and of its gradient's, that e4m3 and e5m2 cannot hold at the
+  scale torchao's dynamic tensorwise scaling gives that tensor, S = largest finite value of the
+  format / amax (max |x|). Underflow: x != 0 but S*x rounds to zero in the format (|S*x| at most
+  half its smallest subnormal, 2^-10 for e4m3, 2^-17 for e5m2); overflow: S*x rounds past the
+  format's largest value (|S*x| from 464 for e4m3, 448 its largest; from 61440 for e5m2, 57344),
+  or is not finite. At the amax scale nothing finite overflows: a non-zero overflow fraction
+  means a non-finite tensor. The weights are what torchao casts to e4m3 in the forward pass; the
+  weight gradients are not cast by torchao (the gradients flowing between layers are), so theirs
+  say how much of their range each format would keep.
 - Overflow attribution (`diagnostics.overflow_attribution=true`): the names of the parameters whose
   gradients were not finite, on each step where any was (a skipped step, under loss scaling).
 - The loss-scale floor of dynamic and hysteresis scaling, checked here because it is read back the
@@ -31,9 +42,11 @@ from functools import partial
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from mpexp.distributed import all_reduce, local_shard, shard_group
 from mpexp.history import DeviceRows
+from mpexp.precision import Precision
 from mpexp.scaling import LossScaler, min_scale_error
 from mpexp.tracking import Histogram, Tracker
 
@@ -45,6 +58,20 @@ HIST_LOW, HIST_HIGH = -40, 16
 HIST_BINS = HIST_HIGH - HIST_LOW + 1
 HIST_EDGES = [float(e) for e in range(HIST_LOW, HIST_HIGH + 2)]
 COUNTS = ("zero", "underflow", "overflow")
+
+# fp8's formats: the dtype, the largest finite value, and the magnitude from which rounding goes
+# past it (halfway to the next step: 448 + 32 / 2 for e4m3, 57344 + 8192 / 2 for e5m2)
+FP8_FORMATS = {
+    "e4m3": (torch.float8_e4m3fn, 448.0, 464.0),
+    "e5m2": (torch.float8_e5m2, 57344.0, 61440.0),
+}
+FP8_AMAX_EPS = 1e-12  # torchao's floor under amax, so that an all-zero tensor gets a finite scale
+FP8_COUNTS = tuple(
+    f"{tensor}_{fmt}_{kind}"
+    for tensor in ("weight", "grad")
+    for fmt in FP8_FORMATS
+    for kind in ("underflow", "overflow")
+)
 
 
 def fp16_counts(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -70,10 +97,48 @@ def fp16_counts(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.cat((totals, hist[:HIST_BINS]))
 
 
+def fp8_scale(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """torchao's dynamic tensorwise scale for `x` in format `fmt` ("e4m3" or "e5m2"): the format's
+    largest value over amax, in float64 and then float32, as torchao computes it."""
+    amax = x.detach().abs().max().double()
+    return (FP8_FORMATS[fmt][1] / torch.clamp(amax, min=FP8_AMAX_EPS)).float()
+
+
+def fp8_counts(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """[underflow, overflow] element counts of `x` cast to `fmt` at `scale` (int64, on the device).
+
+    Underflow: non-zero, but the format rounds `scale * x` to zero; overflow: `scale * x` rounds
+    past the format's largest value, or is not finite.
+    """
+    dtype, largest, rounds_past = FP8_FORMATS[fmt]
+    scaled = x.detach().float() * scale  # in float32, as torchao scales before its cast
+    magnitude = scaled.abs()
+    # clamped first: casts to fp8 saturate in some torch versions and give inf/NaN in others
+    held = magnitude.clamp(max=largest).to(dtype).float()
+    underflow = (x != 0) & torch.isfinite(magnitude) & (held == 0)
+    overflow = ~torch.isfinite(magnitude) | (magnitude >= rounds_past)
+    return torch.stack((underflow.sum(), overflow.sum()))
+
+
+def fp8_layer_counts(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """FP8_COUNTS of one fp8 layer: its weight and gradient, each in e4m3 and e5m2 at its own
+    amax scale."""
+    return torch.cat(
+        [fp8_counts(t, fp8_scale(t, fmt), fmt) for t in (weight, grad) for fmt in FP8_FORMATS]
+    )
+
+
 class Diagnostics:
     """Per-step numerics gathered on the device, reported at each metrics flush."""
 
-    def __init__(self, cfg: DictConfig, model: nn.Module, scaler: LossScaler, tracker: Tracker):
+    def __init__(
+        self,
+        cfg: DictConfig,
+        model: nn.Module,
+        scaler: LossScaler,
+        tracker: Tracker,
+        precision: Precision | None = None,
+    ):
         self.every = cfg.grad_stats_every
         self.attribute = cfg.overflow_attribution
         self.max_names = cfg.max_names
@@ -101,6 +166,12 @@ class Diagnostics:
         self._steps = DeviceRows(partial(all_reduce, op="MAX", group=group) if sharded else None)
         self._flags: torch.Tensor | None = None
 
+        # under fp8, the layers it converted (by the names recorded in `ran`), seen through DDP
+        fp8 = precision.fp8 if precision is not None else None
+        root = model.module if isinstance(model, DistributedDataParallel) else model
+        self.fp8_layers = [(n, root.get_submodule(n)) for n in (fp8.converted if fp8 else ())]
+        self._fp8 = DeviceRows()
+
     def inspector(self, step: int) -> Callable[[], None] | None:
         """What to run on the step's unscaled gradients, or None when nothing is due."""
         stats = self.every > 0 and step % self.every == 0
@@ -115,7 +186,9 @@ class Diagnostics:
         ]
         if self.attribute:
             self._flags = self._nonfinite(grads)
-        if stats:
+        if stats and self.fp8_layers:
+            self._fp8.append(step, self._fp8_counts())
+        elif stats:
             scale = self.scaler.scale_tensor()
             per_param = torch.stack([fp16_counts(g, scale) for g in grads])
             per_layer = torch.zeros(
@@ -123,6 +196,14 @@ class Diagnostics:
             )
             per_layer.index_add_(0, self._layer_of, per_param)
             self._stats.append(step, per_layer.flatten())
+
+    def _fp8_counts(self) -> torch.Tensor:
+        rows = []
+        for _, layer in self.fp8_layers:
+            weight = layer.weight
+            grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+            rows.append(fp8_layer_counts(weight, grad))
+        return torch.cat(rows)
 
     def _nonfinite(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """1.0 for each gradient holding an inf or NaN, else 0.0: one multi-tensor pass."""
@@ -152,6 +233,8 @@ class Diagnostics:
                 self._on_floor(step)
         for step, counts in self._stats.flush(wait):
             self.tracker.log(self._stats_row(step, counts))
+        for step, counts in self._fp8.flush(wait):
+            self.tracker.log(self._fp8_row(step, counts))
 
     def outcome(self) -> dict:
         """Totals for the run summary."""
@@ -181,6 +264,20 @@ class Diagnostics:
                 step,
             )
         self.floor_hits += 1
+
+    def _fp8_row(self, step: int, counts: list[int]) -> dict:
+        width = len(FP8_COUNTS)
+        per_layer = [counts[i * width : (i + 1) * width] for i in range(len(self.fp8_layers))]
+        sizes = [layer.weight.numel() for _, layer in self.fp8_layers]
+        total = [sum(column) for column in zip(*per_layer, strict=True)]
+        row: dict = {"step": step}
+        for name, numel, values in [
+            *zip((n for n, _ in self.fp8_layers), sizes, per_layer, strict=True),
+            ("total", sum(sizes), total),
+        ]:
+            for key, value in zip(FP8_COUNTS, values, strict=True):
+                row[f"diag/{name}/{key}"] = value / numel
+        return row
 
     def _stats_row(self, step: int, counts: list[int]) -> dict:
         width = len(COUNTS) + HIST_BINS

@@ -28,20 +28,21 @@ from torch.utils.flop_counter import FlopCounterMode
 log = logging.getLogger(__name__)
 
 # Dense (no sparsity) peak TFLOP/s from the vendors' datasheets: fp32 without tensor cores, TF32,
-# and fp16/bf16 tensor-core math. Matched against the device name in this order, so that a
+# fp16/bf16 and fp8 tensor-core math. Matched against the device name in this order, so that a
 # variant with other peaks is listed before the name it contains. A variant whose peaks are not
-# known here maps to None: no MFU rather than a wrong one (`trainer.peak_tflops` sets it).
+# known here maps to None: no MFU rather than a wrong one (`trainer.peak_tflops` sets it). An fp8
+# run's MFU is against the fp8 peak, although the layers fp8 leaves alone compute in bf16.
 PEAK_TFLOPS: tuple[tuple[str, dict[str, float] | None], ...] = (
-    ("H100 PCIe", {"fp32": 51.2, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0}),
+    ("H100 PCIe", {"fp32": 51.2, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0, "fp8": 1513.0}),
     ("NVL", None),
-    ("H200", {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4}),
-    ("H100", {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4}),
-    ("A100", {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}),
+    ("H200", {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4, "fp8": 1978.9}),
+    ("H100", {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4, "fp8": 1978.9}),
+    ("A100", {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}),  # no fp8 units
 )
 
 
 def device_peak_tflops(device_name: str, precision: str) -> float | None:
-    """The dense peak of a listed GPU for `precision` (fp32, tf32, fp16, bf16), else None."""
+    """The dense peak of a listed GPU for `precision` (fp32, tf32, fp16, bf16, fp8), else None."""
     for key, peaks in PEAK_TFLOPS:
         if key in device_name:
             return peaks.get(precision) if peaks else None

@@ -270,7 +270,9 @@ class Fit:
         self.history = StepHistory(reduce_loss=world.mean if world.distributed else None)
         self.memory = PeakMemory(self.device)
         self.steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss)
-        self.diagnostics = Diagnostics(cfg.diagnostics, parts.model, parts.scaler, tracker)
+        self.diagnostics = Diagnostics(
+            cfg.diagnostics, parts.model, parts.scaler, tracker, parts.precision
+        )
         self.stepper = Stepper(
             parts.forward,
             parts.optimizer,

@@ -1,17 +1,20 @@
-"""The one place where precision switches are set: autocast dtype and TF32.
+"""The one place where precision switches are set: autocast dtype, TF32 and fp8.
 
 A `precision` option (conf/precision/*.yaml) says what it does: `autocast` (float16, bfloat16 or
-null) and `tf32`. It is applied once at setup and returned as a `Precision`; the training loop
-only enters `precision.autocast()` and never re-decides anything.
+null), `tf32` and `fp8` (torchao's float8 training of Linear layers, or null). It is applied once at
+setup and returned as a `Precision`; fp8's conversion of the model follows once the model is built
+(`convert_to_fp8`). The training loop only enters `precision.autocast()` and never re-decides
+anything.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,11 +28,39 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 SHORT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def mode_name(autocast_dtype: torch.dtype | None, tf32: bool) -> str:
-    """fp32, tf32, fp16 or bf16; a 16-bit mode that also asks for TF32 is e.g. `fp16+tf32`."""
+# fp8 matrix multiplication (torch._scaled_mm) needs fp8 tensor cores: compute capability 8.9
+# (Ada) or newer (Hopper 9.0, Blackwell 10.0)
+FP8_CAPABILITY = (8, 9)
+# both sizes of an fp8 matrix multiply must be multiples of 16 (torch._scaled_mm's rule); layers
+# that break it are left in bf16 on every device, so that CPU and GPU runs convert the same ones
+FP8_MULTIPLE = 16
+FP8_INSTALL = 'pip install "mpexp[fp8]"'
+
+
+def mode_name(autocast_dtype: torch.dtype | None, tf32: bool, fp8: bool = False) -> str:
+    """fp32, tf32, fp16, bf16 or fp8; a mode that also asks for TF32 is e.g. `fp16+tf32`."""
     if autocast_dtype is None:
         return "tf32" if tf32 else "fp32"
-    return SHORT_NAMES[autocast_dtype] + ("+tf32" if tf32 else "")
+    return ("fp8" if fp8 else SHORT_NAMES[autocast_dtype]) + ("+tf32" if tf32 else "")
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """fp8 training through torchao: its recipe, and once the model is converted
+    (`convert_to_fp8`), which Linear layers compute in fp8 and why the others do not."""
+
+    recipe: str
+    converted: tuple[str, ...] = ()
+    unconverted: dict[str, str] = field(default_factory=dict)  # layer name -> reason
+
+    def record(self) -> dict:
+        return {
+            "fp8_recipe": self.recipe,
+            "fp8_converted_count": len(self.converted),
+            "fp8_converted": list(self.converted),
+            "fp8_unconverted": dict(self.unconverted),
+            "fp8_backend": f"torchao {_torchao_version()}",
+        }
 
 
 @dataclass(frozen=True)
@@ -40,7 +71,9 @@ class Precision:
     effective: str
     device_type: str
     autocast_dtype: torch.dtype | None
-    emulated: bool = False  # 16-bit autocast on a CPU without native instructions for it
+    # 16-bit autocast on a CPU without native instructions for it; fp8 on a CPU (always)
+    emulated: bool = False
+    fp8: Fp8 | None = None  # fp8 training of Linear layers; None: none
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward-pass context: autocast to the mode's dtype, or nothing."""
@@ -58,6 +91,7 @@ class Precision:
             else "none",
             "emulated": self.emulated,
             **tf32_flags(),
+            **(self.fp8.record() if self.fp8 else {}),
         }
 
 
@@ -84,17 +118,22 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
     """Apply a `precision` config's switches for `device` and describe what will run.
 
     Nothing falls back silently: TF32 where it cannot take effect runs (and is recorded) as strict
-    fp32 with a warning; 16-bit autocast that this CPU only emulates warns once that it is slow.
+    fp32 with a warning; 16-bit autocast that this CPU only emulates warns once that it is slow;
+    fp8 stops with an error on a GPU without fp8 tensor cores or without torchao installed, and on
+    a CPU runs emulated with a warning.
     """
     dtype = DTYPES[str(cfg["autocast"])] if cfg["autocast"] is not None else None
     tf32 = bool(cfg["tf32"])
-    mode = mode_name(dtype, tf32)
+    fp8 = Fp8(recipe=str(cfg["fp8"]["recipe"])) if cfg.get("fp8") is not None else None
+    mode = mode_name(dtype, tf32, fp8 is not None)
+    if fp8 is not None:
+        _check_fp8(dtype, device)
     set_tf32(tf32)
     effective = mode
 
     if tf32 and not _tf32_capable(device):
         where = "on CPU" if device.type == "cpu" else f"on {torch.cuda.get_device_name(device)}"
-        effective = mode_name(dtype, False)
+        effective = mode_name(dtype, False, fp8 is not None)
         log.warning(
             "TF32 has no effect %s (it needs an Ampere or newer CUDA GPU): this run computes "
             "float32 work in strict fp32 and is recorded as effective_precision=%s.",
@@ -109,9 +148,14 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
             f"{torch.cuda.get_device_name(device)} has none.\n"
             "Use precision=fp16 (with loss scaling) or precision=fp32."
         )
-    emulated = dtype is not None and device.type == "cpu" and not cpu_has_native(dtype)
-    if emulated:
-        _warn_emulated_once(dtype)
+    if fp8 is not None:
+        emulated = device.type == "cpu"
+        if emulated:
+            _warn_fp8_emulated_once()
+    else:
+        emulated = dtype is not None and device.type == "cpu" and not cpu_has_native(dtype)
+        if emulated:
+            _warn_emulated_once(dtype)
 
     return Precision(
         mode=mode,
@@ -119,6 +163,67 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
         device_type=device.type,
         autocast_dtype=dtype,
         emulated=emulated,
+        fp8=fp8,
+    )
+
+
+def _check_fp8(dtype: torch.dtype | None, device: torch.device) -> None:
+    """fp8 can run here, or a ConfigError says why not and what to do instead."""
+    if dtype is not torch.bfloat16:
+        raise ConfigError(
+            "precision.fp8 needs precision.autocast=bfloat16: the layers that fp8 does not "
+            "convert run under bf16 autocast, as torchao's float8 training expects. "
+            "precision=fp8 sets it."
+        )
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(
+            f"precision=fp8 needs a GPU with fp8 tensor cores (compute capability 8.9 or newer: "
+            f"Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}.\n"
+            "Use precision=bf16 here, or trainer.device=cpu to see fp8's numerics emulated "
+            "(slowly)."
+        )
+    _import_torchao()
+
+
+def _import_torchao():
+    """torchao.float8, imported only when fp8 is asked for; without it, one readable error."""
+    # torch logs a deprecation notice about an enum torchao registers, once, at import: about
+    # the two libraries, not about this run
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
+    try:
+        import torchao.float8
+    except ImportError as err:
+        raise ConfigError(
+            f"precision=fp8 needs torchao, which is not installed here ({err}).\n"
+            f"Install it with: {FP8_INSTALL}"
+        ) from None
+    finally:
+        pytree_log.setLevel(level)
+    return torchao.float8
+
+
+def _torchao_version() -> str:
+    import torchao
+
+    return torchao.__version__
+
+
+_warned_fp8_emulated = False
+
+
+def _warn_fp8_emulated_once() -> None:
+    global _warned_fp8_emulated
+    if _warned_fp8_emulated:  # once per process, as the 16-bit warning
+        return
+    _warned_fp8_emulated = True
+    log.warning(
+        "precision=fp8 runs emulated on CPU (torchao's emulate mode): the numerics are real "
+        "(values cast to e4m3/e5m2 at torchao's scales, products summed in float32), the speed "
+        "is not: expect it slower than bf16 here. fp8's speed needs a CUDA GPU of compute "
+        "capability 8.9 or newer (Ada, Hopper). Recorded as emulated=true."
     )
 
 
@@ -164,6 +269,89 @@ def _tf32_capable(device: torch.device) -> bool:
 
 def _ampere_or_newer(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def convert_to_fp8(
+    model: nn.Module, precision: Precision, fp32_modules: list[str], compiled: bool
+) -> tuple[nn.Module, Precision]:
+    """Swap the model's Linear layers for torchao's fp8 ones, where fp8 can take them; return the
+    model and the Precision that records which were converted and why the others were not.
+
+    Called once the model is on its device and before DDP/FSDP wrap it or torch.compile traces it.
+    A Linear layer stays as it was (in bf16 under autocast) when its sizes are not multiples of 16
+    (a 10-class head), when precision.fp32_modules names it or a module around it, or when it sits
+    in an nn.MultiheadAttention, which uses its weight without calling it. Without fp8, the model
+    and precision come back unchanged.
+    """
+    if precision.fp8 is None:
+        return model, precision
+    float8 = _import_torchao()
+    config = float8.Float8LinearConfig.from_recipe_name(precision.fp8.recipe)
+    # on a CPU, torchao's emulation: the same casts and scales, the products summed in float32
+    config = dataclasses.replace(config, emulate=precision.emulated)
+    modules = dict(model.named_modules())
+    reasons: dict[str, str | None] = {}
+
+    def convertible(module: nn.Module, name: str) -> bool:
+        reasons[name] = _fp8_unconvertible(module, name, modules, fp32_modules)
+        return reasons[name] is None
+
+    model = float8.convert_to_float8_training(model, module_filter_fn=convertible, config=config)
+    converted = tuple(n for n, reason in reasons.items() if reason is None)
+    unconverted = {n: reason for n, reason in reasons.items() if reason is not None}
+    if not converted:
+        listed = "; ".join(f"{n or 'the model'}: {r}" for n, r in unconverted.items())
+        raise ConfigError(
+            "precision=fp8 has nothing to convert: fp8 computes nn.Linear layers whose sizes are "
+            f"multiples of {FP8_MULTIPLE}, and this model has none "
+            f"({listed or 'no Linear layer at all'}).\n"
+            "Use a model made of such layers (model=vit) or precision=bf16."
+        )
+    if precision.device_type == "cpu":
+        for name in converted:
+            model.get_submodule(name).register_forward_pre_hook(_to_cpu_autocast_dtype)
+    fp8 = dataclasses.replace(precision.fp8, converted=converted, unconverted=unconverted)
+    log.info(
+        "fp8 (%s%s): %d Linear layers converted; left as they were (in bf16 unless said): %s",
+        fp8.recipe,
+        ", emulated" if precision.emulated else "",
+        len(converted),
+        "; ".join(f"{n}: {r}" for n, r in unconverted.items()) or "none",
+    )
+    if precision.device_type == "cuda" and not compiled:
+        log.warning(
+            "precision=fp8 without trainer.compile=true: each cast to fp8 (an amax, a scale, a "
+            "cast, per operand of every converted layer) runs as kernels of its own, which eats "
+            "most of fp8's speedup; torchao's speedups are measured compiled."
+        )
+    return model, dataclasses.replace(precision, fp8=fp8)
+
+
+def _fp8_unconvertible(
+    module: nn.Module, name: str, modules: dict[str, nn.Module], fp32_modules: list[str]
+) -> str | None:
+    """Why fp8 leaves this Linear layer alone, or None when it converts it."""
+    if any(name == keep or name.startswith(keep + ".") for keep in fp32_modules):
+        return "in precision.fp32_modules: runs in float32"
+    parent = modules.get(name.rpartition(".")[0])
+    if isinstance(parent, nn.MultiheadAttention):
+        return "inside nn.MultiheadAttention, which uses the weight without calling the layer"
+    sizes = (module.in_features, module.out_features)
+    if any(size % FP8_MULTIPLE for size in sizes):
+        return (
+            f"{sizes[0]} inputs, {sizes[1]} outputs: fp8 matrix multiplication needs multiples "
+            f"of {FP8_MULTIPLE}"
+        )
+    return None
+
+
+def _to_cpu_autocast_dtype(module: nn.Module, args: tuple) -> tuple | None:
+    # torchao's fp8 layer casts its input to the autocast dtype itself on CUDA only (it reads
+    # CUDA's autocast state); doing the same under CPU autocast keeps emulated numerics those of
+    # the GPU: bf16 activations, scaled and cast to fp8
+    if torch.is_autocast_enabled("cpu"):
+        return (args[0].to(torch.get_autocast_dtype("cpu")), *args[1:])
+    return None
 
 
 def run_in_float32(model: nn.Module, names: list[str], precision: Precision) -> list[str]:

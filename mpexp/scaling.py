@@ -483,6 +483,12 @@ class CalibratedLossScaler(StaticLossScaler):
         self._max.fill_(state_dict.get("running_max_grad", self.max_grad or 0.0))
 
 
+def _gradient_format(precision: Precision) -> str:
+    if precision.fp8 is not None:  # torchao scales each fp8 tensor by its own amax
+        return "bfloat16 and in fp8 scaled per tensor by torchao"
+    return "bfloat16" if precision.autocast_dtype is torch.bfloat16 else "float32"
+
+
 def build_scaler(
     cfg: Mapping[str, Any],
     precision: Precision,
@@ -506,7 +512,7 @@ def build_scaler(
             "so the scaler only adds work. Honoured as asked; loss_scaling=auto picks none here.",
             target.rpartition(".")[2],
             precision.mode,
-            "bfloat16" if precision.autocast_dtype is torch.bfloat16 else "float32",
+            _gradient_format(precision),
         )
     elif target is None and fp16:
         log.info("fp16 without loss scaling: small gradients will underflow to zero (as intended?)")

@@ -40,7 +40,7 @@ from mpexp.distributed import World, hydra_overrides_for_rank, start_world
 from mpexp.errors import ConfigError, UserError
 from mpexp.hydra_hooks import register_resolvers, sweep_job_name
 from mpexp.loop import Fit, Parts
-from mpexp.precision import run_in_float32, setup_precision
+from mpexp.precision import convert_to_fp8, run_in_float32, setup_precision
 from mpexp.rundir import RunDirTaken, RunLock, refuse_if_taken
 from mpexp.scaling import build_scaler
 from mpexp.schedules import build_schedule
@@ -138,6 +138,10 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         batch_shape,
         cfg.trainer.peak_tflops or flops.device_peak_tflops(name, precision.effective),
         world.size,
+    )
+    # fp8 swaps Linear layers: before fp32_modules wraps forwards and DDP/FSDP/compile take them
+    model, precision = convert_to_fp8(
+        model, precision, list(cfg.precision.fp32_modules), cfg.trainer.compile
     )
     fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
     performance.apply_memory_format(model, cfg.trainer)  # before DDP/FSDP takes the parameters

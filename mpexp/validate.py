@@ -212,6 +212,12 @@ def _validate_fsdp(cfg: DictConfig) -> None:
             "optimizer.fused=true with trainer.strategy=fsdp: sharded gradients need their "
             "overflow flags combined across ranks before the step. Leave optimizer.fused=null."
         )
+    if cfg.precision.get("fp8") is not None and cfg.diagnostics.grad_stats_every:
+        raise ConfigError(
+            "diagnostics.grad_stats_every under precision=fp8 with trainer.strategy=fsdp: the "
+            "fp8 range statistics need each weight's amax over all its shards, which they do not "
+            "gather yet. Use trainer.strategy=ddp or single for them."
+        )
     if cfg.precision.get("fp32_modules") and cfg.precision.get("autocast") is not None:
         raise ConfigError(
             "precision.fp32_modules with trainer.strategy=fsdp: FSDP gathers those modules' "

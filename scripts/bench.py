@@ -17,6 +17,11 @@ ops as mpexp does and, for comparison, with a copy and a select per buffer. Oper
     python scripts/bench.py                       # CUDA: DeepCNN on MNIST-sized data
     python scripts/bench.py --device cpu          # a small model, under two minutes on 2 cores
     python scripts/bench.py --json bench.json     # the same numbers as JSON
+    python scripts/bench.py --model vit --precisions bf16,fp8 trainer.compile=true
+                                                  # fp8 against bf16 on a ViT (a GPU of sm89+)
+
+Under precision=fp8 every loop trains the model as mpexp converts it (torchao's fp8 Linear
+layers); with bf16 among the precisions each row also gets its speedup over bf16.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from mpexp.data.synthetic import SyntheticData  # noqa: E402
 from mpexp.flops import device_peak_tflops, flops_per_sample  # noqa: E402
 from mpexp.models.deepcnn import DeepCNN  # noqa: E402
 from mpexp.performance import build_optimizer  # noqa: E402
-from mpexp.precision import setup_precision  # noqa: E402
+from mpexp.precision import convert_to_fp8, setup_precision  # noqa: E402
 from mpexp.rollback import BufferRollback  # noqa: E402
 from mpexp.scaling import build_scaler  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
@@ -87,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--precisions", help="comma-separated; default: all on CUDA, fp32 on CPU")
-    p.add_argument("--model", help="deepcnn | simplecnn | resnet18 (default: per device)")
+    p.add_argument("--model", help="deepcnn | simplecnn | resnet18 | vit (default: per device)")
     p.add_argument("--train-size", type=int, help="training samples per epoch")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--epochs", type=int, help="timed epochs; one more runs first as warm-up")
@@ -174,6 +179,12 @@ def fresh_model(args, device):
     return build(cfg.model, in_channels=1, num_classes=10, image_size=(28, 28)).to(device)
 
 
+def model_for(args, mode):
+    """A fresh model as a run of this precision trains it: under fp8, converted as mpexp does."""
+    model, _ = convert_to_fp8(fresh_model(args, args.device), mode, [], compiled=False)
+    return model
+
+
 def time_tutorial(args, root: Path, precision: str) -> dict:
     """The tutorial's loop, with the precision mode's autocast and TF32 switches."""
     device = args.device
@@ -182,7 +193,7 @@ def time_tutorial(args, root: Path, precision: str) -> dict:
     loader = DataLoader(
         dataset, batch_size=args.batch_size, shuffle=True, num_workers=2, drop_last=True
     )
-    model = fresh_model(args, device)
+    model = model_for(args, mode)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     times = []
@@ -212,7 +223,7 @@ def time_bare(args, root: Path, precision: str) -> dict:
     mode = setup_precision(cfg.precision, device)
     data = MNISTData(root=str(root), download=False, batch_size=args.batch_size)
     data.setup(device)
-    model = fresh_model(args, device)
+    model = model_for(args, mode)
     scaler = build_scaler(cfg.loss_scaling, mode, device)
     optimizer = build_optimizer(cfg, model, device, scaler)
     times = []
@@ -328,6 +339,7 @@ def run(args) -> dict:
             print(f"  measured {precision}", file=sys.stderr)
 
     base = next((r for r in rows if r["precision"] == "fp32"), None)
+    bf16 = next((r for r in rows if r["precision"] == "bf16"), None)
     results = []
     for r in rows:
         mpexp_s = r["mpexp"]["s"]
@@ -339,6 +351,7 @@ def run(args) -> dict:
             "mpexp_s_per_epoch": mpexp_s,
             "speedup_vs_tutorial": r["tutorial"]["s"] / mpexp_s,
             "speedup_vs_fp32": base["mpexp"]["s"] / mpexp_s if base else None,
+            "speedup_vs_bf16": bf16["mpexp"]["s"] / mpexp_s if bf16 else None,
             "tflops": tflops,
             "peak_fraction": tflops / peak if peak else None,
             "peak_mem_mib": r["mpexp"]["mem"],
@@ -400,9 +413,15 @@ def table(result: dict) -> str:
     def fmt(value, spec):
         return "n/a" if value is None else format(value, spec)
 
+    def times(value):  # a speedup; none where its baseline was not measured
+        return "n/a" if value is None else f"{value:.2f}x"
+
     bare = "overhead_vs_bare" in result["rows"][0]
+    with_bf16 = any(r["precision"] == "bf16" for r in result["rows"])
     head = ["precision", "tutorial s/ep", "mpexp s/ep", "vs tutorial", "vs fp32", "TFLOP/s",
             "% peak", "peak MiB", "mem vs fp32"]  # fmt: skip
+    if with_bf16:
+        head.insert(5, "vs bf16")
     if bare:
         head += ["bare s/ep", "overhead"]
     lines = [
@@ -418,13 +437,15 @@ def table(result: dict) -> str:
             r["precision"],
             fmt(r["tutorial_s_per_epoch"], ".3f"),
             fmt(r["mpexp_s_per_epoch"], ".3f"),
-            fmt(r["speedup_vs_tutorial"], ".2f") + "x",
-            fmt(r["speedup_vs_fp32"], ".2f") + "x",
+            times(r["speedup_vs_tutorial"]),
+            times(r["speedup_vs_fp32"]),
             fmt(r["tflops"], ".2f"),
             fmt(r["peak_fraction"] and 100 * r["peak_fraction"], ".1f"),
             fmt(r["peak_mem_mib"], ".0f"),
             fmt(r["mem_vs_fp32"], ".2f"),
         ]
+        if with_bf16:
+            cells.insert(5, times(r["speedup_vs_bf16"]))
         if bare:
             cells += [
                 fmt(r["bare_s_per_epoch"], ".3f"),

@@ -34,6 +34,25 @@ TINY = [
 ]
 
 
+# A ViT small enough for a test: 2 blocks of width 64 on 16 patches of 7x7, on data it learns in
+# two epochs. fp8 converts its 8 Linear layers (sizes multiples of 16), not its 10-class head.
+TINY_VIT = [
+    *(o for o in TINY if not o.startswith("model")),
+    "model=vit",
+    "model.patch_size=7",
+    "model.width=64",
+    "model.depth=2",
+    "model.heads=2",
+    "dataset.noise=0.3",
+    "optimizer.lr=1e-3",
+]
+VIT_FP8_LAYERS = [
+    f"encoder.layers.encoder_layer_{block}.{layer}"
+    for block in (0, 1)
+    for layer in ("self_attention.qkv", "self_attention.proj", "mlp.0", "mlp.3")
+]
+
+
 def make_cfg(*overrides: str):
     """The composed `train` config, as `python -m mpexp.train <overrides>` would see it."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

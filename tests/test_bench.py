@@ -38,3 +38,24 @@ def test_cpu_benchmark_prints_its_table_and_writes_json(tmp_path):
     assert rollback["foreach"]["ops"] <= 10 < 3 * 42 <= rollback["per_buffer"]["ops"]
     assert rollback["foreach"]["us"] > 0 and rollback["per_buffer"]["us"] > 0
     assert "rollback | operators | us/step" in result.stdout
+
+
+def test_vit_in_bf16_against_fp8_as_a_gpu_session_will_run_it(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--device", "cpu", "--model", "vit", "--precisions", "bf16,fp8", "--train-size",
+            "256", "--batch-size", "64", "--epochs", "1", "--json", str(out), "model.patch_size=7",
+            "model.width=32", "model.depth=1", "model.heads=2"]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "| vs fp32 | vs bf16 |" in result.stdout
+    bf16, fp8 = json.loads(out.read_text())["rows"]
+    assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8")
+    assert bf16["speedup_vs_bf16"] == 1.0 and bf16["speedup_vs_fp32"] is None
+    assert fp8["speedup_vs_bf16"] == bf16["mpexp_s_per_epoch"] / fp8["mpexp_s_per_epoch"]
+    assert "precision=fp8 runs emulated on CPU" in result.stderr

@@ -31,8 +31,8 @@ def options(group: str) -> list[str]:
 
 def test_groups_hold_the_documented_options():
     assert options("dataset") == ["cifar10", "fashion_mnist", "mnist", "synthetic"]
-    assert options("model") == ["deepcnn", "resnet18", "simplecnn", "simplecnn_small"]
-    assert options("precision") == ["bf16", "fp16", "fp32", "tf32"]
+    assert options("model") == ["deepcnn", "resnet18", "simplecnn", "simplecnn_small", "vit"]
+    assert options("precision") == ["bf16", "fp16", "fp32", "fp8", "tf32"]
     assert options("loss_scaling") == [
         "auto",
         "calibrated",

@@ -9,7 +9,16 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from mpexp.diagnostics import HIST_BINS, HIST_EDGES, HIST_LOW, Diagnostics, fp16_counts
+from mpexp.diagnostics import (
+    FP8_COUNTS,
+    HIST_BINS,
+    HIST_EDGES,
+    HIST_LOW,
+    Diagnostics,
+    fp8_counts,
+    fp8_scale,
+    fp16_counts,
+)
 from mpexp.errors import NumericsError
 from mpexp.scaling import build_scaler
 from mpexp.tracking import RunContext, Tracker
@@ -237,3 +246,87 @@ def test_nonfinite_loss_skip_counts_the_skipped_steps(tmp_path):
     assert [r["amp/nonfinite_loss_steps"] for r in steps][-1] == len(nonfinite)
     assert summary["ran"]["nonfinite_guard"] is True
     assert epochs[0]["train/epoch_loss"] == epochs[0]["train/epoch_loss"]  # finite steps only
+
+
+# A weight whose amax is 448: torchao's scale is 1 for e4m3 (largest 448) and 128 for e5m2
+# (largest 57344), both exact. e4m3 rounds |x| <= 2^-10 to zero (half its smallest subnormal
+# 2^-9; the tie goes to the even zero); e5m2 rounds 128|x| <= 2^-17, i.e. |x| <= 2^-24.
+FP8_WEIGHT = [
+    0.0,  # zero already: neither
+    448.0,  # the amax: e4m3's largest value exactly
+    -1.0,
+    2.0**-9,  # e4m3's smallest subnormal: held
+    1.5 * 2.0**-10,  # rounds up to it: held
+    2.0**-10,  # the tie: e4m3 underflow
+    2.0**-12,  # e4m3 underflow
+    2.0**-20,  # e4m3 underflow; 2^-13 in e5m2
+    1.5 * 2.0**-24,  # e4m3 underflow; rounds up to e5m2's 2^-16
+    2.0**-24,  # both: the tie in e5m2
+    2.0**-30,  # both
+]
+
+
+def test_fp8_scales_are_torchaos_and_the_range_fractions_exact():
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    w = torch.tensor(FP8_WEIGHT)
+    assert fp8_scale(w, "e4m3").item() == 1.0 and fp8_scale(w, "e5m2").item() == 128.0
+    # e4m3: 6 underflow; e5m2: 2; at the amax scale nothing overflows
+    assert fp8_counts(w, fp8_scale(w, "e4m3"), "e4m3").tolist() == [6, 0]
+    assert fp8_counts(w, fp8_scale(w, "e5m2"), "e5m2").tolist() == [2, 0]
+
+    # the scale is torchao's own, bit for bit, over magnitudes spanning 2^-40 to 2^20
+    torch.manual_seed(0)
+    x = torch.randn(4096) * torch.exp2(torch.randint(-40, 20, (4096,)).float())
+    for fmt, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        scale = fp8_scale(x, fmt)
+        assert torch.equal(scale, tensor_to_scale(x, dtype))
+        # and the underflow count is what the cast to fp8 at that scale sets to zero
+        lost = ((x * scale).to(dtype).float() == 0) & (x != 0)
+        assert fp8_counts(x, scale, fmt)[0].item() == lost.sum().item() > 0
+
+
+@pytest.mark.parametrize(
+    ("fmt", "value", "overflows"),
+    [
+        ("e4m3", 463.0, False),  # rounds to 448, e4m3's largest
+        ("e4m3", 464.0, True),  # halfway to the next step, 480, which e4m3 does not have
+        ("e4m3", 1e6, True),
+        ("e5m2", 61439.0, False),  # rounds to 57344
+        ("e5m2", 61440.0, True),  # rounds to 65536: inf in e5m2
+        ("e5m2", float("inf"), True),
+        ("e5m2", float("nan"), True),
+    ],
+)
+def test_fp8_overflow_is_rounding_past_the_largest_value(fmt, value, overflows):
+    underflow, overflow = fp8_counts(torch.tensor([value]), torch.tensor(1.0), fmt).tolist()
+    assert (underflow, overflow) == (0, int(overflows))
+
+
+def test_fp8_range_fractions_per_converted_layer_reach_the_metrics(tmp_path):
+    from mpexp.precision import convert_to_fp8
+
+    model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 10))
+    model, precision = convert_to_fp8(model, precision_of("fp8"), [], compiled=False)
+    tracker = Tracker(RunContext(tmp_path), {}, OmegaConf.create({"mode": "disabled"}))
+    scaler = build_scaler(OmegaConf.create({"_target_": None}), precision, CPU)
+    diagnostics = Diagnostics(DIAG, model, scaler, tracker, precision)
+    weight = torch.zeros(16, 16)
+    weight.view(-1)[: len(FP8_WEIGHT)] = torch.tensor(FP8_WEIGHT)
+    with torch.no_grad():
+        model[0].weight.copy_(weight)
+    model[0].weight.grad = weight / 2**10  # the same spread: the same fractions at its own scale
+    diagnostics.inspector(3)()
+    diagnostics.flush(wait=True)
+    tracker.close()
+
+    steps, _ = read_metrics(tmp_path)
+    (row,) = [r for r in steps if "diag/total/weight_e4m3_underflow" in r]
+    assert {k for k in row if k.startswith("diag/")} == {
+        f"diag/{layer}/{key}" for layer in ("0", "total") for key in FP8_COUNTS
+    }  # the head, 10 outputs, is not converted
+    for tensor in ("weight", "grad"):
+        assert row[f"diag/0/{tensor}_e4m3_underflow"] == 6 / 256
+        assert row[f"diag/0/{tensor}_e5m2_underflow"] == 2 / 256
+        assert row[f"diag/0/{tensor}_e4m3_overflow"] == row[f"diag/0/{tensor}_e5m2_overflow"] == 0
+    assert row["diag/total/weight_e4m3_underflow"] == 6 / 256

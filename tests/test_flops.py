@@ -77,6 +77,9 @@ def test_counting_leaves_the_model_and_random_state_alone():
         ("NVIDIA H100 PCIe", "fp16", 756.0),
         ("NVIDIA H200", "tf32", 494.7),
         ("NVIDIA A100-SXM4-80GB", "fp16", 312.0),
+        ("NVIDIA H100 80GB HBM3", "fp8", 1978.9),
+        ("NVIDIA H100 PCIe", "fp8", 1513.0),
+        ("NVIDIA A100-SXM4-80GB", "fp8", None),  # no fp8 tensor cores
         ("NVIDIA H100 NVL", "bf16", None),  # other peaks, not listed: no MFU
         ("NVIDIA GeForce RTX 4090", "fp16", None),
         ("AMD EPYC 7B13", "fp32", None),

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from mpexp.precision import setup_precision
+from mpexp.errors import ConfigError
+from mpexp.precision import FP8_CAPABILITY, convert_to_fp8, setup_precision
 from mpexp.tracking import RunContext
 from mpexp.train import train
-from tests.conftest import TINY, make_cfg, precision_of
+from tests.conftest import TINY, TINY_VIT, VIT_FP8_LAYERS, make_cfg, precision_of
 
 pytestmark = pytest.mark.gpu
 
@@ -78,13 +79,18 @@ WITH_EVERYTHING = [
 ]
 
 
+FP8_VIT = [o for o in TINY_VIT if o.startswith("model")] + ["diagnostics.grad_stats_every=1"]
+
+
 @pytest.mark.parametrize(
     ("mode", "extra"),
-    [("fp16", []), ("bf16", []), ("fp32", []), ("fp16", WITH_EVERYTHING)],
-    ids=["fp16", "bf16", "fp32", "fp16-batchnorm-guard-diagnostics"],
+    [("fp16", []), ("bf16", []), ("fp32", []), ("fp16", WITH_EVERYTHING), ("fp8", FP8_VIT)],
+    ids=["fp16", "bf16", "fp32", "fp16-batchnorm-guard-diagnostics", "fp8-vit-diagnostics"],
 )
 def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode, extra):
     """The loop's whole per-step work, run in CUDA's sync-debug mode set to error."""
+    if mode == "fp8" and torch.cuda.get_device_capability() < FP8_CAPABILITY:
+        pytest.skip("fp8 needs compute capability 8.9 or newer")
     from mpexp.diagnostics import Diagnostics
     from mpexp.history import StepHistory
     from mpexp.loop import Stepper
@@ -100,11 +106,12 @@ def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode, extra):
     info = data.setup(device)
     model = build(cfg.model, in_channels=info.channels, num_classes=info.num_classes,
                   image_size=(info.height, info.width)).to(device)  # fmt: skip
+    model, precision = convert_to_fp8(model, precision, [], compiled=False)
     skip = cfg.trainer.on_nonfinite_loss == "skip"
     scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip)
     optimizer = build_optimizer(cfg, model, device, scaler)
     assert optimizer.defaults["fused"]  # the path that keeps GradScaler off the host
-    diagnostics = Diagnostics(cfg.diagnostics, model, scaler, NullTracker(tmp_path))
+    diagnostics = Diagnostics(cfg.diagnostics, model, scaler, NullTracker(tmp_path), precision)
     stepper = Stepper(model, optimizer, scaler, precision, StepHistory(), diagnostics)
     batches = list(data.train_batches(1, 0, device))
     for step, (images, labels) in enumerate(batches[:3], start=1):  # lazy state is made here
@@ -141,3 +148,37 @@ def test_evaluation_waits_on_the_gpu_once():
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1
+
+
+def test_fp8_on_cuda_trains_in_real_fp8_or_refuses_a_gpu_without_it(tmp_path):
+    """On compute capability 8.9 or newer: torchao's fp8 matmuls, not emulated, and the ViT
+    learns; below it: one error naming what fp8 needs, before any run file is written."""
+    cfg = make_cfg(*TINY_VIT, "precision=fp8", "trainer.device=cuda", "trainer.compile=true")
+    if torch.cuda.get_device_capability() < FP8_CAPABILITY:
+        with pytest.raises(ConfigError, match="fp8 tensor cores"):
+            train(cfg, RunContext(tmp_path))
+        assert not (tmp_path / "metrics.jsonl").exists()
+        return
+    train(cfg, RunContext(tmp_path))
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    ran = saved["ran"]
+    assert (ran["precision"], ran["emulated"], ran["autocast_dtype"]) == ("fp8", False, "bfloat16")
+    assert ran["fp8_converted"] == VIT_FP8_LAYERS and list(ran["fp8_unconverted"]) == ["heads.head"]
+    assert saved["val/loss"] < 2.3 - 0.5  # well below chance level for 10 classes
+
+
+def test_fp8_on_cuda_rounds_to_e4m3_as_the_emulation_does():
+    """The real fp8 matmul and the CPU's emulation give the same product on exact operands."""
+    if torch.cuda.get_device_capability() < FP8_CAPABILITY:
+        pytest.skip("fp8 needs compute capability 8.9 or newer")
+    x = torch.zeros(16, 16)
+    x[0, :3] = torch.tensor([448.0, 1.0625, 1.0625 + 2.0**-12])
+    outputs = {}
+    for device in (torch.device("cpu"), cuda()):
+        layer = nn.Sequential(nn.Linear(16, 16, bias=False)).to(device)
+        with torch.no_grad():
+            layer[0].weight.copy_(torch.eye(16))
+        layer, precision = convert_to_fp8(layer, precision_of("fp8", device), [], compiled=False)
+        with precision.autocast():
+            outputs[device.type] = layer(x.to(device))[0, :3].float().cpu().tolist()
+    assert outputs["cuda"] == outputs["cpu"] == [448.0, 1.0, 1.0]

@@ -83,7 +83,7 @@ def test_bash_completion_of_the_console_script(installed, tmp_path):
     probe = 'COMP_LINE="mpexp-train precision=f"; COMP_POINT=${#COMP_LINE}; COMP_CWORD=1; '
     probe += 'hydra_bash_completion; echo "${COMPREPLY[@]}"'
     completed = run(["bash", "-c", f"{script}\n{probe}"], tmp_path, env).stdout.split()
-    assert completed == ["precision=fp16", "precision=fp32"]
+    assert completed == ["precision=fp16", "precision=fp32", "precision=fp8"]
 
 
 def test_a_users_own_config_group_option_through_the_searchpath(tmp_path):

@@ -266,3 +266,49 @@ def test_sequential_jobs_with_enough_epochs_get_no_timing_warning(tmp_path):
         make_run(tmp_path, str(k), "fp32", k, [0.9] * 4, [2.0, 1.0, 1.0, 1.0], span=span)
     assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
     assert "## Warnings" not in (tmp_path / "report.md").read_text()
+
+
+def test_fp8_is_judged_against_fp32_and_against_bf16(tmp_path, capsys):
+    # three seeds each; fp8 trains every epoch in half bf16's time
+    for k, seed in enumerate((0, 1, 2)):
+        make_run(tmp_path, str(k), "fp32", seed, [0.1, [0.90, 0.92, 0.94][k]], [4.0, 2.0])
+        make_run(tmp_path, str(3 + k), "bf16", seed, [0.1, [0.91, 0.93, 0.95][k]], [2.0, 1.0])
+        make_run(tmp_path, str(6 + k), "fp8", seed, [0.1, [0.85, 0.875, 0.90][k]], [1.0, 0.5])
+    built = build_report([tmp_path], 0.5)
+    fp8, bf16 = config(built, "fp8"), config(built, "bf16")
+    # paired by seed against bf16: -6, -5.5, -5 points: mean -5.5, sd 0.5
+    half = T2 * 0.5 / math.sqrt(3)
+    assert fp8.bf16_reference is bf16
+    assert fp8.d_val_acc_vs_bf16_pts.value == pytest.approx(-5.5)
+    assert fp8.d_val_acc_vs_bf16_pts.half_width == pytest.approx(half)
+    assert fp8.parity_vs_bf16 == "worse"
+    assert fp8.speedup_vs_bf16.value == pytest.approx(2.0)
+    # against fp32 as every configuration: -5, -4.5, -4 points
+    assert fp8.d_val_acc_pts.value == pytest.approx(-4.5) and fp8.parity == "worse"
+    assert bf16.parity_vs_bf16 is None and bf16.bf16_reference is None  # only fp8 gets a second
+
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    out = capsys.readouterr().out
+    assert f"below bf16 by more than 0.5 points: precision=fp8 (-5.50 ± {half:.2f} points)" in out
+    (row,) = read_table(tmp_path / "report.md", "fp8 against bf16")
+    assert (row["configuration"], row["bf16 reference"], row["n"]) == (
+        "precision=fp8",
+        "precision=bf16",
+        "3",
+    )
+    assert row["Δ val acc vs bf16 (points)"] == f"-5.50 ± {half:.2f}"
+    assert row["parity vs bf16"] == f"**worse by 5.50 ± {half:.2f} points**"
+    assert row["speedup vs bf16"] == "2.00x (2.00 to 2.00)"
+    values = fp8.values()  # the W&B table's row
+    assert values["bf16_reference"] == "precision=bf16" and values["parity_vs_bf16"] == "worse"
+    assert values["d_val_acc_vs_bf16_pts"] == pytest.approx(-5.5)
+
+
+def test_fp8_without_a_bf16_configuration_says_so(tmp_path):
+    final_only(tmp_path, "fp32", [0.90, 0.92, 0.94])
+    final_only(tmp_path, "fp8", [0.90, 0.92, 0.94], first=3)
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    (row,) = read_table(tmp_path / "report.md", "fp8 against bf16")
+    assert (row["bf16 reference"], row["parity vs bf16"]) == ("none", "no bf16 reference")
+    _, fp8 = read_table(tmp_path / "report.md", "Accuracy against fp32")
+    assert fp8["parity"] == "within noise"

@@ -1,11 +1,12 @@
-"""report.md: warnings, the accuracy and speed tables by configuration, the runs, the plots."""
+"""report.md: warnings, the accuracy and speed tables by configuration (fp8 also against bf16),
+the runs, the plots."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from mpexp.report.stats import Estimate
-from mpexp.report.table import MIN_TIMED_EPOCHS, Config, Report, Row, run_values
+from mpexp.report.table import FP8, MIN_TIMED_EPOCHS, Config, Report, Row, run_values
 
 PLOT_TITLES = {
     "val_accuracy": "Validation accuracy per epoch and over training time",
@@ -34,6 +35,7 @@ def render_markdown(report: Report) -> str:
     if rows:
         lines += _warnings(report)
         lines += _accuracy_section(report)
+        lines += _fp8_section(report)
         lines += _speed_section(report)
         lines += _runs_section(report)
     if report.not_reported:
@@ -81,15 +83,23 @@ VERDICTS = {
 
 def parity_text(config: Config) -> str:
     """The verdict on accuracy; a difference beyond the tolerance comes with its size."""
-    d = config.d_val_acc_pts
-    if config.parity == "worse":
+    return _verdict_text(config.parity, config.d_val_acc_pts, VERDICTS)
+
+
+def _verdict_text(verdict: str, d: Estimate | None, names: dict[str, str]) -> str:
+    if verdict == "worse":
         return f"**worse by {-d.value:.2f} ± {d.half_width:.2f} points**"
-    if config.parity == "better":
+    if verdict == "better":
         return f"better by {d.value:.2f} ± {d.half_width:.2f} points"
-    return VERDICTS[config.parity]
+    return names[verdict]
 
 
 def _precision(row: Row) -> str:
+    if row.precision.startswith(FP8):  # the recipe, and whether the fp8 matmuls were emulated
+        ran = row.run.ran
+        details = [ran.get("fp8_recipe"), "emulated" if ran.get("emulated") else None]
+        shown = ", ".join(d for d in details if d)
+        return f"{row.precision} ({shown})" if shown else row.precision
     if row.effective_precision != row.precision:
         return f"{row.precision} (ran as {row.effective_precision})"
     return row.precision
@@ -199,6 +209,52 @@ def _accuracy_section(report: Report) -> list[str]:
     headers = ["configuration", "runs", "precision", "loss scaling", "model", "dataset", "n",
                "val acc (%)", "Δ val acc (points)", "parity", "val loss", "Δ val loss"]  # fmt: skip
     return [*lines, *_table(headers, report.configs, cells), ""]
+
+
+def _fp8_section(report: Report) -> list[str]:
+    fp8 = [c for c in report.configs if c.first.precision == FP8]
+    if not fp8:
+        return []
+    lines = [
+        "## fp8 against bf16",
+        "",
+        "Each fp8 configuration against its bf16 reference: the bf16 configuration with the same "
+        "other overrides, the mode fp8 would replace (its unconverted layers run in bf16 too). "
+        "Δ and parity as against fp32 above, at the same tolerance; speedup: the bf16 "
+        "reference's mean epoch time over the fp8 configuration's. Converted layers: the Linear "
+        "layers that computed in fp8, of all Linear layers.",
+        "",
+    ]
+    names = {**VERDICTS, "no reference": "no bf16 reference"}
+
+    def cells(c: Config) -> list[str]:
+        ran = c.first.run.ran
+        converted = ran.get("fp8_converted_count")
+        total = None if converted is None else converted + len(ran.get("fp8_unconverted", {}))
+        return [
+            c.label,
+            _precision(c.first),
+            c.bf16_reference.label if c.bf16_reference else "none",
+            str(c.n),
+            _estimate(c.val_acc_pct, ".2f"),
+            _estimate(c.d_val_acc_vs_bf16_pts, "+.2f"),
+            _verdict_text(c.parity_vs_bf16, c.d_val_acc_vs_bf16_pts, names),
+            _estimate(c.epoch_time_s, ".3f"),
+            _ratio(c.speedup_vs_bf16),
+            "n/a" if converted is None else f"{converted} of {total}",
+        ]
+
+    headers = ["configuration", "precision", "bf16 reference", "n", "val acc (%)",
+               "Δ val acc vs bf16 (points)", "parity vs bf16", "epoch time (s)",
+               "speedup vs bf16", "converted layers"]  # fmt: skip
+    lines += [*_table(headers, fp8, cells), ""]
+    if any(r.run.ran.get("emulated") for c in fp8 for r in c.rows):
+        lines += [
+            "Emulated fp8 (on a CPU) has fp8's numerics but not its speed: its epoch times and "
+            "speedups say nothing about fp8 on a GPU with fp8 tensor cores.",
+            "",
+        ]
+    return lines
 
 
 def _speed_section(report: Report) -> list[str]:

@@ -3,7 +3,8 @@
 - `Row`: one finished run, from its metrics.jsonl;
 - `Config`: the runs that differ only in `trainer.seed`, as means with 95 % intervals over seeds,
   compared with their fp32 reference: the fp32 configuration with the same other overrides (in a
-  precision x loss-scaling grid, the one without loss scaling);
+  precision x loss-scaling grid, the one without loss scaling); an fp8 configuration also with its
+  bf16 reference, chosen the same way;
 - `Report`: the configurations, the runs that could not be reported (named, not dropped) and the
   warnings that say when timings cannot be compared.
 """
@@ -21,6 +22,9 @@ from mpexp.report.runs import Run, find_run_dirs, load_run
 from mpexp.report.stats import Estimate, difference, mean, paired_difference, ratio
 
 BASELINE = "fp32"
+# fp8 is also compared with bf16: what it leaves unconverted runs in bf16, and bf16 is the mode
+# it would replace
+BF16, FP8 = "bf16", "fp8"
 DEFAULT_TOLERANCE = 0.5  # percentage points of val accuracy
 MEMORY_KEYS = {"mem/peak_allocated_mib": "cuda", "mem/peak_rss_mib": "rss"}
 MIN_TIMED_EPOCHS = 3  # fewer, and a median epoch time is one or two noisy numbers
@@ -132,6 +136,7 @@ class Config:
     tolerance: float
     reference: Config | None = None
     target: float | None = None  # val accuracy (a fraction) for the time to target
+    bf16_reference: Config | None = None  # an fp8 configuration's bf16 counterpart
 
     @property
     def first(self) -> Row:
@@ -190,20 +195,24 @@ class Config:
     def mem_kind(self) -> str:
         return self.first.mem_kind
 
-    def _difference(self, attribute: str, scale: float = 1.0) -> Estimate | None:
-        """This configuration's mean minus its reference's: paired by seed when both ran the same
-        seeds (the same initial weights and data order on each side of a pair), else Welch's."""
-        if self.reference is None:
+    def _difference(
+        self, attribute: str, scale: float = 1.0, other: Config | None = None
+    ) -> Estimate | None:
+        """This configuration's mean minus its reference's (or `other`'s): paired by seed when
+        both ran the same seeds (the same initial weights and data order on each side of a pair),
+        else Welch's."""
+        other = other or self.reference
+        if other is None:
             return None
-        if self.is_reference:
+        if other is self:
             return Estimate(0.0)
         mine = {r.seed: scale * getattr(r, attribute) for r in self.rows}
-        theirs = {r.seed: scale * getattr(r, attribute) for r in self.reference.rows}
-        if len(mine) == self.n and len(theirs) == self.reference.n and mine.keys() == theirs.keys():
+        theirs = {r.seed: scale * getattr(r, attribute) for r in other.rows}
+        if len(mine) == self.n and len(theirs) == other.n and mine.keys() == theirs.keys():
             return paired_difference([mine[s] for s in mine], [theirs[s] for s in mine])
         return difference(
             [scale * v for v in self._each(attribute)],
-            [scale * v for v in self.reference._each(attribute)],
+            [scale * v for v in other._each(attribute)],
         )
 
     @property
@@ -225,16 +234,31 @@ class Config:
             return "no reference"
         if self.is_reference:
             return "reference"
-        diff = self.d_val_acc_pts
-        if diff.low is None:
-            return "single seed"
-        if diff.high < -self.tolerance:
-            return "worse"
-        if diff.low > self.tolerance:
-            return "better"
-        if diff.low >= -self.tolerance:
-            return "within noise"
-        return "too wide"
+        return verdict(self.d_val_acc_pts, self.tolerance)
+
+    @property
+    def d_val_acc_vs_bf16_pts(self) -> Estimate | None:
+        """An fp8 configuration's val accuracy minus its bf16 reference's, in points."""
+        if self.bf16_reference is None:
+            return None
+        return self._difference("val_acc", 100, self.bf16_reference)
+
+    @property
+    def parity_vs_bf16(self) -> str | None:
+        """For an fp8 configuration, the parity verdict against its bf16 reference (`no
+        reference` without one); None for the other precisions."""
+        if self.first.precision != FP8:
+            return None
+        if self.bf16_reference is None:
+            return "no reference"
+        return verdict(self.d_val_acc_vs_bf16_pts, self.tolerance)
+
+    @property
+    def speedup_vs_bf16(self) -> Estimate | None:
+        """The bf16 reference's mean epoch time over this fp8 configuration's."""
+        if self.bf16_reference is None:
+            return None
+        return ratio(self.bf16_reference._each("epoch_time_s"), self._each("epoch_time_s"))
 
     @property
     def speedup(self) -> Estimate | None:
@@ -287,6 +311,8 @@ class Config:
             "dataset": self.first.run.chosen("dataset"),
             "n": self.n,
             "parity": self.parity,
+            "bf16_reference": self.bf16_reference.label if self.bf16_reference else None,
+            "parity_vs_bf16": self.parity_vs_bf16,
             "target_acc_pct": None if self.target is None else 100 * self.target,
             "reached_target": None if self.target is None else self.reached,
             "mem_kind": self.mem_kind,
@@ -296,10 +322,12 @@ class Config:
         estimates = {
             "val_acc_pct": self.val_acc_pct,
             "d_val_acc_pts": self.d_val_acc_pts,
+            "d_val_acc_vs_bf16_pts": self.d_val_acc_vs_bf16_pts,
             "val_loss": self.val_loss,
             "d_val_loss": self.d_val_loss,
             "epoch_time_s": self.epoch_time_s,
             "speedup": self.speedup,
+            "speedup_vs_bf16": self.speedup_vs_bf16,
             "time_to_target_s": self.time_to_target,
             "speedup_at_target": self.speedup_at_target,
             "samples_per_s": self.samples_per_s,
@@ -311,6 +339,22 @@ class Config:
             values[f"{name}_low"] = None if estimate is None else estimate.low
             values[f"{name}_high"] = None if estimate is None else estimate.high
         return values
+
+
+def verdict(diff: Estimate, tolerance: float) -> str:
+    """The parity verdict on the interval of an accuracy difference (points) at `tolerance`:
+    `single seed` (no interval), `worse` (it lies below -tolerance), `better` (above +tolerance),
+    `within noise` (above -tolerance: not worse by more than the tolerance) or `too wide` (it
+    straddles -tolerance: more seeds would tell)."""
+    if diff.low is None:
+        return "single seed"
+    if diff.high < -tolerance:
+        return "worse"
+    if diff.low > tolerance:
+        return "better"
+    if diff.low >= -tolerance:
+        return "within noise"
+    return "too wide"
 
 
 def run_values(row: Row, target: float | None) -> dict[str, Any]:
@@ -363,20 +407,29 @@ def group_configs(rows: list[Row], tolerance: float) -> list[Config]:
 
 
 def attach_references(configs: list[Config], target_acc: float | None) -> None:
-    """Give each configuration its fp32 reference and its accuracy target.
+    """Give each configuration its fp32 reference (an fp8 one also its bf16 reference) and its
+    accuracy target.
 
     The target is `target_acc` (a fraction) when given, else the reference's mean final val
     accuracy minus the tolerance: the accuracy at which a 16-bit run counts as having matched it.
     """
     for config in configs:
-        candidates = [c for c in configs if c.first.precision == BASELINE and c.task == config.task]
-        candidates.sort(key=lambda c: c.first.loss_scaling != "none")  # stable: first listed wins
-        config.reference = candidates[0] if candidates else None
+        config.reference = _reference(configs, config, BASELINE)
+        if config.first.precision == FP8:
+            config.bf16_reference = _reference(configs, config, BF16)
     for config in configs:
         if target_acc is not None:
             config.target = target_acc
         elif config.reference is not None:
             config.target = config.reference.val_acc_pct.value / 100 - config.tolerance / 100
+
+
+def _reference(configs: list[Config], config: Config, precision: str) -> Config | None:
+    """The `precision` configuration with `config`'s other overrides; in a precision x
+    loss-scaling grid, the one without loss scaling."""
+    candidates = [c for c in configs if c.first.precision == precision and c.task == config.task]
+    candidates.sort(key=lambda c: c.first.loss_scaling != "none")  # stable: first listed wins
+    return candidates[0] if candidates else None
 
 
 def overlapping(rows: list[Row]) -> list[Row]:
@@ -421,6 +474,10 @@ class Report:
         return [c for c in self.configs if c.parity == "worse"]
 
     @property
+    def worse_than_bf16(self) -> list[Config]:
+        return [c for c in self.configs if c.parity_vs_bf16 == "worse"]
+
+    @property
     def few_timed_epochs(self) -> list[Row]:
         return [r for r in self.rows if len(r.timed) < MIN_TIMED_EPOCHS]
 
@@ -437,6 +494,12 @@ class Report:
             d = c.d_val_acc_pts
             lines.append(
                 f"  below fp32 by more than {self.tolerance:g} points: {c.label} "
+                f"({d.value:+.2f} ± {d.half_width:.2f} points)"
+            )
+        for c in self.worse_than_bf16:
+            d = c.d_val_acc_vs_bf16_pts
+            lines.append(
+                f"  below bf16 by more than {self.tolerance:g} points: {c.label} "
                 f"({d.value:+.2f} ± {d.half_width:.2f} points)"
             )
         lines += [f"  not reported: {label}: {run.problem}" for label, run in self.not_reported]

@@ -1,0 +1,233 @@
+"""precision=fp8 on CPU, emulated: what it converts, what it rounds, what a run records and
+reports, and what it refuses. The real fp8 path is in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from mpexp import precision as precision_module
+from mpexp.errors import ConfigError
+from mpexp.precision import convert_to_fp8, setup_precision
+from mpexp.scaling import build_scaler
+from mpexp.tracking import RunContext
+from mpexp.train import train
+from tests.conftest import (
+    CPU,
+    TINY,
+    TINY_VIT,
+    VIT_FP8_LAYERS,
+    make_cfg,
+    precision_of,
+    run_cli,
+)
+from tests.test_report import read_table, sweep_dir
+from tests.test_training import read_metrics
+from tests.test_wandb import leet_records
+
+CHANCE = 2.3026  # ln 10: the loss of a uniform guess over 10 classes
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory):
+    """The tiny ViT trained in fp8 with its range statistics every 8 steps, W&B offline."""
+    run_dir = tmp_path_factory.mktemp("fp8_run")
+    cfg = make_cfg(
+        *TINY_VIT, "precision=fp8", "diagnostics.grad_stats_every=8", "wandb.mode=offline"
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_SILENT", "true")
+        summary = train(cfg, RunContext(run_dir))
+    return run_dir, summary
+
+
+def test_fp8_trains_the_vit_below_chance_loss(fp8_run):
+    run_dir, summary = fp8_run
+    _, epochs = read_metrics(run_dir)
+    assert epochs[-1]["val/loss"] < CHANCE - 0.5
+    assert summary["val/loss"] == epochs[-1]["val/loss"]
+
+
+def test_what_ran_names_converted_and_unconverted_layers_in_summary_and_wandb(fp8_run):
+    run_dir, _ = fp8_run
+    ran = json.loads((run_dir / "summary.json").read_text())["ran"]
+    assert (ran["precision"], ran["effective_precision"]) == ("fp8", "fp8")
+    assert (ran["autocast_dtype"], ran["emulated"], ran["fp8_recipe"]) == (
+        "bfloat16",
+        True,
+        "tensorwise",
+    )
+    assert ran["fp8_converted"] == VIT_FP8_LAYERS and ran["fp8_converted_count"] == 8
+    assert ran["fp8_unconverted"] == {
+        "heads.head": "64 inputs, 10 outputs: fp8 matrix multiplication needs multiples of 16"
+    }
+    assert ran["fp8_backend"].startswith("torchao ")
+    assert ran["loss_scaling"] == "none"  # auto: torchao scales every fp8 tensor itself
+
+    (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
+    (record,) = [r["run"] for r in leet_records(wandb_dir) if r["type"] == "run"]
+    in_wandb = record["config"]["update"]["ran"]
+    for key in ("fp8_recipe", "fp8_converted", "fp8_unconverted", "emulated"):
+        assert in_wandb[key] == ran[key]
+
+
+def test_fp8_range_statistics_cover_the_converted_layers_only(fp8_run):
+    run_dir, _ = fp8_run
+    steps, _ = read_metrics(run_dir)
+    stats = [r for r in steps if "diag/total/weight_e4m3_underflow" in r]
+    assert [r["step"] for r in stats] == [8, 16, 24, 32]
+    layers = {k.removeprefix("diag/").rpartition("/")[0] for r in stats for k in r if "/" in k}
+    assert layers == {*VIT_FP8_LAYERS, "total"}  # not the head; no fp16 statistics
+    for row in stats:
+        fractions = [v for k, v in row.items() if k.startswith("diag/")]
+        assert len(fractions) == 9 * 8 and all(0 <= v <= 1 for v in fractions)
+        # at torchao's amax scale the largest element lands on the format's largest value
+        assert all(v == 0 for k, v in row.items() if k.endswith("_overflow"))
+
+
+def test_emulated_fp8_warns_once_that_the_numerics_are_real_and_the_speed_is_not(caplog):
+    precision_module._warned_fp8_emulated = False
+    with caplog.at_level(logging.WARNING):
+        first, second = precision_of("fp8"), precision_of("fp8")
+    warnings = [r.getMessage() for r in caplog.records if "fp8" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "emulated on CPU" in warnings[0] and "the numerics are real" in warnings[0]
+    assert "the speed" in warnings[0] and "is not" in warnings[0]
+    assert first.emulated and second.record()["emulated"] is True
+    assert first.mode == first.effective == "fp8"
+
+
+def test_a_converted_layer_rounds_its_operands_to_e4m3():
+    """A Linear(16, 16) holding the identity: amax 448 gives the input the scale 1, so e4m3
+    rounds it as it is, where bf16 would keep it."""
+    x = torch.zeros(1, 16)
+    x[0, :3] = torch.tensor([448.0, 1.0625, 1.0625 + 2.0**-12])
+    outputs = {}
+    for mode in ("bf16", "fp8"):
+        layer = nn.Sequential(nn.Linear(16, 16, bias=False))
+        with torch.no_grad():
+            layer[0].weight.copy_(torch.eye(16))
+        layer, precision = convert_to_fp8(layer, precision_of(mode), [], compiled=False)
+        with precision.autocast():
+            outputs[mode] = layer(x)[0, :3].float().tolist()
+    assert outputs["bf16"] == [448.0, 1.0625, 1.0625]  # bf16 keeps 1.0625; 2^-12 above it not
+    # e4m3 holds 1 and 1.125 here: 1.0625 is the tie between them, which goes to the even 1.0;
+    # 1.0625 + 2^-12 is nearer 1.125, but passes through bf16 first, as on a GPU, and ties too
+    assert outputs["fp8"] == [448.0, 1.0, 1.0]
+
+
+class Mixed(nn.Module):
+    """A Linear layer fp8 converts, and three it leaves alone, each for its own reason."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(32, 32)
+        self.attention = nn.MultiheadAttention(32, 2, batch_first=True)
+        self.kept = nn.Sequential(nn.Linear(32, 32))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.body(x)
+        x = self.attention(x, x, x, need_weights=False)[0]
+        return self.head(self.kept(x))
+
+
+def test_unconverted_layers_are_recorded_with_the_reason():
+    model, precision = convert_to_fp8(Mixed(), precision_of("fp8"), ["kept"], compiled=False)
+    record = precision.record()
+    assert record["fp8_converted"] == ["body"]
+    assert record["fp8_unconverted"] == {
+        "attention.out_proj": "inside nn.MultiheadAttention, which uses the weight without "
+        "calling the layer",
+        "kept.0": "in precision.fp32_modules: runs in float32",
+        "head": "32 inputs, 10 outputs: fp8 matrix multiplication needs multiples of 16",
+    }
+    assert type(model.body).__name__ == "Float8Linear" and type(model.head) is nn.Linear
+
+
+def test_the_rowwise_recipe_reaches_torchao():
+    cfg = make_cfg("precision=fp8", "precision.fp8.recipe=rowwise")
+    model, precision = convert_to_fp8(
+        nn.Sequential(nn.Linear(16, 16)), setup_precision(cfg.precision, CPU), [], compiled=False
+    )
+    assert precision.record()["fp8_recipe"] == "rowwise"
+    assert model[0].config.cast_config_weight.scaling_granularity.value == "axiswise"
+    assert model[0].config.cast_config_grad_output.target_dtype == torch.float8_e4m3fn
+
+
+def test_only_torchaos_recipes_compose():
+    with pytest.raises(Exception, match=r"precision\.fp8\.recipe=blockwise") as err:
+        make_cfg("precision=fp8", "precision.fp8.recipe=blockwise")
+    assert "expected one of [tensorwise, rowwise]" in str(err.value.__cause__)
+
+
+def test_an_explicit_loss_scaler_under_fp8_is_honoured_with_a_warning(caplog):
+    cfg = make_cfg("precision=fp8", "loss_scaling=dynamic")
+    with caplog.at_level(logging.WARNING):
+        scaler = build_scaler(cfg.loss_scaling, setup_precision(cfg.precision, CPU), CPU)
+    assert scaler.is_enabled()
+    assert "under precision=fp8" in caplog.text and "scaled per tensor by torchao" in caplog.text
+
+
+def test_without_torchao_fp8_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # how Python marks a module as absent
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ConfigError) as err:
+        precision_of("fp8")
+    assert 'pip install "mpexp[fp8]"' in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["precision.autocast=float16"], "precision.fp8 needs precision.autocast=bfloat16"),
+        (["model=simplecnn"], "precision=fp8 has nothing to convert"),
+    ],
+)
+def test_fp8_that_cannot_take_effect_stops_before_training(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        train(make_cfg(*TINY, "precision=fp8", *overrides), RunContext(tmp_path))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_fsdp_refuses_fp8_range_statistics(tmp_path):
+    cfg = make_cfg(
+        *TINY_VIT, "precision=fp8", "trainer.strategy=fsdp", "diagnostics.grad_stats_every=8"
+    )
+    with pytest.raises(ConfigError, match="fp8 range statistics need each weight's amax"):
+        train(cfg, RunContext(tmp_path))
+
+
+def test_a_sweep_over_fp32_bf16_fp8_reports_three_configurations(tmp_path):
+    vit = [o for o in TINY_VIT if not o.startswith(("trainer.epochs", "wandb"))]
+    result = run_cli(
+        "mpexp.train", "-m", "experiment=quickstart", *vit, "precision=fp32,bf16,fp8",
+        "trainer.epochs=2", "dataset.train_size=256", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = sweep_dir(tmp_path)
+    rows = read_table(sweep / "report.md", "Accuracy against fp32")
+    assert [r["precision"] for r in rows] == ["fp32", "bf16", "fp8 (tensorwise, emulated)"]
+    assert [r["parity"] for r in rows] == ["fp32 reference", *["inconclusive: single seed"] * 2]
+    (fp8,) = read_table(sweep / "report.md", "fp8 against bf16")
+    assert (fp8["configuration"], fp8["bf16 reference"]) == ("precision=fp8", "precision=bf16")
+    assert fp8["converted layers"] == "8 of 9"
+    assert (
+        "Emulated fp8 (on a CPU) has fp8's numerics but not its speed"
+        in (sweep / "report.md").read_text()
+    )
+
+    (report_dir,) = (sweep / "wandb").glob("offline-run-*")
+    (table_file,) = report_dir.glob("files/media/table/report/table_*.table.json")
+    table = json.loads(table_file.read_text())
+    column = {name: table["columns"].index(name) for name in ("precision", "parity_vs_bf16")}
+    assert [(r[column["precision"]], r[column["parity_vs_bf16"]]) for r in table["data"]] == [
+        ("fp32", None),
+        ("bf16", None),
+        ("fp8", "single seed"),
+    ]
