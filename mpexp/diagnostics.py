@@ -88,7 +88,11 @@ def fp16_counts(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     overflow = ~torch.isfinite(held)
     # the value fp16 holds; for what it rounds to zero (|S*g| <= 2^-25), how small it was
     magnitude = torch.where(lost, scaled.abs(), held)
-    bins = torch.floor(torch.log2(magnitude)).clamp(HIST_LOW, HIST_HIGH) - HIST_LOW
+    # the exponent read from the float's bits: float32 log2 rounds a value just below a power of
+    # two up to it (2^-26 * (1 - 2^-24) would land in -26); frexp's mantissa lies in [0.5, 1)
+    exponent = torch.frexp(magnitude).exponent - 1
+    bins = torch.where(torch.isinf(magnitude), HIST_HIGH, exponent).clamp(HIST_LOW, HIST_HIGH)
+    bins = bins - HIST_LOW
     # zeros and non-finite gradients go to an extra bin that is dropped (masking would sync)
     bins = torch.where(~zero & torch.isfinite(g), bins, HIST_BINS).long().flatten()
     hist = torch.zeros(HIST_BINS + 1, dtype=torch.int64, device=g.device)

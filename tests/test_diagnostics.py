@@ -62,6 +62,8 @@ EDGES = [
     (1.5 * 2.0**-25, -24),  # rounds up to the smallest subnormal, 2^-24
     (2.0**-25, -25),  # rounds (to even) to zero: lost, binned by its own magnitude
     (2.0**-30, -30),  # lost
+    (2.0**-26 * (1 - 2.0**-24), -27),  # lost, just below a power of two: binned below it
+    (2.0**-35 * (1 - 2.0**-24), -36),
 ]
 
 
