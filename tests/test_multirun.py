@@ -49,7 +49,7 @@ def test_precision_sweep_as_wandb_runs_named_tagged_and_reported(tmp_path):
     assert {"dataset=synthetic", "experiment=quickstart"} <= set(fp16)
 
     # the report is a W&B run of its own in the same group, holding the table
-    (report_dir,) = (sweep / "wandb").glob("offline-run-*")
+    (report_dir,) = (sweep / "wandb-report" / "wandb").glob("offline-run-*")
     report = run_record(report_dir)
     assert (report["display_name"], report["job_type"], report["run_group"]) == (
         "report",
@@ -85,3 +85,14 @@ def test_a_single_run_is_named_after_its_experiment(tmp_path):
     # val/acc is summarised as its best epoch, val/loss as its lowest
     assert any(isinstance(s.get("val/acc"), dict) and "max" in s["val/acc"] for s in summaries)
     assert any(isinstance(s.get("val/loss"), dict) and "min" in s["val/loss"] for s in summaries)
+
+    # a report on this one run keeps its W&B run apart from the training run's
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    report = run_cli("mpexp.report", str(run_dir), cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    (sync,) = [line for line in report.stdout.splitlines() if "wandb sync" in line]
+    (report_run,) = (run_dir / "wandb-report" / "wandb").glob("offline-run-*")
+    assert sync.count("offline-run-") == 2
+    assert str(wandb_dir) in sync and str(report_run) in sync
+    # `wandb leet <run dir>/wandb` still opens the training run
+    assert (run_dir / "wandb" / "latest-run").resolve() == wandb_dir.resolve()

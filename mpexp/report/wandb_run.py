@@ -17,7 +17,9 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
     `<name>_low` and `<name>_high`), and `report/runs`, one row per run.
 
     `auto` logs the way the sweep's own runs were logged, into their project and group: online,
-    or offline into `<out dir>/wandb` for a later `wandb sync` with the rest.
+    or offline into `<out dir>/wandb-report/wandb` for a later `wandb sync` with the rest. Not
+    `<out dir>/wandb`: a report on one run is written into that run's folder, whose `wandb/` (and
+    its `latest-run` link) belong to the training run.
     """
     targets = [r.run.summary.get("wandb") for r in report.rows if r.run.summary.get("wandb")]
     if mode == "auto":
@@ -30,13 +32,15 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
     try:
         import wandb
 
+        wandb_dir = report.out_dir / "wandb-report"
+        wandb_dir.mkdir(parents=True, exist_ok=True)
         wb = wandb.init(
             project=where.get("project"),
             entity=where.get("entity"),
             group=where.get("group"),
             name="report",
             job_type="report",
-            dir=str(report.out_dir),
+            dir=str(wandb_dir),
             mode=mode,
             config={
                 "tolerance": report.tolerance,
@@ -59,9 +63,10 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
     except Exception as err:  # the report on disk stands without W&B
         log.warning("The report table was not logged to W&B (%s); report.md has it.", err)
         return
-    print(f"W&B: report table logged to group {where.get('group')!r} ({mode})")
+    group = where.get("group")
+    print(f"W&B: report table logged to {f'group {group}' if group else 'no group'} ({mode})")
     if mode == "offline":
-        offline = [_offline_run(r.run.path) for r in report.rows if _offline_run(r.run.path)]
+        offline = [p for r in report.rows for p in _offline_runs(r.run)]
         paths = " ".join(shlex.quote(str(p)) for p in [*offline, report_run])
         print(f"W&B runs kept offline: upload them with `wandb sync {paths}`")
 
@@ -70,7 +75,8 @@ def _table(wandb, rows: list[dict]):
     return wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
 
 
-def _offline_run(run_dir: Path) -> Path | None:
-    """A training run's offline W&B run folder, if it kept one."""
-    found = sorted((run_dir / "wandb").glob("offline-run-*"))
-    return found[-1] if found else None
+def _offline_runs(run) -> list[Path]:
+    """A training run's offline W&B run folders: those of the run's W&B id (a resumed run keeps
+    one per segment, and each must be synced), never the report run written beside them."""
+    wandb_id = (run.summary.get("wandb") or {}).get("id")
+    return sorted((run.path / "wandb").glob(f"offline-run-*-{wandb_id or '*'}"))
