@@ -22,6 +22,8 @@ import json
 import logging
 import netrc
 import os
+import secrets
+import string
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -111,6 +113,11 @@ class Tracker:
         self.wandb_mode = resolve_wandb_mode(wandb_cfg.mode)
         self._announce_sync = self.wandb_mode == "offline" and not run.in_sweep
         self._wandb = None
+        # chosen here, not by W&B: a checkpoint records the id at once, without waiting for a
+        # start that an unreachable server can stretch to wandb.init_timeout
+        self._wandb_id = None
+        if self.wandb_mode != "disabled":
+            self._wandb_id = run.wandb_id or new_wandb_id()
         self._queued: list[dict[str, Any]] = []  # rows logged while W&B was starting
         self._starting: threading.Thread | None = None
         self._start_result: tuple[Any, BaseException | None] = (None, None)
@@ -139,7 +146,7 @@ class Tracker:
                 config=config,
                 dir=str(self.run_dir),
                 mode=self.wandb_mode,
-                id=run.wandb_id,
+                id=self._wandb_id,
                 resume="allow" if run.wandb_id else None,
                 # W&B's own console lines are quieted; mpexp says where the run is, once
                 settings=wandb.Settings(
@@ -201,7 +208,9 @@ class Tracker:
 
     @property
     def wandb_id(self) -> str | None:
-        return self._wandb.id if self._wandb_up() else None
+        """The W&B run's id (None with W&B disabled), known before W&B has started; a resume
+        continues that run, or creates it if W&B never got to."""
+        return self._wandb_id
 
     def flush(self) -> int:
         """Push metrics.jsonl to disk; return its size in bytes (a checkpoint's place in it)."""
@@ -329,6 +338,12 @@ def record_end(run_dir: Path, status: str, error: BaseException | None = None) -
         write_json_atomically(summary, path)
     except OSError as err:
         log.warning("Could not record the %s run in %s (%s).", status, path, err)
+
+
+def new_wandb_id() -> str:
+    """A fresh W&B run id: 8 characters of [a-z0-9], as W&B makes them."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 def _now() -> str:

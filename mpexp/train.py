@@ -194,7 +194,6 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     saver = Checkpointer(cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule)
     parts = Parts(model, forward, data, optimizer, scaler, precision, throughput)
     try:
-        stop_if_asked(stop, world, run, "while W&B started")
         fit = Fit(cfg, parts, tracker, saver, world, stop)
         if resume is not None:
             fit.restore(resume)
@@ -222,9 +221,15 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
 
 
 def stop_if_asked(stop: StopSignals, world: World, run: RunContext, where: str) -> None:
-    """Before training starts, a stop signal ends the run at once: there is nothing to save."""
+    """Before training starts, a stop signal ends the run at once: there is nothing to save.
+
+    From the first step on (W&B may still be starting then, in the background) the loop stops at
+    the end of a step and writes a checkpoint instead.
+    """
     if world.any(bool(stop.received)):
         name = signal.Signals(stop.received or signal.SIGTERM).name
+        if world.is_main:  # no Tracker yet: summary.json must still say how the run ended
+            record_end(run.run_dir, "interrupted")
         raise Preempted(
             stop.received or signal.SIGTERM,
             f"Stopped by {name} {where}, before the first step: nothing was trained or saved. "
@@ -254,6 +259,9 @@ def run_context(cfg: DictConfig) -> RunContext:
 
 @hydra.main(version_base="1.3", config_path=str(config.config_dir()), config_name="train")
 def main(cfg: DictConfig) -> float:
+    # from here on a run directory exists: StopSignals (in train) handles stop signals, and a
+    # SIGTERM in the instants before it keeps its default effect, never cli's message
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     run = run_context(cfg)
     try:
         return train(cfg, run)["val/acc"]
@@ -295,11 +303,23 @@ def cli() -> None:
     sys.argv += hydra_overrides_for_rank(sys.argv[1:])  # under torchrun only rank 0 writes
     # a log file that cannot be written (a full disk) must not print a traceback per record
     logging.raiseExceptions = False
+    signal.signal(signal.SIGTERM, _stop_before_start)  # until main() starts the run
     try:
         main()
     except KeyboardInterrupt:  # before the run started: Hydra was still composing the config
         sys.stderr.write("Interrupted before the run started; nothing was written.\n")
         raise SystemExit(128 + signal.SIGINT) from None
+    except StoppedBeforeStart:
+        sys.stderr.write("Stopped by SIGTERM before the run started; nothing was written.\n")
+        raise SystemExit(128 + signal.SIGTERM) from None
+
+
+class StoppedBeforeStart(BaseException):
+    """SIGTERM while Hydra composed the config, before any run directory existed."""
+
+
+def _stop_before_start(signum, frame) -> None:
+    raise StoppedBeforeStart
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@
 | new run in a dir holding a run | one line naming trainer.resume, exit 2 | the old run |
 | second process on a live run's dir | one line naming the pid, exit 2 | the live run |
 | checkpoint write fails (full disk) | one line: last good checkpoint, resume | that one |
-| stop signal before the first step | one line, status interrupted, 128+sig | - |
+| stop signal while Hydra composes | one line, 128+sig | - |
+| stop signal while data loads | one line, status interrupted, 128+sig | - |
+| stop signal while W&B starts | one line naming the checkpoint, interrupted | the checkpoint |
 | a second Ctrl-C | one line naming the last checkpoint, 130 | checkpoints |
 | a run with no step per epoch | one line, exit 2, before training | - |
 | every step skipped | a warning per epoch, status failed | the metrics |
@@ -25,8 +27,11 @@ in the report in tests/test_report.py.
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import struct
+import sys
 import time
 from pathlib import Path
 
@@ -34,14 +39,17 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from omegaconf import OmegaConf
 
+import mpexp.train
 from mpexp import checkpoint
-from mpexp.checkpoint import checkpoint_files
+from mpexp.checkpoint import Preempted, StopSignals, checkpoint_files
 from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
+from mpexp.distributed import start_world
 from mpexp.errors import ConfigError, DataError
-from mpexp.tracking import RunContext
-from mpexp.train import train
+from mpexp.tracking import RunContext, Tracker
+from mpexp.train import stop_if_asked, train
 from mpexp.validate import validate
 from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
@@ -173,7 +181,7 @@ def test_a_second_process_on_a_live_runs_directory_is_refused(tmp_path):
 # --- exits that keep the status true ------------------------------------------------------------
 
 
-def test_a_stop_signal_while_wandb_starts_ends_the_run_as_interrupted(tmp_path):
+def test_a_stop_signal_while_wandb_starts_checkpoints_at_the_first_step(tmp_path):
     run_dir = tmp_path / "run"
     unreachable = {
         "WANDB_BASE_URL": "http://127.0.0.1:9",  # nothing listens: W&B retries until its timeout
@@ -182,22 +190,72 @@ def test_a_stop_signal_while_wandb_starts_ends_the_run_as_interrupted(tmp_path):
     args = [a for a in ARGS if a != "wandb.mode=disabled"]
     proc = start_cli(*args, "wandb.mode=online", "wandb.init_timeout=5",
                      f"hydra.run.dir={run_dir}", cwd=tmp_path, env=unreachable)  # fmt: skip
-    wait_for(lambda: (run_dir / "summary.json").exists(), proc)  # W&B starts right after
+    # summary.json is written as W&B starts in the background and training begins
+    wait_for(lambda: (run_dir / "summary.json").exists(), proc)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
 
     assert proc.returncode == 128 + signal.SIGTERM, output
     assert "Traceback" not in output
-    assert "Stopped by SIGTERM while W&B started, before the first step" in output
+    assert "Stopped by SIGTERM at step" in output
+    assert f"trainer.resume={run_dir}" in output
     assert status(run_dir) == "interrupted"
-    assert not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir)[0]
+    (saved,) = checkpoint_files(run_dir)
+    # the W&B run id was chosen up front, so the resume continues the same W&B run
+    assert re.fullmatch(r"[a-z0-9]{8}", torch.load(saved, weights_only=False)["wandb_id"])
+
+
+def test_the_wandb_run_id_is_known_while_wandb_is_still_starting(tmp_path, monkeypatch):
+    # a checkpoint written then (a stop signal at the first step) must not wait for W&B's start,
+    # which an unreachable server stretches to wandb.init_timeout
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    settings = OmegaConf.create({"mode": "online", "project": "p", "entity": None,
+                                 "init_timeout": 5, "log_checkpoints": False})  # fmt: skip
+    tracker = Tracker(RunContext(tmp_path), {}, settings)
+    try:
+        assert re.fullmatch(r"[a-z0-9]{8}", tracker.wandb_id)
+        assert tracker._starting is not None and tracker._starting.is_alive()
+    finally:
+        tracker.close("interrupted")
+    resumed = Tracker(RunContext(tmp_path / "b", wandb_id="abc12345"), {}, settings)
+    assert resumed.wandb_id == "abc12345"
+    resumed.close("interrupted")
+
+
+def test_a_stop_signal_before_the_first_step_marks_the_run_interrupted(tmp_path):
+    stop = StopSignals()
+    stop.received = signal.SIGTERM  # as if it came while the data loaded
+    run = RunContext(tmp_path, overrides=["precision=bf16"])
+    stopping = pytest.raises(Preempted, match="Stopped by SIGTERM while the data loaded")
+    with start_world("single", torch.device("cpu")) as world, stopping as stopped:
+        stop_if_asked(stop, world, run, "while the data loaded")
+    assert "python -m mpexp.train precision=bf16" in str(stopped.value)
+    assert status(tmp_path) == "interrupted"
+
+
+def test_a_stop_signal_while_hydra_composes_ends_with_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(mpexp.train, "main", lambda: os.kill(os.getpid(), signal.SIGTERM))
+    monkeypatch.setattr(sys, "argv", ["mpexp-train"])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            mpexp.train.cli()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exited.value.code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == (
+        "Stopped by SIGTERM before the run started; nothing was written.\n"
+    )
 
 
 def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    # steps and checkpoints slow enough (about a second) that the second press comes mid-work
-    slow = ["model.width=256", "dataset.batch_size=128", "trainer.checkpoint_every_steps=1"]
-    proc = start_cli(*ARGS, *slow, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    # DeepCNN's steps (a second or more on 2 cores) and 180 MB checkpoints are slow enough that
+    # the second press lands while the first stop is still finishing its step and checkpoint
+    args = [a for a in ARGS if not a.startswith("model")]
+    slow = ["model=deepcnn", "dataset.batch_size=64", "trainer.checkpoint_every_steps=1"]
+    proc = start_cli(*args, *slow, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     wait_for(lambda: checkpoint_files(run_dir), proc)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.2)  # two signals at once would arrive as one
