@@ -11,7 +11,8 @@ from tests.conftest import ROOT
 
 def test_cpu_benchmark_prints_its_table_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    args = ["--device", "cpu", "--train-size", "256", "--batch-size", "64", "--epochs", "1"]
+    args = ["--device", "cpu", "--train-size", "256", "--batch-size", "64", "--epochs", "1",
+            "--process-repeats", "1", "--process-size", "1", "256"]  # fmt: skip
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), *args, "--json", str(out)],
         capture_output=True,
@@ -39,11 +40,19 @@ def test_cpu_benchmark_prints_its_table_and_writes_json(tmp_path):
     assert rollback["foreach"]["us"] > 0 and rollback["per_buffer"]["us"] > 0
     assert "rollback | operators | us/step" in result.stdout
 
+    # the whole quickstart process against a bare script doing the same training
+    process = bench["process"]
+    assert (process["epochs"], process["train_size"]) == (1, 256)
+    assert len(process["mpexp_s"]) == len(process["bare_s"]) == 1
+    assert process["ratio_median"] == process["mpexp_s"][0] / process["bare_s"][0]
+    assert "whole process, experiment=quickstart" in result.stdout
+
 
 def test_vit_in_bf16_against_fp8_as_a_gpu_session_will_run_it(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--device", "cpu", "--model", "vit", "--precisions", "bf16,fp8", "--train-size",
-            "256", "--batch-size", "64", "--epochs", "1", "--json", str(out), "model.patch_size=7",
+            "256", "--batch-size", "64", "--epochs", "1", "--process-repeats", "0", "--json", str(out),
+            "model.patch_size=7",
             "model.width=32", "model.depth=1", "model.heads=2"]  # fmt: skip
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],

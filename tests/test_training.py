@@ -50,7 +50,9 @@ def test_each_precision_trains_and_the_loss_falls(
     assert len(epochs) == 2 and len(steps) == 2 * (1024 // 64)
     assert epochs[1]["train/epoch_loss"] < epochs[0]["train/epoch_loss"]
     assert epochs[1]["val/loss"] < epochs[0]["val/loss"]
-    assert steps[-1]["train/loss"] < steps[0]["train/loss"]
+    # over a window of steps: TINY learns slowly at first, and one step's loss is noisy
+    losses = [r["train/loss"] for r in steps]
+    assert sum(losses[-4:]) < sum(losses[:4])
     assert all(r.keys() >= STEP_KEYS for r in steps)
     assert all(r.keys() >= EPOCH_KEYS for r in epochs)
     assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))
