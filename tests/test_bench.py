@@ -51,9 +51,9 @@ def test_cpu_benchmark_prints_its_table_and_writes_json(tmp_path):
 def test_vit_in_bf16_against_fp8_as_a_gpu_session_will_run_it(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--device", "cpu", "--model", "vit", "--precisions", "bf16,fp8", "--train-size",
-            "256", "--batch-size", "64", "--epochs", "1", "--process-repeats", "0", "--json", str(out),
-            "model.patch_size=7",
-            "model.width=32", "model.depth=1", "model.heads=2"]  # fmt: skip
+            "256", "--batch-size", "64", "--epochs", "1", "--process-repeats", "0",
+            "--json", str(out), "model.patch_size=7", "model.width=32", "model.depth=1",
+            "model.heads=2"]  # fmt: skip
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
         capture_output=True,

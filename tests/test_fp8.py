@@ -222,7 +222,7 @@ def test_a_sweep_over_fp32_bf16_fp8_reports_three_configurations(tmp_path):
         in (sweep / "report.md").read_text()
     )
 
-    (report_dir,) = (sweep / "wandb").glob("offline-run-*")
+    (report_dir,) = (sweep / "wandb-report" / "wandb").glob("offline-run-*")
     (table_file,) = report_dir.glob("files/media/table/report/table_*.table.json")
     table = json.loads(table_file.read_text())
     column = {name: table["columns"].index(name) for name in ("precision", "parity_vs_bf16")}

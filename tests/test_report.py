@@ -187,7 +187,7 @@ def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, tmp_p
     # `auto` logs the way the sweep's runs were logged; here offline, into --out
     assert report.main([str(sweep), "--out", str(tmp_path)]) == 0
 
-    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    (wandb_dir,) = (tmp_path / "wandb-report" / "wandb").glob("offline-run-*")
     (run,) = [r["run"] for r in leet_records(wandb_dir) if r["type"] == "run"]
     assert run["run_group"] == f"sweep-{sweep.parent.name}_{sweep.name}"
     assert run["job_type"] == "report" and run["project"] == "mpexp"
