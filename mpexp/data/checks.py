@@ -14,7 +14,10 @@ from torchvision.datasets.utils import check_integrity
 
 from mpexp.errors import DataError
 
-REPLACE = "Replace it with an intact copy, or delete it and let the dataset download again."
+REPLACE = (
+    "Replace it with an intact copy, or delete it and let the dataset download it again "
+    "(dataset.download=true)."
+)
 
 
 def check_idx(path: Path, dims: tuple[int | None, ...]) -> int:
@@ -43,10 +46,10 @@ def check_idx(path: Path, dims: tuple[int | None, ...]) -> int:
         )
     expected = header + math.prod(shape)
     if size < expected:
-        raise DataError(f"{path.name} is truncated: {size:,} of {expected:,} bytes. {REPLACE}")
+        raise DataError(f"{path} is truncated: {size:,} of {expected:,} bytes. {REPLACE}")
     if size > expected:
         raise DataError(
-            f"{path.name} has {size - expected:,} bytes more than its header accounts for "
+            f"{path} has {size - expected:,} bytes more than its header accounts for "
             f"({expected:,}): it is not an intact MNIST-format file. {REPLACE}"
         )
     return shape[0]
