@@ -20,9 +20,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from mpexp import checkpoint
 from mpexp.errors import OutputError, UserError
-from mpexp.rundir import check_not_locked, refuse_if_taken
+from mpexp.rundir import AUTO, check_not_locked, refuse_if_taken, run_dir_of
 from mpexp.validate import check_schema, validate
 
 T = TypeVar("T")
@@ -30,11 +29,11 @@ T = TypeVar("T")
 
 def resumed_run_dir(resume: str | None, default: str) -> str:
     """The run directory: the resumed run's own, or `default` for a new run."""
-    if not resume or resume == checkpoint.AUTO:  # auto: the run dir as it is, e.g. hydra.run.dir
+    if not resume or resume == AUTO:  # auto: the run dir as it is, e.g. hydra.run.dir
         return default
     target = Path(resume)
     if target.is_file():
-        return str(checkpoint.run_dir_of(target))
+        return str(run_dir_of(target))
     if target.is_dir():
         return str(target)
     return default  # a wrong path is reported by RunChecks, not created
@@ -66,8 +65,12 @@ class RunChecks(Callback):
         task = _task(config)
         run_dir = Path(config.hydra.run.dir)
         _exit_on_user_error(lambda: validate(task))
-        resume = _exit_on_user_error(lambda: checkpoint.open_resume(task, run_dir, mmap=True))
-        if resume is None and task.trainer.resume != checkpoint.AUTO:
+        resume = None
+        if task.trainer.resume:
+            from mpexp import checkpoint  # torch: only a resume needs it before the run starts
+
+            resume = _exit_on_user_error(lambda: checkpoint.open_resume(task, run_dir, mmap=True))
+        if resume is None and task.trainer.resume != AUTO:
             _exit_on_user_error(lambda: refuse_if_taken(run_dir))
         else:  # the run may still be going on in another process
             _exit_on_user_error(lambda: check_not_locked(run_dir))
@@ -79,7 +82,7 @@ class RunChecks(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.is_dir():  # a sweep dir given again: its jobs' folders would be reused
             for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
-                _exit_on_user_error(lambda job=job: refuse_if_taken(job))
+                _exit_on_user_error(lambda job=job: refuse_if_taken(job, key="hydra.sweep.dir"))
         _exit_on_user_error(lambda: check_writable(sweep_dir))
 
 

@@ -42,13 +42,14 @@ import torchvision
 
 import mpexp.train
 from mpexp import checkpoint
-from mpexp.checkpoint import Preempted, StopSignals, checkpoint_files
 from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.distributed import start_world
 from mpexp.errors import ConfigError, DataError
+from mpexp.rundir import checkpoint_files
+from mpexp.runner import stop_if_asked, train
+from mpexp.stopping import Preempted, StopSignals
 from mpexp.tracking import RunContext
-from mpexp.train import stop_if_asked, train
 from mpexp.validate import validate
 from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
@@ -142,7 +143,7 @@ def test_two_runs_started_together_get_a_directory_each(tmp_path):
 
 
 def test_a_new_run_is_refused_a_directory_that_holds_a_run(tmp_path):
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "sweep" / "0"  # also where a sweep's first job would go
     first = run_cli("mpexp.train", *ARGS, "trainer.epochs=1", f"hydra.run.dir={run_dir}",
                     cwd=tmp_path)  # fmt: skip
     assert first.returncode == 0, first.stderr
@@ -155,6 +156,14 @@ def test_a_new_run_is_refused_a_directory_that_holds_a_run(tmp_path):
     assert f"trainer.resume={run_dir}" in output
     assert {p: (run_dir / p).read_bytes() for p in before} == before  # untouched
     assert checkpoint_files(run_dir) == [saved]
+
+    # a sweep given that folder again: refused before any job runs, naming the sweep's key
+    sweep = run_cli("mpexp.train", "-m", *ARGS, f"hydra.sweep.dir={run_dir.parent}",
+                    cwd=tmp_path)  # fmt: skip
+    output = one_line_failure(sweep)
+    assert f"{run_dir} already holds a run (status: finished)" in output
+    assert "leave hydra.sweep.dir out" in output
+    assert {p: (run_dir / p).read_bytes() for p in before} == before
 
 
 def test_a_second_process_on_a_live_runs_directory_is_refused(tmp_path):
