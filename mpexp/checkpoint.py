@@ -8,8 +8,8 @@ and what the metric log needs to carry on: the running skip count, the epoch's l
 how far `metrics.jsonl` had got. Resuming rewinds `metrics.jsonl` to that point, so the steps a
 killed run trained after its last checkpoint are trained again, not logged twice.
 
-Stop signals (SIGTERM from a cluster's pre-emption, Ctrl-C) only set a flag; the loop checks it
-once per step and stops at the step boundary with a checkpoint.
+Stop signals (SIGTERM from a cluster's pre-emption, Ctrl-C; mpexp/stopping.py) only set a flag;
+the loop checks it once per step and stops at the step boundary with a checkpoint.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ import hashlib
 import logging
 import os
 import random
-import shlex
 import shutil
 import signal
-import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,14 +32,21 @@ from omegaconf import DictConfig
 from mpexp import sharded_checkpoint
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError, OutputError
+from mpexp.rundir import (
+    AUTO,
+    SUBDIR,
+    checkpoint_files,
+    checkpoint_step,
+    resume_command,
+    run_dir_of,
+)
 from mpexp.schedules import spans_run
+from mpexp.stopping import Preempted
 from mpexp.tracking import flatten
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-SUBDIR = "checkpoints"
-AUTO = "auto"  # trainer.resume=auto: the run dir's newest checkpoint, if it has one
 
 # What may change when a run is resumed: how long it trains, how often it reports and checkpoints,
 # the peak its MFU is measured against, how W&B connects. Any other change would make the resumed
@@ -70,17 +75,6 @@ class Position:
     step: int = 0
 
 
-def rerun_command(overrides: list[str]) -> str:
-    """The command line that runs the same configuration again, as a user would type it."""
-    return shlex.join(["python", "-m", "mpexp.train", *overrides])
-
-
-def resume_command(overrides: list[str], target: str | Path) -> str:
-    """The command line that continues a run from `target` (its directory or a checkpoint)."""
-    kept = [o for o in overrides if not o.startswith("trainer.resume=")]
-    return rerun_command([*kept, f"trainer.resume={target}"])
-
-
 def checksum_file(checkpoint: Path) -> Path:
     """Where a checkpoint's SHA-256 is kept, in `sha256sum` format (`sha256sum -c` checks it)."""
     return checkpoint.with_name(checkpoint.name + ".sha256")
@@ -92,27 +86,6 @@ def sha256_of(path: Path) -> str:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def checkpoint_files(run_dir: str | Path) -> list[Path]:
-    """A run's complete checkpoints, oldest first: `step-<N>.pt` files, and the `step-<N>/`
-    folders of sharded (FSDP) runs. Half-written `.tmp` ones are not among them."""
-    found = [
-        p
-        for p in (Path(run_dir) / SUBDIR).glob("step-*")
-        if (p.is_file() and p.suffix == ".pt") or (p.is_dir() and p.suffix != ".tmp")
-    ]
-    return sorted(found, key=_step_of)
-
-
-def _step_of(path: Path) -> int:
-    return int(path.name.removeprefix("step-").removesuffix(".pt"))
-
-
-def run_dir_of(checkpoint: str | Path) -> Path:
-    """The run directory a checkpoint file belongs to."""
-    checkpoint = Path(checkpoint)
-    return checkpoint.parent.parent if checkpoint.parent.name == SUBDIR else checkpoint.parent
 
 
 def write_atomically(state: dict, path: Path) -> None:
@@ -277,62 +250,6 @@ class Checkpointer:
         )
 
 
-class Preempted(BaseException):
-    """Training stopped on a signal after writing a checkpoint.
-
-    A BaseException, like KeyboardInterrupt, so that a sweep stops instead of starting its next job.
-    """
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
-
-
-def preemption_signal() -> int | None:
-    """The signal a SLURM job started through submitit gets before it is pre-empted or reaches its
-    time limit (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise); None outside submitit."""
-    if not os.environ.get("SUBMITIT_EXECUTOR"):
-        return None
-    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
-    return getattr(signal, f"SIG{name.removeprefix('SIG')}", signal.SIGUSR2)
-
-
-class StopSignals:
-    """While active, SIGTERM and Ctrl-C (SIGINT) ask the training loop to stop at a step boundary;
-    so does submitit's pre-emption signal in a SLURM job (see `preemption_signal`).
-
-    The handler only records the signal; the loop reads `received` once per step, which costs no
-    device synchronisation. A second signal stops at once, without a checkpoint. On leaving, the
-    handlers that were there before come back: for the pre-emption signal that is submitit's,
-    which requeues the job once the checkpoint is written (mpexp.train raises the signal again).
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-        preempt = preemption_signal()
-        self.signals = (*self.SIGNALS, preempt) if preempt is not None else self.SIGNALS
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            raise KeyboardInterrupt
-        self.received = signum
-
-    def __enter__(self) -> StopSignals:
-        # Python allows signal handlers only in the main thread; elsewhere signals keep their
-        # default effect.
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.signals:
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
 @dataclass
 class Resume:
     """A checkpoint to continue a run from, checked against the run's config."""
@@ -377,7 +294,9 @@ class Resume:
                 f.truncate(size)
         else:  # never pad: truncate() past the end would fill the file with zero bytes
             log.warning("%s is shorter than at the checkpoint: earlier rows are missing.", metrics)
-        later = [p for p in checkpoint_files(self.run_dir) if _step_of(p) > self.position.step]
+        later = [
+            p for p in checkpoint_files(self.run_dir) if checkpoint_step(p) > self.position.step
+        ]
         if later:
             log.warning(
                 "Resuming from step %d: removing the later checkpoints %s, which this run redoes.",

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from mpexp.checkpoint import Checkpointer, Position, Resume, StopSignals
+from mpexp.checkpoint import Checkpointer, Position, Resume
 from mpexp.data.base import InMemoryData
 from mpexp.diagnostics import Diagnostics
 from mpexp.distributed import World
@@ -34,6 +34,7 @@ from mpexp.history import StepHistory, StepRow
 from mpexp.precision import Precision
 from mpexp.rollback import BufferRollback
 from mpexp.scaling import LossScaler
+from mpexp.stopping import StopSignals
 from mpexp.system import PeakMemory, synchronize
 from mpexp.tracking import Tracker
 

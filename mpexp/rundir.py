@@ -6,6 +6,9 @@ second get two directories. A directory that already holds a run (its metrics, s
 checkpoints) is refused to a new run: `trainer.resume` is the way to continue it. While a process
 trains in a directory it holds an exclusive lock on `<run dir>/.lock` (fcntl.flock), which the OS
 releases when the process ends, however it ends; a second process is refused with one line.
+
+Also here: where a run keeps its checkpoints, and the commands that start a run again or resume it.
+None of it needs torch, so the command line can check a run directory before importing it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 from pathlib import Path
 
 from mpexp.errors import OutputError
@@ -25,11 +29,46 @@ except ImportError:  # pragma: no cover - not on the platforms mpexp runs on
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
-RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
+SUBDIR = "checkpoints"  # where a run's checkpoints are (mpexp/checkpoint.py writes them)
+RUN_FILES = ("metrics.jsonl", "summary.json", SUBDIR)
+AUTO = "auto"  # trainer.resume=auto: the run dir's newest checkpoint, if it has one
 
 
 class RunDirTaken(OutputError):
     """The run directory belongs to another run: nothing may be written into it."""
+
+
+def rerun_command(overrides: list[str]) -> str:
+    """The command line that runs the same configuration again, as a user would type it."""
+    return shlex.join(["python", "-m", "mpexp.train", *overrides])
+
+
+def resume_command(overrides: list[str], target: str | Path) -> str:
+    """The command line that continues a run from `target` (its directory or a checkpoint)."""
+    kept = [o for o in overrides if not o.startswith("trainer.resume=")]
+    return rerun_command([*kept, f"trainer.resume={target}"])
+
+
+def checkpoint_files(run_dir: str | Path) -> list[Path]:
+    """A run's complete checkpoints, oldest first: `step-<N>.pt` files, and the `step-<N>/`
+    folders of sharded (FSDP) runs. Half-written `.tmp` ones are not among them."""
+    found = [
+        p
+        for p in (Path(run_dir) / SUBDIR).glob("step-*")
+        if (p.is_file() and p.suffix == ".pt") or (p.is_dir() and p.suffix != ".tmp")
+    ]
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint was written after, read from its name."""
+    return int(path.name.removeprefix("step-").removesuffix(".pt"))
+
+
+def run_dir_of(checkpoint: str | Path) -> Path:
+    """The run directory a checkpoint file belongs to."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.parent.parent if checkpoint.parent.name == SUBDIR else checkpoint.parent
 
 
 def holds_run(run_dir: Path) -> str | None:
@@ -47,11 +86,12 @@ def holds_run(run_dir: Path) -> str | None:
     return f"a run (status: {status})" if status != "unknown" else "a run's files"
 
 
-def refuse_if_taken(run_dir: Path, restart: bool = False) -> None:
+def refuse_if_taken(run_dir: Path, restart: bool = False, key: str = "hydra.run.dir") -> None:
     """Raise RunDirTaken when a new run would write into a directory that holds one.
 
     With `restart` (trainer.resume=auto found no checkpoint there), a run that did not finish
-    starts again from scratch: it has nothing to continue from, so its rows are dropped.
+    starts again from scratch: it has nothing to continue from, so its rows are dropped. `key`
+    is the setting that chose the directory, for the advice.
     """
     held = holds_run(run_dir)
     if held is not None and restart and "finished" not in held:
@@ -67,7 +107,7 @@ def refuse_if_taken(run_dir: Path, restart: bool = False) -> None:
         raise RunDirTaken(
             f"{run_dir} already holds {held}; a new run would mix its results into it.\n"
             f"To continue that run: trainer.resume={run_dir} (with the run's own overrides). "
-            "For a new run, leave hydra.run.dir out (each run gets a fresh directory) or choose "
+            f"For a new run, leave {key} out (each run gets a fresh directory) or choose "
             "another."
         )
 

@@ -1,240 +1,33 @@
 """The training entrypoint: `python -m mpexp.train [group=option ...] [key=value ...]`, or
 `mpexp-train` once installed.
 
-`main` is a thin Hydra shell; `train(cfg, run)` builds what the config asks for, hands it to the
-loop (mpexp/loop.py) and can be called from Python.
+A thin Hydra shell around `mpexp.runner.train(cfg, run)`. It imports torch only once a run
+starts (in `main`), so a config error, `--help`, `--cfg` and tab completion answer at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import platform
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import get_object
 from omegaconf import DictConfig
 
-from mpexp import __version__, config, flops, performance
-from mpexp.checkpoint import (
-    AUTO,
-    Checkpointer,
-    Preempted,
-    StopSignals,
-    checkpoint_files,
-    open_resume,
-    preemption_signal,
-    rerun_command,
-    resume_command,
-)
-from mpexp.data.base import DataInfo, InMemoryData
-from mpexp.distributed import World, hydra_overrides_for_rank, start_world
-from mpexp.errors import ConfigError, UserError
+from mpexp import config
+from mpexp.errors import UserError
 from mpexp.hydra_hooks import register_resolvers, sweep_job_name
-from mpexp.loop import Fit, Parts
-from mpexp.precision import convert_to_fp8, run_in_float32, setup_precision
-from mpexp.rundir import RunDirTaken, RunLock, refuse_if_taken
-from mpexp.scaling import build_scaler
-from mpexp.schedules import build_schedule
-from mpexp.system import device_name, resolve_device, seed_everything, set_deterministic
-from mpexp.tracking import NullTracker, RunContext, Tracker, error_text, record_end
-from mpexp.validate import validate, validate_run_length
+from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
+from mpexp.stopping import Preempted, preemption_signal
+from mpexp.tracking import RunContext, record_end
 
 log = logging.getLogger("mpexp")
 config.register()  # the schemas behind conf/ (mpexp/config.py)
 register_resolvers()  # conf/train.yaml's hydra.run.dir uses mpexp.run_dir
-
-
-def build(node: DictConfig, **extra):
-    """Instantiate a group's `_target_` with its other keys (and `extra`)."""
-    kwargs = config.to_dict(node)
-    return get_object(kwargs.pop("_target_"))(**kwargs, **extra)
-
-
-def build_model(node: DictConfig, info: DataInfo, name: str | None) -> torch.nn.Module:
-    """The model, built for the data's shape and tried on one image of it, so that a model that
-    cannot take the data stops the run now with one message, not a traceback mid-step."""
-    c, h, w = info.channels, info.height, info.width
-    what = f"model={name}" if name else node._target_
-    try:
-        model = build(node, in_channels=c, num_classes=info.num_classes, image_size=(h, w))
-        model.eval()  # no BatchNorm statistics change, no dropout draws from the RNG
-        with torch.no_grad():
-            shape = tuple(model(torch.zeros(1, c, h, w)).shape)
-        model.train()
-    except (ValueError, RuntimeError) as err:
-        reason = str(err).strip().splitlines()[0]
-        raise ConfigError(
-            f"{what} cannot take the dataset's {c}x{h}x{w} images: {reason}.\n"
-            "Use images it can take (dataset.height, dataset.width) or another model."
-        ) from None
-    if shape != (1, info.num_classes):
-        raise ConfigError(
-            f"{what} gives outputs of shape {shape} for one image; the loss needs "
-            f"(1, {info.num_classes}), one logit per class."
-        )
-    return model
-
-
-def train(cfg: DictConfig, run: RunContext) -> dict:
-    """Train as `cfg` says, log to `run.run_dir` (and W&B), return the final metrics.
-
-    With `trainer.resume`, continue that run instead: in its directory, under its W&B run id.
-    """
-    validate(cfg)
-    auto = cfg.trainer.resume == AUTO  # the run dir's newest checkpoint, found once it is known
-    resume = None if auto else open_resume(cfg)
-    set_deterministic(cfg.trainer.deterministic)
-    # signals from here on only ask to stop, at the next point where stopping loses nothing
-    with (
-        StopSignals() as stop,
-        start_world(cfg.trainer.strategy, resolve_device(cfg.trainer.device)) as world,
-    ):
-        if resume is not None:
-            run = replace(run, run_dir=resume.run_dir, wandb_id=resume.wandb_id)
-        run = world.from_rank_zero(run)  # all ranks know where rank 0 writes
-        if auto:
-            resume = open_resume(cfg, run.run_dir)
-            if resume is not None:
-                run = replace(run, wandb_id=resume.wandb_id)
-        # rank 0 owns the run dir until it ends; a second process there is refused
-        with RunLock(run.run_dir) if world.is_main else contextlib.nullcontext():
-            return _train(cfg, run, world, resume, stop)
-
-
-def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSignals) -> dict:
-    if world.is_main and resume is None:
-        refuse_if_taken(run.run_dir, restart=cfg.trainer.resume == AUTO)
-    if resume is not None:
-        if world.is_main:
-            resume.rewind()
-        at = resume.position
-        log.info(
-            "Resuming %s: epoch %d, batch %d, step %d", resume.path, at.epoch, at.batch, at.step
-        )
-    device = world.device
-    seed_everything(cfg.trainer.seed)
-    precision = setup_precision(cfg.precision, device)
-
-    data: InMemoryData = build(cfg.dataset)
-    info = data.setup(device)
-    data.memory_format = performance.memory_format(cfg.trainer.channels_last)
-    data.shard(world.rank, world.size)
-    model = build_model(cfg.model, info, run.choices.get("model")).to(device)
-    parameters = sum(p.numel() for p in model.parameters())
-    # counted once, on the plain model at the run's shapes, before anything wraps it
-    batch_shape = (data.batch_size, info.channels, info.height, info.width)
-    name = device_name(device)
-    throughput = flops.throughput(
-        model,
-        batch_shape,
-        cfg.trainer.peak_tflops or flops.device_peak_tflops(name, precision.effective),
-        world.size,
-    )
-    # fp8 swaps Linear layers: before fp32_modules wraps forwards and DDP/FSDP/compile take them
-    model, precision = convert_to_fp8(
-        model, precision, list(cfg.precision.fp32_modules), cfg.trainer.compile
-    )
-    fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
-    performance.apply_memory_format(model, cfg.trainer)  # before DDP/FSDP takes the parameters
-    model = world.wrap(model, precision)
-    skip_nonfinite = cfg.trainer.on_nonfinite_loss == "skip"
-    scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip_nonfinite)
-    world.prepare_scaler(scaler)
-    optimizer = performance.build_optimizer(cfg, model, device, scaler)
-    validate_run_length(cfg, data.steps_per_epoch(), data.train_size // world.size)
-    total_steps = data.steps_per_epoch() * cfg.trainer.epochs
-    schedule = build_schedule(cfg.scheduler, optimizer, scaler, total_steps)
-    performance.configure_backends(device, cfg.trainer)
-    forward = performance.compile_model(model, cfg.trainer)
-
-    ran = {
-        "device": str(device),
-        "device_name": name,
-        "host": platform.node(),  # the report warns when jobs on one host overlapped in time
-        "torch_version": torch.__version__,
-        "mpexp_version": __version__,
-        "choices": run.choices,
-        **precision.record(),
-        **scaler.describe(),
-        **performance.describe(optimizer, cfg.trainer),
-        **world.record(),
-        "fp32_modules": fp32_modules,
-        "scheduler": (cfg.scheduler.get("_target_") or "none").rpartition(".")[2],
-        "accumulate": cfg.trainer.accumulate,
-        "clip_grad_norm": cfg.trainer.clip_grad_norm,
-        "parameters": parameters,
-        "steps_per_epoch": data.steps_per_epoch(),
-        "deterministic": cfg.trainer.deterministic,
-    }
-    log.info(
-        "Training %s on %s (%d samples) | %s on %s | precision %s (autocast %s, TF32 %s) | "
-        "loss scaling %s",
-        run.choices.get("model") or type(model).__name__,
-        run.choices.get("dataset") or type(data).__name__,
-        data.train_size,
-        f"{ran['parameters']:,} parameters",
-        ran["device_name"],
-        precision.mode,
-        ran["autocast_dtype"],
-        "on" if ran["tf32_matmul"] else "off",
-        ran["loss_scaling"],
-    )
-    stop_if_asked(stop, world, run, "while the data loaded and the model was built")
-    run_config = {**config.to_dict(cfg), "ran": ran}
-    tracker = Tracker(run, run_config, cfg.wandb) if world.is_main else NullTracker(run.run_dir)
-    saver = Checkpointer(cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule)
-    parts = Parts(model, forward, data, optimizer, scaler, precision, throughput)
-    try:
-        fit = Fit(cfg, parts, tracker, saver, world, stop)
-        if resume is not None:
-            fit.restore(resume)
-        summary = fit.run()
-        counted = throughput.result()
-        summary["ran"] = {
-            **ran,
-            "final_scale": summary.pop("amp/final_scale"),
-            **scaler.outcome(),
-            "flops_per_sample": counted.flops_per_sample,  # counted in the background
-            "peak_tflops": counted.peak_tflops,
-        }
-        summary["ran"].update(world.check_replicas(model))
-        tracker.update_summary(summary)
-        fit.check_it_trained()
-    except (Preempted, KeyboardInterrupt):
-        tracker.close("interrupted")
-        raise
-    except BaseException as err:
-        with contextlib.suppress(OSError):  # a full disk must not hide the error that stopped us
-            tracker.close("failed", error=error_text(err))
-        raise
-    tracker.close("finished")
-    return summary
-
-
-def stop_if_asked(stop: StopSignals, world: World, run: RunContext, where: str) -> None:
-    """Before training starts, a stop signal ends the run at once: there is nothing to save.
-
-    From the first step on (W&B may still be starting then, in the background) the loop stops at
-    the end of a step and writes a checkpoint instead.
-    """
-    if world.any(bool(stop.received)):
-        name = signal.Signals(stop.received or signal.SIGTERM).name
-        if world.is_main:  # no Tracker yet: summary.json must still say how the run ended
-            record_end(run.run_dir, "interrupted")
-        raise Preempted(
-            stop.received or signal.SIGTERM,
-            f"Stopped by {name} {where}, before the first step: nothing was trained or saved. "
-            f"Start it again with:\n  {rerun_command(run.overrides)}",
-        )
 
 
 def run_context(cfg: DictConfig) -> RunContext:
@@ -263,6 +56,8 @@ def main(cfg: DictConfig) -> float:
     # SIGTERM in the instants before it keeps its default effect, never cli's message
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     run = run_context(cfg)
+    from mpexp.runner import train  # torch and the rest: only now that a run starts
+
     try:
         return train(cfg, run)["val/acc"]
     except Preempted as stopped:
@@ -300,7 +95,10 @@ def last_checkpoint_note(run: RunContext) -> str:
 
 def cli() -> None:
     """The `mpexp-train` command (and `python -m mpexp.train`)."""
-    sys.argv += hydra_overrides_for_rank(sys.argv[1:])  # under torchrun only rank 0 writes
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun only rank 0 writes
+        from mpexp.distributed import hydra_overrides_for_rank
+
+        sys.argv += hydra_overrides_for_rank(sys.argv[1:])
     # a log file that cannot be written (a full disk) must not print a traceback per record
     logging.raiseExceptions = False
     signal.signal(signal.SIGTERM, _stop_before_start)  # until main() starts the run

@@ -4,7 +4,7 @@ In one process on one device, after a warm-up epoch, for each precision mode it 
   tutorial  the loop as the World4AI "Mixed Precision Training" tutorial writes it: a DataLoader
             over the MNIST files with ToTensor and 2 workers, `loss.item()` every step, GradScaler
             for fp16;
-  mpexp     `mpexp.train.train` itself, as `python -m mpexp.train` runs it (W&B off);
+  mpexp     `mpexp.runner.train` itself, as `python -m mpexp.train` runs it (W&B off);
   bare      (CPU only, or with --bare) the same model, optimizer and device-resident batches as
             mpexp, in a loop with no metrics at all: mpexp's overhead is measured against it.
 All loops use the same model, data (MNIST's on-disk format), batch size and precision switches.
@@ -58,10 +58,10 @@ from mpexp.models.deepcnn import DeepCNN  # noqa: E402
 from mpexp.performance import build_optimizer  # noqa: E402
 from mpexp.precision import convert_to_fp8, setup_precision  # noqa: E402
 from mpexp.rollback import BufferRollback  # noqa: E402
+from mpexp.runner import build, train  # noqa: E402
 from mpexp.scaling import build_scaler  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
 from mpexp.tracking import RunContext  # noqa: E402
-from mpexp.train import build, train  # noqa: E402
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 

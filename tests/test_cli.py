@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mpexp.errors import ConfigError
+from mpexp.runner import train
 from mpexp.tracking import RunContext
-from mpexp.train import train
 from mpexp.validate import validate
 from tests.conftest import TINY, make_cfg, run_cli
 

@@ -18,8 +18,8 @@ from mpexp.config import (
 )
 from mpexp.data.base import InMemoryData
 from mpexp.precision import setup_precision
+from mpexp.runner import build
 from mpexp.scaling import build_scaler
-from mpexp.train import build
 from tests.conftest import CONF, CPU, make_cfg
 
 GROUPS = ["dataset", "model", "precision", "loss_scaling", "optimizer", "scheduler", "experiment"]

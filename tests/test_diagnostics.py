@@ -20,9 +20,9 @@ from mpexp.diagnostics import (
     fp16_counts,
 )
 from mpexp.errors import NumericsError
+from mpexp.runner import train
 from mpexp.scaling import build_scaler
 from mpexp.tracking import RunContext, Tracker
-from mpexp.train import train
 from tests.conftest import CPU, TINY, make_cfg, precision_of, run_cli
 from tests.test_training import read_metrics
 from tests.test_wandb import history, leet_records

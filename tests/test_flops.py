@@ -9,8 +9,8 @@ import torch
 
 from mpexp.flops import Throughput, device_peak_tflops, flops_per_sample, throughput
 from mpexp.models.deepcnn import DeepCNN
+from mpexp.runner import train
 from mpexp.tracking import RunContext
-from mpexp.train import train
 from tests.conftest import TINY, make_cfg
 from tests.test_training import read_metrics
 

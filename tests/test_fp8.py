@@ -14,9 +14,9 @@ from torch import nn
 from mpexp import precision as precision_module
 from mpexp.errors import ConfigError
 from mpexp.precision import convert_to_fp8, setup_precision
+from mpexp.runner import train
 from mpexp.scaling import build_scaler
 from mpexp.tracking import RunContext
-from mpexp.train import train
 from tests.conftest import (
     CPU,
     TINY,

@@ -10,8 +10,8 @@ from torch import nn
 
 from mpexp.errors import ConfigError
 from mpexp.precision import FP8_CAPABILITY, convert_to_fp8, setup_precision
+from mpexp.runner import train
 from mpexp.tracking import RunContext
-from mpexp.train import train
 from tests.conftest import TINY, TINY_VIT, VIT_FP8_LAYERS, make_cfg, precision_of
 
 pytestmark = pytest.mark.gpu
@@ -95,9 +95,9 @@ def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode, extra):
     from mpexp.history import StepHistory
     from mpexp.loop import Stepper
     from mpexp.performance import build_optimizer
+    from mpexp.runner import build
     from mpexp.scaling import build_scaler
     from mpexp.tracking import NullTracker
-    from mpexp.train import build
 
     device = cuda()
     cfg = make_cfg(*TINY, f"precision={mode}", "trainer.device=cuda", *extra)

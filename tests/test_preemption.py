@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from mpexp.checkpoint import checkpoint_files
+from mpexp.runner import train
 from mpexp.tracking import RunContext
-from mpexp.train import train
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_distributed import PER_RANK, TORCHRUN
 from tests.test_resume import status, wait_for

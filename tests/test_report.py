@@ -12,8 +12,8 @@ from matplotlib.image import imread
 
 from mpexp.report import cli as report
 from mpexp.report.table import DEFAULT_TOLERANCE, build_report
+from mpexp.runner import train
 from mpexp.tracking import RunContext
-from mpexp.train import train
 from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
 from tests.test_wandb import leet_records

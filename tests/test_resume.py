@@ -18,8 +18,8 @@ import torch
 from mpexp import checkpoint
 from mpexp.checkpoint import checkpoint_files
 from mpexp.errors import ConfigError, OutputError
+from mpexp.runner import train
 from mpexp.tracking import RunContext
-from mpexp.train import train
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
 

@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpexp.data.synthetic import SyntheticData
 from mpexp.loop import evaluate
+from mpexp.runner import train
 from mpexp.tracking import RunContext
-from mpexp.train import train
 from tests.conftest import CPU, TINY, make_cfg, precision_of
 
 STEP_KEYS = {"step", "train/loss", "amp/scale", "amp/skipped_steps", "lr"}

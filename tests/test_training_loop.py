@@ -22,10 +22,10 @@ from mpexp.loop import Stepper, train_step
 from mpexp.models.simplecnn import SimpleCNN
 from mpexp.precision import run_in_float32
 from mpexp.rollback import BufferRollback
+from mpexp.runner import train
 from mpexp.scaling import build_scaler
 from mpexp.schedules import build_schedule, cosine
 from mpexp.tracking import NullTracker, RunContext
-from mpexp.train import train
 from tests.conftest import CPU, TINY, make_cfg, precision_of
 
 NONE = OmegaConf.create({"_target_": None})

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpexp.runner import train
 from mpexp.tracking import RunContext
-from mpexp.train import train
 from tests.conftest import TINY, make_cfg
 
 
