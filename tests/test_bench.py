@@ -11,6 +11,7 @@ import pytest
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow
 def test_cpu_benchmark_prints_its_table_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--device", "cpu", "--train-size", "256", "--batch-size", "64", "--epochs", "1",
@@ -50,6 +51,7 @@ def test_cpu_benchmark_prints_its_table_and_writes_json(tmp_path):
     assert "whole process, experiment=quickstart" in result.stdout
 
 
+@pytest.mark.slow
 def test_vit_in_bf16_against_fp8_as_a_gpu_session_will_run_it(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--device", "cpu", "--model", "vit", "--precisions", "bf16,fp8", "--train-size",

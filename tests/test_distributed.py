@@ -82,6 +82,7 @@ def test_ddp_on_two_ranks_matches_one_process_with_the_same_global_batch(ddp_run
     assert ddp_epoch["val/loss"] == pytest.approx(single_epoch["val/loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_fsdp_in_fp16_trains_like_one_process(tmp_path):
     fp16 = [
         "precision=fp16",
@@ -184,6 +185,7 @@ def test_replica_check_tells_identical_from_diverged_weights(checks):
         assert rank["replicas"] == {"same_seed": True, "seed_per_rank": False}
 
 
+@pytest.mark.slow
 def test_submitit_local_sweep_runs_ddp_inside_each_job(tmp_path, monkeypatch):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e .[slurm]")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # four processes on two cores, as torchrun sets

@@ -203,6 +203,7 @@ def test_fsdp_refuses_fp8_range_statistics(tmp_path):
         train(cfg, RunContext(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_sweep_over_fp32_bf16_fp8_reports_three_configurations(tmp_path):
     vit = [o for o in TINY_VIT if not o.startswith(("trainer.epochs", "wandb"))]
     result = run_cli(

@@ -86,6 +86,7 @@ def fsdp_runs(tmp_path_factory) -> dict[str, Path]:
     return {"cwd": cwd, "whole": whole, "killed": killed}
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoints_are_sharded_folders_with_checksums(fsdp_runs):
     whole = fsdp_runs["whole"]
     (last,) = checkpoint_files(whole)  # keep_checkpoints=1: the newest, at the end
@@ -98,6 +99,7 @@ def test_fsdp_checkpoints_are_sharded_folders_with_checksums(fsdp_runs):
     assert status(whole) == "finished"
 
 
+@pytest.mark.slow
 def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_result(fsdp_runs):
     killed, whole = fsdp_runs["killed"], fsdp_runs["whole"]
     assert status(killed) == "running"
@@ -113,6 +115,7 @@ def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_result(fsdp_runs):
     assert epochs[-1]["val/loss"] == pytest.approx(read_metrics(whole)[1][-1]["val/loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_two_rank_checkpoint_resumes_on_one_rank(fsdp_runs, tmp_path):
     whole = fsdp_runs["whole"]
     # continue the finished 2-rank run for one more epoch, on a single rank; the batch per
@@ -127,6 +130,7 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(fsdp_runs, tmp_path):
     assert epochs[-1]["val/loss"] < epochs[0]["val/loss"]  # it went on learning from the weights
 
 
+@pytest.mark.slow
 def test_a_dataset_change_still_refuses_an_fsdp_resume(fsdp_runs, tmp_path):
     result = run_cli(
         *TORCHRUN, "-m", "mpexp.train", *FSDP, "optimizer.lr=0.5",
@@ -169,6 +173,7 @@ def submitit_tasks() -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 def test_a_preempted_submitit_job_checkpoints_requeues_and_finishes(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install -e .[slurm]")
     env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -315,6 +315,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.slow
 def test_precision_grid_preset_compares_the_grid_with_plain_fp32(tmp_path):
     result = run_cli(
         "mpexp.train", "-m", "experiment=precision_grid", "precision=bf16,fp32",
@@ -337,6 +338,7 @@ def test_precision_grid_preset_compares_the_grid_with_plain_fp32(tmp_path):
     assert grid.index(("fp32", "static", "simplecnn")) < index
 
 
+@pytest.mark.slow
 def test_world4ai_preset_reports_fp32_against_fp16_over_three_seeds(tmp_path):
     """The tutorial's experiment in one command: a precision x seed sweep, aggregated."""
     result = run_cli(
