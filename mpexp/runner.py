@@ -21,7 +21,12 @@ from mpexp.data.base import DataInfo, InMemoryData
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError
 from mpexp.loop import Fit, Parts
-from mpexp.precision import convert_to_fp8, run_in_float32, setup_precision
+from mpexp.precision import (
+    check_fp16_convolutions_on_cpu,
+    convert_to_fp8,
+    run_in_float32,
+    setup_precision,
+)
 from mpexp.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
 from mpexp.scaling import build_scaler
 from mpexp.schedules import build_schedule
@@ -119,6 +124,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         cfg.trainer.peak_tflops or flops.device_peak_tflops(name, precision.effective),
         world.size,
     )
+    precision = check_fp16_convolutions_on_cpu(model, precision)
     # fp8 swaps Linear layers: before fp32_modules wraps forwards and DDP/FSDP/compile take them
     model, precision = convert_to_fp8(
         model, precision, list(cfg.precision.fp32_modules), cfg.trainer.compile

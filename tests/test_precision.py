@@ -80,6 +80,27 @@ def test_16_bit_autocast_that_this_cpu_emulates_warns_once_and_is_recorded(mode,
         assert f"{mode} autocast is emulated on this CPU" in warnings[0]
 
 
+def test_fp16_convolutions_on_a_cpu_warn_once_and_are_recorded_as_emulated(caplog):
+    # their backward pass is slow on any CPU, float16 instructions or not; Linear layers are not
+    from mpexp import precision as module
+
+    conv = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.LazyLinear(10))
+    linear = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    module._warned_emulated.discard("fp16-convolutions")
+    with caplog.at_level(logging.WARNING):
+        fp16 = precision_of("fp16")
+        convs = [module.check_fp16_convolutions_on_cpu(conv, fp16) for _ in range(2)]
+        linears = module.check_fp16_convolutions_on_cpu(linear, fp16)
+        bf16 = module.check_fp16_convolutions_on_cpu(conv, precision_of("bf16"))
+    native = module.cpu_has_native(torch.float16)
+    assert [p.record()["emulated"] for p in convs] == [True, True]
+    assert linears.emulated is (not native)
+    assert bf16.emulated is (not module.cpu_has_native(torch.bfloat16))
+    warnings = [r.getMessage() for r in caplog.records if "convolutions is slow" in r.getMessage()]
+    # once per process; without float16 instructions the emulation warning has said it already
+    assert len(warnings) == (1 if native else 0)
+
+
 def test_a_16_bit_mode_that_asks_for_tf32_says_so_in_its_name():
     cfg = make_cfg("precision=fp16", "precision.tf32=true").precision
     precision = setup_precision(cfg, CPU)
