@@ -179,7 +179,8 @@ def _accuracy_section(report: Report) -> list[str]:
         "means over the seeds ± the half-width of their 95 % interval (Student's t; none for "
         "n = 1). Δ columns: this configuration minus its fp32 reference (the fp32 configuration "
         "with the same other overrides; in a precision x loss-scaling grid the one without loss "
-        "scaling), with Welch's interval. Final val accuracy in percent, Δ in percentage points.",
+        "scaling), with its 95 % interval: that of the per-seed differences when both ran the "
+        "same seeds (paired), else Welch's. Final val accuracy in percent, Δ in percentage points.",
         "",
         f"Parity judges the interval of Δ val acc against the tolerance of {report.tolerance:g} "
         "points (`--tolerance`): *within noise* when the whole interval lies above "
