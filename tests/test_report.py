@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from matplotlib.image import imread
+from omegaconf import OmegaConf
 
 from mpexp.report import cli as report
 from mpexp.report.table import DEFAULT_TOLERANCE, build_report
@@ -336,6 +337,24 @@ def test_precision_grid_preset_compares_the_grid_with_plain_fp32(tmp_path):
     assert accuracy[index]["parity"] == "fp32 reference"
     assert speed[index]["speedup"] == "1.00x" and accuracy[index]["Δ val acc (points)"] == "+0.00"
     assert grid.index(("fp32", "static", "simplecnn")) < index
+
+
+@pytest.mark.slow
+def test_hparams_search_preset_runs_optunas_trials_and_names_the_best_learning_rate(tmp_path):
+    result = run_cli(
+        "mpexp.train", "-m", "experiment=hparams_search", "precision=bf16", *SMALL,
+        "hydra.sweeper.n_trials=2", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    sweep = sweep_dir(tmp_path)
+    trials = [json.loads((sweep / str(n) / "summary.json").read_text()) for n in range(2)]
+    lrs = [OmegaConf.load(sweep / str(n) / ".hydra" / "config.yaml").optimizer.lr for n in range(2)]
+    assert len(set(lrs)) == 2 and all(1e-5 <= lr <= 1e-1 for lr in lrs)  # the searched range
+    best = (sweep / "optimization_results.yaml").read_text()
+    # the returned value is the final val accuracy, maximised
+    accuracies = [t["val/acc"] for t in trials]
+    assert f"best_value: {max(accuracies)}" in best
+    assert f"optimizer.lr: {lrs[accuracies.index(max(accuracies))]}" in best
 
 
 @pytest.mark.slow
