@@ -69,10 +69,12 @@ def build_model(node: DictConfig, info: DataInfo, name: str | None) -> torch.nn.
     return model
 
 
-def train(cfg: DictConfig, run: RunContext) -> dict:
+def train(cfg: DictConfig, run: RunContext, stop: StopSignals | None = None) -> dict:
     """Train as `cfg` says, log to `run.run_dir` (and W&B), return the final metrics.
 
     With `trainer.resume`, continue that run instead: in its directory, under its W&B run id.
+    `stop`: stop signals already being caught (the command line catches them from its start);
+    without it, they are caught from here on.
     """
     validate(cfg)
     auto = cfg.trainer.resume == AUTO  # the run dir's newest checkpoint, found once it is known
@@ -80,7 +82,7 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
     set_deterministic(cfg.trainer.deterministic)
     # signals from here on only ask to stop, at the next point where stopping loses nothing
     with (
-        StopSignals() as stop,
+        contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop,
         start_world(cfg.trainer.strategy, resolve_device(cfg.trainer.device)) as world,
     ):
         if resume is not None:
@@ -98,6 +100,7 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
 def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSignals) -> dict:
     if world.is_main and resume is None:
         refuse_if_taken(run.run_dir, restart=cfg.trainer.resume == AUTO)
+    stop_if_asked(stop, world, run, "as the run started")  # e.g. while torch was imported
     if resume is not None:
         if world.is_main:
             resume.rewind()

@@ -22,7 +22,7 @@ from mpexp import config
 from mpexp.errors import UserError
 from mpexp.hydra_hooks import register_resolvers, sweep_job_name
 from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
-from mpexp.stopping import Preempted, preemption_signal
+from mpexp.stopping import Preempted, StopSignals, preemption_signal
 from mpexp.tracking import RunContext, record_end
 
 log = logging.getLogger("mpexp")
@@ -52,14 +52,11 @@ def run_context(cfg: DictConfig) -> RunContext:
 
 @hydra.main(version_base="1.3", config_path=str(config.config_dir()), config_name="train")
 def main(cfg: DictConfig) -> float:
-    # from here on a run directory exists: StopSignals (in train) handles stop signals, and a
-    # SIGTERM in the instants before it keeps its default effect, never cli's message
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     run = run_context(cfg)
-    from mpexp.runner import train  # torch and the rest: only now that a run starts
-
     try:
-        return train(cfg, run)["val/acc"]
+        from mpexp.runner import train  # torch and the rest: only now that a run starts
+
+        return train(cfg, run, _stop)["val/acc"]
     except Preempted as stopped:
         log.warning("%s", stopped)
         if stopped.signum == preemption_signal():
@@ -68,6 +65,8 @@ def main(cfg: DictConfig) -> float:
             signal.raise_signal(stopped.signum)
         raise SystemExit(128 + stopped.signum) from None  # the shell's convention for a signal
     except KeyboardInterrupt:  # a second Ctrl-C: out at once, without a checkpoint
+        if int(os.environ.get("RANK", "0")) == 0:
+            record_end(run.run_dir, "interrupted")  # also when it came before the first step
         log.warning("Stopped at once by a second Ctrl-C. %s", last_checkpoint_note(run))
         raise SystemExit(128 + signal.SIGINT) from None
     except Exception as err:
@@ -93,31 +92,32 @@ def last_checkpoint_note(run: RunContext) -> str:
     )
 
 
+# the stop signals that `cli` catches from its start, for the run that `main` starts
+_stop: StopSignals | None = None
+
+
 def cli() -> None:
     """The `mpexp-train` command (and `python -m mpexp.train`)."""
+    global _stop
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun only rank 0 writes
         from mpexp.distributed import hydra_overrides_for_rank
 
         sys.argv += hydra_overrides_for_rank(sys.argv[1:])
     # a log file that cannot be written (a full disk) must not print a traceback per record
     logging.raiseExceptions = False
-    signal.signal(signal.SIGTERM, _stop_before_start)  # until main() starts the run
-    try:
-        main()
-    except KeyboardInterrupt:  # before the run started: Hydra was still composing the config
-        sys.stderr.write("Interrupted before the run started; nothing was written.\n")
-        raise SystemExit(128 + signal.SIGINT) from None
-    except StoppedBeforeStart:
-        sys.stderr.write("Stopped by SIGTERM before the run started; nothing was written.\n")
-        raise SystemExit(128 + signal.SIGTERM) from None
-
-
-class StoppedBeforeStart(BaseException):
-    """SIGTERM while Hydra composed the config, before any run directory existed."""
-
-
-def _stop_before_start(signum, frame) -> None:
-    raise StoppedBeforeStart
+    # From the start a stop signal only asks to stop: while Hydra composes the config and the
+    # run imports torch (seconds, with the run dir already made), the run checks it before its
+    # first step and ends as interrupted, with one line.
+    with StopSignals() as _stop:
+        try:
+            main()
+        except KeyboardInterrupt:  # a second Ctrl-C before the run started
+            sys.stderr.write("Interrupted before the run started; nothing was trained.\n")
+            raise SystemExit(128 + signal.SIGINT) from None
+    if _stop.received:  # nothing ran that would have answered it: --help, --cfg, a sweep's end
+        name = signal.Signals(_stop.received).name
+        sys.stderr.write(f"Stopped by {name}; nothing was trained.\n")
+        raise SystemExit(128 + _stop.received)
 
 
 if __name__ == "__main__":

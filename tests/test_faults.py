@@ -9,8 +9,8 @@
 | new run in a dir holding a run | one line naming trainer.resume, exit 2 | the old run |
 | second process on a live run's dir | one line naming the pid, exit 2 | the live run |
 | checkpoint write fails (full disk) | one line: last good checkpoint, resume | that one |
-| stop signal while Hydra composes | one line, 128+sig | - |
-| stop signal while data loads | one line, status interrupted, 128+sig | - |
+| stop signal that no run answers (--cfg) | one line, 128+sig | - |
+| stop signal as the run starts, data loads | one line, status interrupted, 128+sig | - |
 | stop signal while W&B starts | one line naming the checkpoint, interrupted | the checkpoint |
 | a second Ctrl-C | one line naming the last checkpoint, 130 | checkpoints |
 | a run with no step per epoch | one line, exit 2, before training | - |
@@ -213,6 +213,21 @@ def test_a_stop_signal_while_wandb_starts_checkpoints_at_the_first_step(tmp_path
     assert re.fullmatch(r"[a-z0-9]{8}", torch.load(saved, weights_only=False)["wandb_id"])
 
 
+def test_a_stop_signal_as_the_run_starts_ends_it_interrupted_with_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_cli(*ARGS, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    # Hydra has made the run dir; the run now imports torch and builds data and model
+    wait_for(lambda: (run_dir / ".hydra" / "config.yaml").exists(), proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert "Traceback" not in output
+    assert "Stopped by SIGTERM" in output and "before the first step" in output
+    assert status(run_dir) == "interrupted"
+    assert not checkpoint_files(run_dir)
+
+
 def test_a_stop_signal_before_the_first_step_marks_the_run_interrupted(tmp_path):
     stop = StopSignals()
     stop.received = signal.SIGTERM  # as if it came while the data loaded
@@ -224,19 +239,15 @@ def test_a_stop_signal_before_the_first_step_marks_the_run_interrupted(tmp_path)
     assert status(tmp_path) == "interrupted"
 
 
-def test_a_stop_signal_while_hydra_composes_ends_with_one_line(monkeypatch, capsys):
+def test_a_stop_signal_that_no_run_answered_ends_the_command_with_one_line(monkeypatch, capsys):
+    # e.g. during `--cfg job`: Hydra composes and prints, and no run starts that would stop
     monkeypatch.setattr(mpexp.train, "main", lambda: os.kill(os.getpid(), signal.SIGTERM))
     monkeypatch.setattr(sys, "argv", ["mpexp-train"])
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        with pytest.raises(SystemExit) as exited:
-            mpexp.train.cli()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with pytest.raises(SystemExit) as exited:
+        mpexp.train.cli()
     assert exited.value.code == 128 + signal.SIGTERM
-    assert capsys.readouterr().err == (
-        "Stopped by SIGTERM before the run started; nothing was written.\n"
-    )
+    assert capsys.readouterr().err == "Stopped by SIGTERM; nothing was trained.\n"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
 
 
 def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
