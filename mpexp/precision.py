@@ -34,7 +34,7 @@ FP8_CAPABILITY = (8, 9)
 # both sizes of an fp8 matrix multiply must be multiples of 16 (torch._scaled_mm's rule); layers
 # that break it are left in bf16 on every device, so that CPU and GPU runs convert the same ones
 FP8_MULTIPLE = 16
-FP8_INSTALL = 'pip install "mpexp[fp8]"'
+FP8_INSTALL = 'pip install "torchao>=0.18,<0.19"  (or the fp8 extra: pip install -e ".[fp8]")'
 
 
 def mode_name(autocast_dtype: torch.dtype | None, tf32: bool, fp8: bool = False) -> str:

@@ -30,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,6 +61,7 @@ from mpexp.precision import convert_to_fp8, setup_precision  # noqa: E402
 from mpexp.rollback import BufferRollback  # noqa: E402
 from mpexp.runner import build, train  # noqa: E402
 from mpexp.scaling import build_scaler  # noqa: E402
+from mpexp.stopping import Preempted  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
 from mpexp.tracking import RunContext  # noqa: E402
 
@@ -480,7 +482,14 @@ def table(result: dict) -> str:
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    result = run(args)
+    try:
+        result = run(args)
+    except (Preempted, KeyboardInterrupt) as stopped:
+        # mpexp's loop answers a stop signal with a checkpoint in a temporary run dir that the
+        # benchmark deletes: nothing to resume, so no resume command and no traceback
+        signum = getattr(stopped, "signum", signal.SIGINT)
+        print(f"bench.py: stopped by {signal.Signals(signum).name}; nothing was measured.")
+        raise SystemExit(128 + signum) from None
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

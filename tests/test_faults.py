@@ -365,12 +365,16 @@ def test_a_damaged_cifar_batch_is_named(tmp_path):
         CIFAR10Data(root=str(tmp_path), download=False, batch_size=8).setup(torch.device("cpu"))
 
 
-def test_a_failed_download_leaves_no_empty_folders(tmp_path, monkeypatch):
+def test_a_failed_download_says_why_and_leaves_no_empty_folders(tmp_path, monkeypatch):
     # a real download attempt by torchvision, to a port where nothing listens
     monkeypatch.setattr(torchvision.datasets.MNIST, "mirrors", ["http://127.0.0.1:9/"])
     root = tmp_path / "new" / "data"
-    with pytest.raises(DataError, match="could not be downloaded"):
+    with pytest.raises(DataError, match="could not be downloaded") as failed:
         MNISTData(root=str(root), download=True, batch_size=8).setup(torch.device("cpu"))
+    # torchvision's reason is on the lines under its first: the message keeps it on one line
+    first = str(failed.value).splitlines()[0]
+    assert "Error downloading train-images-idx3-ubyte.gz (" in first
+    assert "refused" in first.lower()
     assert list(tmp_path.iterdir()) == []
 
 

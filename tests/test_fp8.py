@@ -179,7 +179,7 @@ def test_without_torchao_fp8_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(ConfigError) as err:
         precision_of("fp8")
-    assert 'pip install "mpexp[fp8]"' in str(err.value)
+    assert 'pip install "torchao>=0.18,<0.19"' in str(err.value)
 
 
 @pytest.mark.parametrize(

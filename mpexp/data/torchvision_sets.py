@@ -41,10 +41,21 @@ def open_torchvision(cls, root: str, download: bool, expected: str, check: Calla
             else "is not there and dataset.download=false"
         )
         raise DataError(
-            f"{cls.__name__} {how}: {str(err).strip().splitlines()[0]}\n"
+            f"{cls.__name__} {how}: {_reason(err)}\n"
             f"Put the files at {root_path.resolve() / expected} (or set dataset.root=<dir> to "
             "where they are), or train offline on generated data with dataset=synthetic."
         ) from None
+
+
+def _reason(err: Exception) -> str:
+    """The error in one line. torchvision's failed download lists every mirror it tried, one
+    error per line under "Error downloading <file>:"; the last mirror's error stands for them."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0][:-1]} ({lines[-1]})"
+    return lines[0]
 
 
 def _folders(root: Path) -> set[Path]:

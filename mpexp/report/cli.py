@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         "--wandb",
         choices=("auto", "online", "offline", "disabled"),
         default="auto",
-        help="log the table to W&B; auto: only when the runs were logged online (default)",
+        help="log the table to W&B as a run in the sweep's group; auto (the default): the way "
+        "the runs were logged (online, or offline into <out>/wandb-report for a later wandb "
+        "sync), not at all when they were not",
     )
     args = parser.parse_args(argv)
     try:
