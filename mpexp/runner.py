@@ -69,20 +69,21 @@ def build_model(node: DictConfig, info: DataInfo, name: str | None) -> torch.nn.
     return model
 
 
-def train(cfg: DictConfig, run: RunContext, stop: StopSignals | None = None) -> dict:
+def train(cfg: DictConfig, run: RunContext) -> dict:
     """Train as `cfg` says, log to `run.run_dir` (and W&B), return the final metrics.
 
     With `trainer.resume`, continue that run instead: in its directory, under its W&B run id.
-    `stop`: stop signals already being caught (the command line catches them from its start);
-    without it, they are caught from here on.
+    Stop signals are caught from here on, or from earlier where the command line already does.
     """
     validate(cfg)
     auto = cfg.trainer.resume == AUTO  # the run dir's newest checkpoint, found once it is known
     resume = None if auto else open_resume(cfg)
     set_deterministic(cfg.trainer.deterministic)
-    # signals from here on only ask to stop, at the next point where stopping loses nothing
+    # signals from here on only ask to stop, at the next point where stopping loses nothing (the
+    # command line has caught them since it started; a job run by a launcher catches them here)
+    caught = StopSignals.active()
     with (
-        contextlib.nullcontext(stop) if stop is not None else StopSignals() as stop,
+        contextlib.nullcontext(caught) if caught else StopSignals() as stop,
         start_world(cfg.trainer.strategy, resolve_device(cfg.trainer.device)) as world,
     ):
         if resume is not None:

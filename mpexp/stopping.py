@@ -55,13 +55,27 @@ class StopSignals:
         self.received = signum
 
     def __enter__(self) -> StopSignals:
+        global _active
         # Python allows signal handlers only in the main thread; elsewhere signals keep their
         # default effect.
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
+        self._outer, _active = _active, self
         return self
 
     def __exit__(self, *exc) -> None:
+        global _active
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        _active = self._outer
+
+    @staticmethod
+    def active() -> StopSignals | None:
+        """The StopSignals entered in this process, if any: the command line's, which catches
+        signals from its start. A module global, not something handed down, so that a job that a
+        launcher (submitit) runs in a process of its own sets up its own."""
+        return _active
+
+
+_active: StopSignals | None = None

@@ -56,7 +56,7 @@ def main(cfg: DictConfig) -> float:
     try:
         from mpexp.runner import train  # torch and the rest: only now that a run starts
 
-        return train(cfg, run, _stop)["val/acc"]
+        return train(cfg, run)["val/acc"]  # under cli's StopSignals, when cli started it
     except Preempted as stopped:
         log.warning("%s", stopped)
         if stopped.signum == preemption_signal():
@@ -92,13 +92,8 @@ def last_checkpoint_note(run: RunContext) -> str:
     )
 
 
-# the stop signals that `cli` catches from its start, for the run that `main` starts
-_stop: StopSignals | None = None
-
-
 def cli() -> None:
     """The `mpexp-train` command (and `python -m mpexp.train`)."""
-    global _stop
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun only rank 0 writes
         from mpexp.distributed import hydra_overrides_for_rank
 
@@ -108,16 +103,16 @@ def cli() -> None:
     # From the start a stop signal only asks to stop: while Hydra composes the config and the
     # run imports torch (seconds, with the run dir already made), the run checks it before its
     # first step and ends as interrupted, with one line.
-    with StopSignals() as _stop:
+    with StopSignals() as stop:
         try:
             main()
         except KeyboardInterrupt:  # a second Ctrl-C before the run started
             sys.stderr.write("Interrupted before the run started; nothing was trained.\n")
             raise SystemExit(128 + signal.SIGINT) from None
-    if _stop.received:  # nothing ran that would have answered it: --help, --cfg, a sweep's end
-        name = signal.Signals(_stop.received).name
+    if stop.received:  # nothing ran that would have answered it: --help, --cfg, a sweep's end
+        name = signal.Signals(stop.received).name
         sys.stderr.write(f"Stopped by {name}; nothing was trained.\n")
-        raise SystemExit(128 + _stop.received)
+        raise SystemExit(128 + stop.received)
 
 
 if __name__ == "__main__":
