@@ -9,8 +9,14 @@ convention behind MFU figures); elementwise work is small next to them. A batch 
 
 The loop turns it into `perf/tflops` from numbers it has anyway (samples trained / epoch time): no
 extra synchronisation. The count runs in a background thread while training begins: the first
-dispatch mode a process enters (FlopCounterMode is one) imports TorchDynamo, over a second of
-start-up that the first epoch need not wait for.
+dispatch mode a process enters imports TorchDynamo, over a second of start-up that the first epoch
+need not wait for.
+
+The count is not FlopCounterMode itself but a dispatch mode over its formulas: FlopCounterMode
+attributes FLOPs to modules through global module hooks, which fire in every thread. On an H100
+they fired inside torch.compile's tracing of the model in the training thread and broke it
+("already tracked for mutation"). A dispatch mode is thread-local: the training thread never
+sees it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +62,26 @@ def flops_per_sample(model: nn.Module, batch_shape: tuple[int, ...]) -> float:
     meta = model if any(p.is_meta for p in model.parameters()) else copy.deepcopy(model).to("meta")
     images = torch.zeros(batch_shape, device="meta")
     labels = torch.zeros(batch_shape[0], dtype=torch.long, device="meta")
-    with FlopCounterMode(display=False) as counter:
+    with _FlopCount() as counter:
         F.cross_entropy(meta(images), labels).backward()
-    return counter.get_total_flops() / batch_shape[0]
+    return counter.total / batch_shape[0]
+
+
+class _FlopCount(TorchDispatchMode):
+    """FlopCounterMode's total with its formulas (torch.utils.flop_counter.flop_registry), and none
+    of its module tracking: nothing outside this thread's dispatch changes while it counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 @dataclass(frozen=True)

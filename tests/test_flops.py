@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import pytest
 import torch
@@ -67,6 +68,33 @@ def test_counting_leaves_the_model_and_random_state_alone():
     assert all(torch.equal(before[k], after[k]) for k in before)  # incl. BatchNorm statistics
     assert all(p.grad is None for p in model.parameters())
     assert next(model.parameters()).device.type == "cpu"
+
+
+class HookSpy(torch.nn.Module):
+    """Records the global module hooks in place while its forward runs (in a class list: the
+    count runs on a copy of the model)."""
+
+    seen: ClassVar[list[int]] = []
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+
+    def forward(self, x):
+        from torch.nn.modules import module as m
+
+        HookSpy.seen.append(len(m._global_forward_pre_hooks) + len(m._global_forward_hooks))
+        return self.conv(x).flatten(1)
+
+
+def test_counting_sets_no_global_module_hooks():
+    """Global module hooks fire in every thread: set while the background count ran, they broke
+    torch.compile's tracing of the model in the training thread (seen on an H100: "already
+    tracked for mutation"). The count is a thread-local dispatch mode and sets none."""
+    spy = HookSpy()
+    # forward and the weight gradient (images need none): 2 FLOPs x 9 taps x 4 channels x 9 pixels
+    assert flops_per_sample(spy, (2, 1, 5, 5)) == 2 * (2 * 9 * 4 * 9)
+    assert HookSpy.seen == [0]
 
 
 @pytest.mark.parametrize(
