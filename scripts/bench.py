@@ -5,8 +5,9 @@ In one process on one device, after a warm-up epoch, for each precision mode it 
             over the MNIST files with ToTensor and 2 workers, `loss.item()` every step, GradScaler
             for fp16;
   mpexp     `mpexp.runner.train` itself, as `python -m mpexp.train` runs it (W&B off);
-  bare      (CPU only, or with --bare) the same model, optimizer and device-resident batches as
-            mpexp, in a loop with no metrics at all: mpexp's overhead is measured against it.
+  bare      (CPU only, or with --bare) the same model, optimizer, device-resident batches and
+            speed switches (memory format, compilation, cuDNN autotuning) as mpexp, in a loop
+            with no metrics at all: mpexp's overhead is measured against it.
 All loops use the same model, data (MNIST's on-disk format), batch size and precision switches.
 
 It also measures what a step pays so that a skipped step can leave BatchNorm's statistics as they
@@ -51,12 +52,11 @@ from torchvision import transforms as T
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mpexp import config  # noqa: E402
+from mpexp import config, performance  # noqa: E402
 from mpexp.data.mnist import MNISTData, write_mnist_files  # noqa: E402
 from mpexp.data.synthetic import SyntheticData  # noqa: E402
 from mpexp.flops import device_peak_tflops, flops_per_sample  # noqa: E402
 from mpexp.models.deepcnn import DeepCNN  # noqa: E402
-from mpexp.performance import build_optimizer  # noqa: E402
 from mpexp.precision import convert_to_fp8, setup_precision  # noqa: E402
 from mpexp.rollback import BufferRollback  # noqa: E402
 from mpexp.runner import build, train  # noqa: E402
@@ -100,6 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, help="timed epochs; one more runs first as warm-up")
     p.add_argument("--data-root", help="a folder with MNIST/raw files; default: generated ones")
     p.add_argument("--bare", action="store_true", help="also time the bare loop on CUDA")
+    p.add_argument(
+        "--no-tutorial",
+        action="store_true",
+        help="skip the tutorial's loop (it takes no compile or memory-format switch anyway)",
+    )
     p.add_argument("--peak-tflops", type=float, help="the device's peak, for unlisted GPUs")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument(
@@ -222,12 +227,16 @@ def time_bare(args, root: Path, precision: str) -> dict:
     """mpexp's model, optimizer, scaler and device-resident batches with no metrics at all."""
     device = args.device
     cfg = mpexp_config(args, root, precision, 1)
+    performance.configure_backends(device, cfg.trainer)
     mode = setup_precision(cfg.precision, device)
     data = MNISTData(root=str(root), download=False, batch_size=args.batch_size)
+    data.memory_format = performance.memory_format(cfg.trainer.channels_last)
     data.setup(device)
-    model = model_for(args, mode)
+    weights = model_for(args, mode)
+    performance.apply_memory_format(weights, cfg.trainer)  # the speed switches a run applies
     scaler = build_scaler(cfg.loss_scaling, mode, device)
-    optimizer = build_optimizer(cfg, model, device, scaler)
+    optimizer = performance.build_optimizer(cfg, weights, device, scaler)
+    model = performance.compile_model(weights, cfg.trainer)
     times = []
     for epoch in range(args.epochs + 1):
         synchronize(device)
@@ -332,7 +341,7 @@ def run(args) -> dict:
         for precision in args.precisions:
             row = {
                 "precision": precision,
-                "tutorial": time_tutorial(args, root, precision),
+                "tutorial": None if args.no_tutorial else time_tutorial(args, root, precision),
                 "mpexp": time_mpexp(args, root, precision),
             }
             if with_bare:
@@ -345,20 +354,21 @@ def run(args) -> dict:
     results = []
     for r in rows:
         mpexp_s = r["mpexp"]["s"]
+        tutorial = r["tutorial"] or {"s": None, "mem": None}
         tflops = flops * samples / mpexp_s / 1e12
         peak = device_peak(args, name, r["precision"])
         out = {
             "precision": r["precision"],
-            "tutorial_s_per_epoch": r["tutorial"]["s"],
+            "tutorial_s_per_epoch": tutorial["s"],
             "mpexp_s_per_epoch": mpexp_s,
-            "speedup_vs_tutorial": r["tutorial"]["s"] / mpexp_s,
+            "speedup_vs_tutorial": tutorial["s"] and tutorial["s"] / mpexp_s,
             "speedup_vs_fp32": base["mpexp"]["s"] / mpexp_s if base else None,
             "speedup_vs_bf16": bf16["mpexp"]["s"] / mpexp_s if bf16 else None,
             "tflops": tflops,
             "peak_fraction": tflops / peak if peak else None,
             "peak_mem_mib": r["mpexp"]["mem"],
             "mem_vs_fp32": r["mpexp"]["mem"] / base["mpexp"]["mem"] if base else None,
-            "tutorial_peak_mem_mib": r["tutorial"]["mem"],
+            "tutorial_peak_mem_mib": tutorial["mem"],
         }
         if "bare" in r:
             out["bare_s_per_epoch"] = r["bare"]["s"]
