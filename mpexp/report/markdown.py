@@ -294,7 +294,10 @@ def _speed_section(report: Report) -> list[str]:
     ]
     kinds = {c.mem_kind for c in report.configs}
     if "cuda" in kinds:
-        notes.append("Peak memory on a GPU: the largest per-epoch peak of CUDA tensor memory.")
+        notes.append(
+            "Peak memory on a GPU: the largest per-epoch peak of CUDA tensor memory over the "
+            "timed epochs (the first epoch's also holds cuDNN's autotuning workspaces)."
+        )
     if "rss" in kinds:
         notes.append(
             "Peak memory on CPU: the process's resident set size, which counts the whole Python "

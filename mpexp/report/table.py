@@ -37,9 +37,9 @@ PRECISION_KEYS = ("precision", "loss_scaling")
 
 @dataclass(eq=False)  # identity: a run is itself, whatever its numbers
 class Row:
-    """One finished run's numbers. Timing comes from the epochs after the first, which pays
-    one-off costs (cuDNN autotuning, allocator growth, lazy initialisation) that say nothing about
-    the precision; a one-epoch run has only that epoch to offer."""
+    """One finished run's numbers. Timing and peak memory come from the epochs after the first,
+    which pays one-off costs (cuDNN autotuning, allocator growth, lazy initialisation) that say
+    nothing about the precision; a one-epoch run has only that epoch to offer."""
 
     run: Run
     folder: str  # its directory, relative to the report's
@@ -103,7 +103,9 @@ def measure(run: Run, folder: str, label: str) -> Row:
         samples_per_s=statistics.median(e["perf/samples_per_s"] for e in timed_epochs),
         tflops=_median_of(timed_epochs, "perf/tflops"),  # runs from before mpexp logged it lack it
         mfu=_median_of(timed_epochs, "perf/mfu"),  # only where the device's peak was known
-        peak_mem_mib=max(e[mem_key] for e in run.epochs),
+        # the timed epochs' too: the first epoch's CUDA peak holds cuDNN's autotuning workspaces
+        # (DeepCNN in fp32 on an H100: 4628 MiB, then 1120), which are no precision's footprint
+        peak_mem_mib=max(e[mem_key] for e in timed_epochs),
         mem_kind=MEMORY_KEYS[mem_key],
         val_loss=last["val/loss"],
         val_acc=last["val/acc"],
