@@ -72,3 +72,28 @@ def test_vit_in_bf16_against_fp8_as_a_gpu_session_will_run_it(tmp_path):
     assert bf16["speedup_vs_bf16"] == 1.0 and bf16["speedup_vs_fp32"] is None
     assert fp8["speedup_vs_bf16"] == bf16["mpexp_s_per_epoch"] / fp8["mpexp_s_per_epoch"]
     assert "precision=fp8 runs emulated on CPU" in result.stderr
+
+
+def test_profile_step_names_where_a_steps_time_goes(tmp_path):
+    """scripts/profile_step.py on CPU, tiny: each precision's wall time per step and the
+    operators that took the most time, the convolutions among them."""
+    out = tmp_path / "profile.json"
+    args = ["--device", "cpu", "--model", "simplecnn", "--precisions", "fp32,bf16",
+            "--steps", "2", "--warmup", "1", "--batch-size", "16", "--json", str(out),
+            "model.width=8"]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "profile_step.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "fp32: " in result.stdout and "bf16: " in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["precision"] for r in rows] == ["fp32", "bf16"]
+    for row in rows:
+        assert row["wall_ms_per_step"] > 0
+        assert row["device_busy_ms_per_step"] is None  # no GPU: no kernel timeline
+        ops = [t["op"] for t in row["top"]]
+        assert any("convolution" in op for op in ops), ops

@@ -69,11 +69,10 @@ def test_channels_last_and_compile_paths_train_on_cuda(tmp_path, switch):
     assert saved["val/loss"] < 2.3
 
 
-@pytest.mark.parametrize("mode", ["fp32", "fp16"])
-def test_cuda_graphs_record_each_steps_own_loss(tmp_path, mode):
+def test_cuda_graphs_record_each_steps_own_loss(tmp_path, mode="fp16"):
     """compile_mode=reduce-overhead replays CUDA graphs, and each replay overwrites the last one's
     outputs: the per-step losses a run records must still be each step's own, as an eager run
-    records them (fp16: with the loss scaler and the BatchNorm rollback around the graphs)."""
+    records them, with the loss scaler and the BatchNorm rollback around the graphs."""
     losses = {}
     for name, extra in {
         "eager": [],
