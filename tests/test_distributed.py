@@ -276,15 +276,26 @@ def test_a_single_process_world_changes_nothing():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_gpus_train_over_nccl(tmp_path, strategy):
-    args = [f"trainer.strategy={strategy}", *ONE_EPOCH, PER_RANK, "precision=bf16"]
-    result = run_cli(*TORCHRUN, "-m", "mpexp.train", *args, cwd=tmp_path)
+@pytest.mark.parametrize(
+    ("ranks", "strategy"),
+    [
+        (1, "ddp"),
+        pytest.param(2, "ddp", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                         reason="needs two CUDA GPUs")),
+        pytest.param(2, "fsdp", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                          reason="needs two CUDA GPUs")),
+    ],
+)  # fmt: skip
+def test_gpus_train_over_nccl(tmp_path, ranks, strategy):
+    """DDP over NCCL on one GPU (any GPU machine has that), and DDP and FSDP on two."""
+    launch = (*TORCHRUN[:-1], f"--nproc_per_node={ranks}")
+    batch = PER_RANK if ranks == 2 else GLOBAL
+    args = [f"trainer.strategy={strategy}", *ONE_EPOCH, batch, "precision=bf16"]
+    result = run_cli(*launch, "-m", "mpexp.train", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = only_run_dir(tmp_path)
     ran = json.loads((run_dir / "summary.json").read_text())["ran"]
-    assert (ran["backend"], ran["device"], ran["world_size"]) == ("nccl", "cuda:0", 2)
+    assert (ran["backend"], ran["device"], ran["world_size"]) == ("nccl", "cuda:0", ranks)
     assert ran.get("replicas_identical", True) is True
     _, epochs = read_metrics(run_dir)
     assert "mem/peak_allocated_mib" in epochs[0]
