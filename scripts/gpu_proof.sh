@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The GPU proof in one command, for a CUDA machine (an H100 or H200): the GPU-marked tests, the
-# benchmark (tutorial loop, mpexp, bare loop; DeepCNN on 60,000 MNIST-format samples per epoch,
-# batch 256) eager, with channels_last, and compiled with CUDA graphs, and a four-precision sweep
-# with its report; EXTRA=1 adds plain torch.compile, fp32 with CUDA graphs, the profiler's view
-# of a step (scripts/profile_step.py) and ViT's step in bf16 against fp8. Everything lands in one
-# folder, as logs, JSON and markdown; the sweep is tarred without its checkpoints. Sized to end
-# inside 8 minutes on an H100 from the parts' times there (docs/benchmarks.md), EXTRA=1 in 13.
+# The GPU proof in one command, for a CUDA machine (an H100 or H200): the GPU-marked tests; the
+# benchmark (DeepCNN on 60,000 MNIST-format samples per epoch, batch 256) eager for all four
+# precisions against the tutorial's loop and the bare loop (one timed epoch each), then fp16 and
+# bf16 against the bare loop with channels_last and compiled with CUDA graphs; and a
+# four-precision sweep with its report. EXTRA=1 adds plain torch.compile, fp32 with CUDA graphs,
+# the profiler's view of a step (scripts/profile_step.py) and ViT's step in bf16 against fp8.
+# Everything lands in one folder, as logs, JSON and markdown; the sweep is tarred without its
+# checkpoints. From its parts' times on an H100 (docs/measurements/h100-2026-11-22/README.md) it
+# should end inside 8 minutes; it has not yet run end to end in one call.
 #
 #   scripts/gpu_proof.sh [OUT_DIR]            # default: gpu-proof/
 #
