@@ -11,19 +11,25 @@ import pytest
 from tests.conftest import ROOT
 
 
+def run_script(name: str, args: list[str], cwd) -> subprocess.CompletedProcess:
+    """One of scripts/ as a user runs it, from another folder; it must succeed."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+    )
+    assert result.returncode == 0, result.stderr
+    return result
+
+
 @pytest.mark.slow
 def test_cpu_benchmark_prints_its_table_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     args = ["--device", "cpu", "--train-size", "256", "--batch-size", "64", "--epochs", "1",
             "--process-repeats", "1", "--process-size", "1", "256"]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr
+    result = run_script("bench.py", [*args, "--json", str(out)], tmp_path)
     assert "precision | tutorial s/ep | mpexp s/ep | vs tutorial" in result.stdout
     assert "fp32 |" in result.stdout and "overhead" in result.stdout
 
@@ -58,14 +64,7 @@ def test_vit_in_bf16_against_fp8_as_a_gpu_session_will_run_it(tmp_path):
             "256", "--batch-size", "64", "--epochs", "1", "--process-repeats", "0",
             "--json", str(out), "model.patch_size=7", "model.width=32", "model.depth=1",
             "model.heads=2"]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr
+    result = run_script("bench.py", args, tmp_path)
     assert "| vs fp32 | vs bf16 |" in result.stdout
     bf16, fp8 = json.loads(out.read_text())["rows"]
     assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8")
@@ -76,19 +75,12 @@ def test_vit_in_bf16_against_fp8_as_a_gpu_session_will_run_it(tmp_path):
 
 def test_profile_step_names_where_a_steps_time_goes(tmp_path):
     """scripts/profile_step.py on CPU, tiny: each precision's wall time per step and the
-    operators that took the most time, the convolutions among them."""
+    operators that took the most CPU time, the convolutions among them."""
     out = tmp_path / "profile.json"
     args = ["--device", "cpu", "--model", "simplecnn", "--precisions", "fp32,bf16",
             "--steps", "2", "--warmup", "1", "--batch-size", "16", "--json", str(out),
             "model.width=8"]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "profile_step.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr
+    result = run_script("profile_step.py", args, tmp_path)
     assert "fp32: " in result.stdout and "bf16: " in result.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [r["precision"] for r in rows] == ["fp32", "bf16"]
