@@ -223,20 +223,28 @@ def time_tutorial(args, root: Path, precision: str) -> dict:
     return {**_summarise(times[1:]), "mem": _peak_mib(device)}
 
 
-def time_bare(args, root: Path, precision: str) -> dict:
-    """mpexp's model, optimizer, scaler and device-resident batches with no metrics at all."""
+def bare_parts(args, precision: str, root: Path = Path(".")):
+    """What a run of `precision` builds for its steps, without the run around them: its config,
+    precision mode, model (converted, in the memory format and compiled as the config says), loss
+    scaler and optimizer, with cuDNN set as a run sets it. Also scripts/profile_step.py's."""
     device = args.device
     cfg = mpexp_config(args, root, precision, 1)
     performance.configure_backends(device, cfg.trainer)
     mode = setup_precision(cfg.precision, device)
+    weights = model_for(args, mode)
+    performance.apply_memory_format(weights, cfg.trainer)
+    scaler = build_scaler(cfg.loss_scaling, mode, device)
+    optimizer = performance.build_optimizer(cfg, weights, device, scaler)
+    return cfg, mode, performance.compile_model(weights, cfg.trainer), scaler, optimizer
+
+
+def time_bare(args, root: Path, precision: str) -> dict:
+    """mpexp's model, optimizer, scaler and device-resident batches with no metrics at all."""
+    device = args.device
+    cfg, mode, model, scaler, optimizer = bare_parts(args, precision, root)
     data = MNISTData(root=str(root), download=False, batch_size=args.batch_size)
     data.memory_format = performance.memory_format(cfg.trainer.channels_last)
     data.setup(device)
-    weights = model_for(args, mode)
-    performance.apply_memory_format(weights, cfg.trainer)  # the speed switches a run applies
-    scaler = build_scaler(cfg.loss_scaling, mode, device)
-    optimizer = performance.build_optimizer(cfg, weights, device, scaler)
-    model = performance.compile_model(weights, cfg.trainer)
     times = []
     for epoch in range(args.epochs + 1):
         synchronize(device)

@@ -31,13 +31,10 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import mpexp_config  # noqa: E402  (scripts/bench.py: the same config as a run)
+from bench import bare_parts  # noqa: E402  (scripts/bench.py: what a run builds for its steps)
 
 from mpexp import performance  # noqa: E402
 from mpexp.loop import train_step  # noqa: E402
-from mpexp.precision import convert_to_fp8, setup_precision  # noqa: E402
-from mpexp.runner import build  # noqa: E402
-from mpexp.scaling import build_scaler  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
 
 
@@ -60,17 +57,8 @@ def parse_args(argv=None):
 
 def build_step(args, precision: str):
     """One training step as mpexp's loop runs it (mpexp.loop.train_step, then the scale update)."""
-    cfg = mpexp_config(args, Path("."), precision, 1)
+    cfg, mode, net, scaler, optimizer = bare_parts(args, precision)
     device = args.device
-    performance.configure_backends(device, cfg.trainer)
-    mode = setup_precision(cfg.precision, device)
-    torch.manual_seed(0)
-    model = build(cfg.model, in_channels=1, num_classes=10, image_size=(28, 28)).to(device)
-    model, mode = convert_to_fp8(model, mode, [], cfg.trainer.compile)  # as a run converts it
-    performance.apply_memory_format(model, cfg.trainer)
-    scaler = build_scaler(cfg.loss_scaling, mode, device)
-    optimizer = performance.build_optimizer(cfg, model, device, scaler)
-    net = performance.compile_model(model, cfg.trainer)
     fmt = performance.memory_format(cfg.trainer.channels_last)
     images = torch.randn(args.batch_size, 1, 28, 28, device=device).to(memory_format=fmt)
     labels = torch.randint(0, 10, (args.batch_size,), device=device)
