@@ -139,51 +139,56 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     skip_nonfinite = cfg.trainer.on_nonfinite_loss == "skip"
     scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip_nonfinite)
     world.prepare_scaler(scaler)
-    optimizer = performance.build_optimizer(cfg, model, device, scaler)
     validate_run_length(cfg, data.steps_per_epoch(), data.train_size // world.size)
-    total_steps = data.steps_per_epoch() * cfg.trainer.epochs
-    schedule = build_schedule(cfg.scheduler, optimizer, scaler, total_steps)
-    performance.configure_backends(device, cfg.trainer)
-    forward = performance.compile_model(model, cfg.trainer)
-
-    ran = {
-        "device": str(device),
-        "device_name": name,
-        "host": platform.node(),  # the report warns when jobs on one host overlapped in time
-        "torch_version": torch.__version__,
-        "mpexp_version": __version__,
-        "choices": run.choices,
-        **precision.record(),
-        **scaler.describe(),
-        **performance.describe(optimizer, cfg.trainer),
-        **world.record(),
-        "fp32_modules": fp32_modules,
-        "scheduler": (cfg.scheduler.get("_target_") or "none").rpartition(".")[2],
-        "accumulate": cfg.trainer.accumulate,
-        "clip_grad_norm": cfg.trainer.clip_grad_norm,
-        "parameters": parameters,
-        "steps_per_epoch": data.steps_per_epoch(),
-        "deterministic": cfg.trainer.deterministic,
-    }
-    log.info(
-        "Training %s on %s (%d samples) | %s on %s | precision %s (autocast %s, TF32 %s) | "
-        "loss scaling %s",
-        run.choices.get("model") or type(model).__name__,
-        run.choices.get("dataset") or type(data).__name__,
-        data.train_size,
-        f"{ran['parameters']:,} parameters",
-        ran["device_name"],
-        precision.mode,
-        ran["autocast_dtype"],
-        "on" if ran["tf32_matmul"] else "off",
-        ran["loss_scaling"],
+    # W&B starts here, in a process of its own (mpexp/wandb_process.py): its second or more of
+    # start-up runs on another core while this one imports TorchDynamo (the optimizer's first
+    # use, or the FLOP count's) and training begins
+    tracker = (
+        Tracker(run, config.to_dict(cfg), cfg.wandb) if world.is_main else NullTracker(run.run_dir)
     )
-    stop_if_asked(stop, world, run, "while the data loaded and the model was built")
-    run_config = {**config.to_dict(cfg), "ran": ran}
-    tracker = Tracker(run, run_config, cfg.wandb) if world.is_main else NullTracker(run.run_dir)
-    saver = Checkpointer(cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule)
-    parts = Parts(model, forward, data, optimizer, scaler, precision, throughput)
-    try:
+    with ended_in_summary(tracker):
+        optimizer = performance.build_optimizer(cfg, model, device, scaler)
+        total_steps = data.steps_per_epoch() * cfg.trainer.epochs
+        schedule = build_schedule(cfg.scheduler, optimizer, scaler, total_steps)
+        performance.configure_backends(device, cfg.trainer)
+        forward = performance.compile_model(model, cfg.trainer)
+
+        ran = {
+            "device": str(device),
+            "device_name": name,
+            "host": platform.node(),  # the report warns when jobs on one host overlapped in time
+            "torch_version": torch.__version__,
+            "mpexp_version": __version__,
+            "choices": run.choices,
+            **precision.record(),
+            **scaler.describe(),
+            **performance.describe(optimizer, cfg.trainer),
+            **world.record(),
+            "fp32_modules": fp32_modules,
+            "scheduler": (cfg.scheduler.get("_target_") or "none").rpartition(".")[2],
+            "accumulate": cfg.trainer.accumulate,
+            "clip_grad_norm": cfg.trainer.clip_grad_norm,
+            "parameters": parameters,
+            "steps_per_epoch": data.steps_per_epoch(),
+            "deterministic": cfg.trainer.deterministic,
+        }
+        log.info(
+            "Training %s on %s (%d samples) | %s on %s | precision %s (autocast %s, TF32 %s) | "
+            "loss scaling %s",
+            run.choices.get("model") or type(model).__name__,
+            run.choices.get("dataset") or type(data).__name__,
+            data.train_size,
+            f"{ran['parameters']:,} parameters",
+            ran["device_name"],
+            precision.mode,
+            ran["autocast_dtype"],
+            "on" if ran["tf32_matmul"] else "off",
+            ran["loss_scaling"],
+        )
+        tracker.record_ran(ran)
+        stop_if_asked(stop, world, run, "while the data loaded and the model was built")
+        saver = Checkpointer(cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule)
+        parts = Parts(model, forward, data, optimizer, scaler, precision, throughput)
         fit = Fit(cfg, parts, tracker, saver, world, stop)
         if resume is not None:
             fit.restore(resume)
@@ -199,6 +204,15 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         summary["ran"].update(world.check_replicas(model))
         tracker.update_summary(summary)
         fit.check_it_trained()
+        return summary
+
+
+@contextlib.contextmanager
+def ended_in_summary(tracker: Tracker | NullTracker):
+    """Close the tracker as the run ends: finished, interrupted (a stop signal, Ctrl-C) or failed
+    (with the error), in summary.json and W&B alike."""
+    try:
+        yield
     except (Preempted, KeyboardInterrupt):
         tracker.close("interrupted")
         raise
@@ -207,7 +221,6 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
             tracker.close("failed", error=error_text(err))
         raise
     tracker.close("finished")
-    return summary
 
 
 def stop_if_asked(stop: StopSignals, world: World, run: RunContext, where: str) -> None:

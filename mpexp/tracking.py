@@ -24,7 +24,7 @@ import netrc
 import os
 import secrets
 import string
-import threading
+import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from mpexp.errors import UserError
+from mpexp.wandb_process import LogLines, WandbProcess
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,14 @@ class RunContext:
     in_sweep: bool = False  # a multirun job: the sweep prints one `wandb sync` for all its jobs
 
 
-def wandb_tags(ran: dict[str, Any], choices: dict[str, str | None], extra: list[str]) -> list[str]:
+def wandb_tags(
+    ran: dict[str, Any] | None, choices: dict[str, str | None], extra: list[str]
+) -> list[str]:
     """What a run is, as W&B tags to filter by: precision, loss scaling (what ran, `auto`
-    resolved), model, dataset and experiment, then the user's `wandb.tags`."""
-    tags = [f"precision={ran['precision']}", f"loss_scaling={ran['loss_scaling']}"]
+    resolved; once known), model, dataset and experiment, then the user's `wandb.tags`."""
+    tags = []
+    if ran is not None:
+        tags += [f"precision={ran['precision']}", f"loss_scaling={ran['loss_scaling']}"]
     tags += [f"{group}={choices[group]}" for group in ("model", "dataset", "experiment")
              if choices.get(group)]  # fmt: skip
     return [*tags, *(t for t in extra if t not in tags)]
@@ -93,10 +98,14 @@ def resolve_wandb_mode(mode: str) -> str:
 class Tracker:
     """One run's metric sink.
 
-    W&B starts in a background thread (its service process and the run take a second or more,
-    longer against a slow server) while training begins; rows logged before it is up wait in a
-    queue and reach it in order once it is. Whatever needs W&B itself (its run id for a checkpoint,
-    the summary, the end of the run) waits for the start to finish.
+    W&B runs in a process of its own (mpexp/wandb_process.py), started with the tracker: its
+    import and start, a second or more of work, use another core while this process builds the
+    optimizer and begins training. Rows go to it through a queue, in order, whether or not it has
+    started; only the end of the run waits for it.
+
+    The tracker starts before the run knows everything that ran (the optimizer's path, the
+    scaler's settings): `record_ran` adds that to summary.json and to the W&B run's config once
+    it is known.
     """
 
     def __init__(self, run: RunContext, config: dict, wandb_cfg: Any):
@@ -104,113 +113,84 @@ class Tracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = (self.run_dir / "metrics.jsonl").open("a", buffering=1)
         # wall-clock start and end: the report warns when a sweep's jobs overlapped in time
-        self._summary: dict[str, Any] = {
-            "status": "running",
-            "started_at": _now(),
-            "ran": config.get("ran", {}),
-        }
+        self._summary: dict[str, Any] = {"status": "running", "started_at": _now()}
         self._write_summary()
+        self._run, self._wandb_cfg = run, wandb_cfg
         self.wandb_mode = resolve_wandb_mode(wandb_cfg.mode)
         self._announce_sync = self.wandb_mode == "offline" and not run.in_sweep
-        self._wandb = None
         # chosen here, not by W&B: a checkpoint records the id at once, without waiting for a
         # start that an unreachable server can stretch to wandb.init_timeout
         self._wandb_id = None
+        self._wandb: WandbProcess | None = None
+        self._log_lines: LogLines | None = None
         if self.wandb_mode != "disabled":
             self._wandb_id = run.wandb_id or new_wandb_id()
-        self._queued: list[dict[str, Any]] = []  # rows logged while W&B was starting
-        self._starting: threading.Thread | None = None
-        self._start_result: tuple[Any, BaseException | None] = (None, None)
-        if self.wandb_mode != "disabled":
-            # W&B's own console lines (login, sync hints, run summaries) stay quiet unless asked
-            os.environ.setdefault("WANDB_SILENT", "true")
-            self._starting = threading.Thread(
-                target=self._start_wandb, args=(run, config, wandb_cfg), name="wandb-start"
+            self._wandb = WandbProcess(
+                self._wandb_start(run, config, wandb_cfg),
+                self.run_dir / "wandb" / "process.log",
+                self._wandb_problem,
             )
-            self._starting.daemon = True  # a run that ends first must not wait for it to exit
-            self._starting.start()
-        self._run, self._wandb_cfg = run, wandb_cfg
+            self._log_lines = LogLines(self._wandb)
+            logging.getLogger().addHandler(self._log_lines)
 
-    def _start_wandb(self, run: RunContext, config: dict, wandb_cfg: Any) -> None:
-        """In the background thread: start the W&B run; the outcome waits in _start_result."""
-        try:
-            import wandb
-
-            wb = wandb.init(
-                project=wandb_cfg.project,
-                entity=wandb_cfg.entity,
-                group=run.group,
-                name=run.name,
-                job_type="train",
-                tags=wandb_tags(config.get("ran", {}), run.choices, list(run.tags)),
-                config=config,
-                dir=str(self.run_dir),
-                mode=self.wandb_mode,
-                id=self._wandb_id,
-                resume="allow" if run.wandb_id else None,
-                # W&B's own console lines are quieted; mpexp says where the run is, once
-                settings=wandb.Settings(
-                    init_timeout=wandb_cfg.get("init_timeout", 90), silent=True
-                ),
-            )
-            wb.define_metric("step")
-            wb.define_metric("epoch")
-            for pattern in STEP_METRICS:
-                wb.define_metric(pattern, step_metric="step")
-            for pattern in EPOCH_METRICS:
-                wb.define_metric(pattern, step_metric="epoch")
-            # the run's summary holds the best of these, not whatever the last epoch gave
-            for name, best in BEST_OF.items():
-                wb.define_metric(name, step_metric="epoch", summary=best)
-            self._start_result = (wb, None)
-        except Exception as err:  # W&B must never stop a training run
-            self._start_result = (None, err)
-
-    def _wandb_up(self, wait: bool = True) -> bool:
-        """Whether W&B takes data now; with wait, wait for a start under way to end first."""
-        if self._starting is None:
-            return self._wandb is not None
-        if not wait and self._starting.is_alive():
-            return False
-        self._starting.join()
-        self._starting = None
-        wb, err = self._start_result
-        if err is not None:
-            self._warn_not_started(err)
-            self._queued = []
-            return False
-        self._wandb = wb
-        # the report reads this to log its table into the same project and group
-        self._summary["wandb"] = {
-            "mode": self.wandb_mode,
-            "project": self._wandb_cfg.project,
-            "entity": self._wandb_cfg.entity,
-            "group": self._run.group,
-            "id": wb.id,
+    def _wandb_start(self, run: RunContext, config: dict, wandb_cfg: Any) -> dict[str, Any]:
+        """What the W&B process needs to start the run (mpexp/wandb_process.py's `init`)."""
+        metrics = [("step", {}), ("epoch", {})]
+        metrics += [(pattern, {"step_metric": "step"}) for pattern in STEP_METRICS]
+        metrics += [(pattern, {"step_metric": "epoch"}) for pattern in EPOCH_METRICS]
+        # the run's summary holds the best of these, not whatever the last epoch gave
+        metrics += [(name, {"step_metric": "epoch", "summary": best})
+                    for name, best in BEST_OF.items()]  # fmt: skip
+        return {
+            "init": {
+                "project": wandb_cfg.project,
+                "entity": wandb_cfg.entity,
+                "group": run.group,
+                "name": run.name,
+                "job_type": "train",
+                "tags": wandb_tags(None, run.choices, list(run.tags)),
+                "config": config,
+                "dir": str(self.run_dir),
+                "mode": self.wandb_mode,
+                "id": self._wandb_id,
+                "resume": "allow" if run.wandb_id else None,
+            },
+            "settings": {
+                "init_timeout": wandb_cfg.get("init_timeout", 90),
+                "silent": True,  # W&B's own console lines are quiet; mpexp says where the run is
+                "x_stats_pid": os.getpid(),  # system metrics of this process, not W&B's
+                "program": sys.argv[0],
+            },
+            "argv": list(sys.argv),
+            "metrics": metrics,
         }
-        self._write_summary()
-        queued, self._queued = self._queued, []
-        for row in queued:
-            self._send(row)
-        return self._wandb is not None
 
-    def _warn_not_started(self, err: BaseException) -> None:
+    def _wandb_problem(self, kind: str, text: str) -> None:
+        """From the W&B process's reader thread: W&B did not start, or did not take something."""
+        if kind != "failed":
+            log.warning("%s", text)
+            return
         hint = ""
-        if "init_timeout" in str(err):  # W&B's hint names its own setting, not mpexp's key
+        if "init_timeout" in text:  # W&B's hint names its own setting, not mpexp's key
             now = self._wandb_cfg.init_timeout
             hint = f" Give it longer: wandb.init_timeout=<seconds> (now {now:g})."
-        said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        said = text.splitlines()[0]
         log.warning("W&B could not start; logging to %s only.%s (%s)", self.run_dir, hint, said)
-
-    @property
-    def wandb_run_dir(self) -> Path | None:
-        return Path(self._wandb.dir).parent if self._wandb_up() else None
 
     @property
     def wandb_id(self) -> str | None:
         """The W&B run's id (None with W&B disabled), known before W&B has started; a resume
         continues that run, or creates it if W&B never got to."""
         return self._wandb_id
+
+    def record_ran(self, ran: dict[str, Any]) -> None:
+        """What ran (device, dtypes, TF32, scaler, optimizer path): into summary.json, and into
+        the W&B run's config and tags."""
+        self._summary["ran"] = ran
+        self._write_summary()
+        if self._wandb is not None:
+            self._wandb.send("config", {"ran": ran})
+            self._wandb.send("tags", wandb_tags(ran, self._run.choices, list(self._run.tags)))
 
     def flush(self) -> int:
         """Push metrics.jsonl to disk; return its size in bytes (a checkpoint's place in it)."""
@@ -220,42 +200,25 @@ class Tracker:
 
     def log_checkpoint(self, path: Path, step: int) -> None:
         """Upload a checkpoint as a W&B artifact of the run (wandb.log_checkpoints=true)."""
-        if not self._wandb_up():
-            return
-        try:
-            import wandb
-
-            artifact = wandb.Artifact(f"checkpoint-{self._wandb.id}", type="model")
-            artifact.add_file(str(path))
-            self._wandb.log_artifact(artifact, aliases=["latest", f"step-{step}"])
-        except Exception as err:
-            log.warning("W&B did not take the checkpoint %s (%s).", path, err)
+        if self._wandb is not None:
+            self._wandb.send_and_wait("artifact", (str(path), step))
 
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (it must hold `step` or `epoch`)."""
         self._metrics.write(json.dumps(row, default=_histogram_json) + "\n")
-        if self._wandb_up(wait=False):
-            self._send(row)
-        elif self._starting is not None:
-            self._queued.append(row)
-
-    def _send(self, row: dict[str, Any]) -> None:
-        try:
-            self._wandb.log(_for_wandb(row))
-        except Exception as err:
-            log.warning("W&B stopped accepting data (%s); local metrics continue.", err)
-            self._wandb = None
+        if self._wandb is not None:
+            histograms = {
+                k: (v.counts, v.edges) for k, v in row.items() if isinstance(v, Histogram)
+            }
+            plain = {k: v for k, v in row.items() if k not in histograms} if histograms else row
+            self._wandb.send("log", (plain, histograms))
 
     def update_summary(self, values: dict[str, Any]) -> None:
         self._summary.update(values)
         self._write_summary()
-        if self._wandb_up():
-            try:
-                self._wandb.summary.update(
-                    {k: v for k, v in flatten(values).items() if k not in BEST_OF}
-                )
-            except Exception as err:
-                log.warning("W&B summary not updated (%s).", err)
+        if self._wandb is not None:
+            flat = {k: v for k, v in flatten(values).items() if k not in BEST_OF}
+            self._wandb.send("summary", flat)
 
     def close(self, status: str = "finished", error: str | None = None) -> None:
         try:
@@ -263,16 +226,30 @@ class Tracker:
             self.update_summary(ended)
         finally:  # even when summary.json cannot be written (a full disk)
             self._metrics.close()
-            if self._wandb_up():
-                where = self.wandb_run_dir
-                try:
-                    self._wandb.finish(exit_code=0 if status == "finished" else 1)
-                except Exception as err:
-                    log.warning("W&B did not finish cleanly (%s).", err)
-                if self._announce_sync:
+            if self._wandb is not None:
+                logging.getLogger().removeHandler(self._log_lines)
+                where = self._wandb.finish(exit_code=0 if status == "finished" else 1)
+                self._wandb = None
+                if where is not None:
+                    self._record_wandb_run()
+                if where is not None and self._announce_sync:
                     log.info(
                         "W&B run kept offline in %s; upload it with `wandb sync %s`", where, where
                     )
+
+    def _record_wandb_run(self) -> None:
+        """Where the W&B run is, for the report to log into the same project and group."""
+        self._summary["wandb"] = {
+            "mode": self.wandb_mode,
+            "project": self._wandb_cfg.project,
+            "entity": self._wandb_cfg.entity,
+            "group": self._run.group,
+            "id": self._wandb_id,
+        }
+        try:
+            self._write_summary()
+        except OSError as err:
+            log.warning("Could not record the W&B run in %s (%s).", self.run_dir, err)
 
     def _write_summary(self) -> None:
         write_json_atomically(self._summary, self.run_dir / "summary.json")
@@ -281,7 +258,6 @@ class Tracker:
 class NullTracker:
     """The sink of ranks > 0 in a distributed run: rank 0 alone writes metrics and the W&B run."""
 
-    wandb_run_dir = None
     wandb_id = None
 
     def __init__(self, run_dir: Path):
@@ -291,6 +267,9 @@ class NullTracker:
         pass
 
     def update_summary(self, values: dict[str, Any]) -> None:
+        pass
+
+    def record_ran(self, ran: dict[str, Any]) -> None:
         pass
 
     def flush(self) -> int:
@@ -354,17 +333,6 @@ def _histogram_json(value: Any) -> dict:
     if isinstance(value, Histogram):
         return {"edges": value.edges, "counts": value.counts}
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
-def _for_wandb(row: dict[str, Any]) -> dict[str, Any]:
-    if not any(isinstance(v, Histogram) for v in row.values()):
-        return row
-    import wandb
-
-    return {
-        k: wandb.Histogram(np_histogram=(v.counts, v.edges)) if isinstance(v, Histogram) else v
-        for k, v in row.items()
-    }
 
 
 def flatten(values: dict[str, Any], sep: str = "/", prefix: str = "") -> dict[str, Any]:

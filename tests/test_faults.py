@@ -196,10 +196,11 @@ def test_a_stop_signal_while_wandb_starts_checkpoints_at_the_first_step(tmp_path
         "WANDB_API_KEY": "x" * 40,
     }
     args = [a for a in ARGS if a != "wandb.mode=disabled"]
-    proc = start_cli(*args, "wandb.mode=online", "wandb.init_timeout=5",
+    proc = start_cli(*args, "trainer.epochs=50", "wandb.mode=online", "wandb.init_timeout=5",
                      f"hydra.run.dir={run_dir}", cwd=tmp_path, env=unreachable)  # fmt: skip
-    # summary.json is written as W&B starts in the background and training begins
-    wait_for(lambda: (run_dir / "summary.json").exists(), proc)
+    # training has begun (its first row is written) while W&B is still trying to start
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
 

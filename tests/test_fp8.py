@@ -28,7 +28,7 @@ from tests.conftest import (
 )
 from tests.test_report import read_table, sweep_dir
 from tests.test_training import read_metrics
-from tests.test_wandb import leet_records
+from tests.test_wandb import final_run, leet_records
 
 CHANCE = 2.3026  # ln 10: the loss of a uniform guess over 10 classes
 
@@ -70,8 +70,7 @@ def test_what_ran_names_converted_and_unconverted_layers_in_summary_and_wandb(fp
     assert ran["loss_scaling"] == "none"  # auto: torchao scales every fp8 tensor itself
 
     (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
-    (record,) = [r["run"] for r in leet_records(wandb_dir) if r["type"] == "run"]
-    in_wandb = record["config"]["update"]["ran"]
+    in_wandb = final_run(leet_records(wandb_dir))["config"]["ran"]
     for key in ("fp8_recipe", "fp8_converted", "fp8_unconverted", "emulated"):
         assert in_wandb[key] == ran[key]
 

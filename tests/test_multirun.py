@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 
 from tests.conftest import run_cli
-from tests.test_wandb import leet_records
+from tests.test_wandb import final_run, leet_records
 
 PRECISIONS = ["fp32", "tf32", "fp16", "bf16"]
 
 
 def run_record(wandb_dir) -> dict:
-    (run,) = [r["run"] for r in leet_records(wandb_dir) if r["type"] == "run"]
-    return run
+    return final_run(leet_records(wandb_dir))
 
 
 def test_precision_sweep_as_wandb_runs_named_tagged_and_reported(tmp_path):
@@ -79,9 +78,19 @@ def test_a_single_run_is_named_after_its_experiment(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     (wandb_dir,) = (tmp_path / "outputs").glob("*/*/wandb/offline-run-*")
-    run = run_record(wandb_dir)
+    records = leet_records(wandb_dir)
+    run = final_run(records)
     assert (run["display_name"], run["job_type"]) == ("quickstart", "train")
-    summaries = [r["summary"]["update"] for r in leet_records(wandb_dir) if r["type"] == "summary"]
+    # the W&B run's Logs tab holds the run's log lines, as its console showed them
+    logs = [r["output_raw"]["line"] for r in records if r["type"] == "output_raw"]
+    assert any("Epoch: 1, Loss:" in line for line in logs)
+    # it records the training command, and the training process's memory (torch's hundreds of
+    # MiB), not those of the W&B process that sends them (about 70 MiB)
+    (environment,) = [r["environment"] for r in records if "args" in r.get("environment", {})]
+    assert "experiment=quickstart" in environment["args"]
+    stats = [r["stats"]["item"] for r in records if r["type"] == "stats"]
+    assert stats and min(s["proc.memory.rssMB"] for s in stats) > 250
+    summaries = [r["summary"]["update"] for r in records if r["type"] == "summary"]
     # val/acc is summarised as its best epoch, val/loss as its lowest
     assert any(isinstance(s.get("val/acc"), dict) and "max" in s["val/acc"] for s in summaries)
     assert any(isinstance(s.get("val/loss"), dict) and "min" in s["val/loss"] for s in summaries)

@@ -1,15 +1,21 @@
-"""A training run's offline W&B run holds its history, read back from the run's own files."""
+"""A training run's offline W&B run holds its history, read back from the run's own files; W&B
+runs in a process of its own (mpexp/wandb_process.py) that outlives neither a finished nor a
+killed training run, and whose loss does not stop training."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from mpexp.runner import train
 from mpexp.tracking import RunContext
-from tests.conftest import TINY, make_cfg
+from tests.conftest import ROOT, TINY, make_cfg
+from tests.test_resume import ARGS, start_cli, status, wait_for
 
 
 def leet_records(wandb_run_dir: Path) -> list[dict]:
@@ -26,6 +32,17 @@ def leet_records(wandb_run_dir: Path) -> list[dict]:
 
 def history(records: list[dict]) -> list[dict]:
     return [r["history"]["item"] for r in records if r["type"] == "history"]
+
+
+def final_run(records: list[dict]) -> dict:
+    """The W&B run as its page shows it at the end: the last run record (its name, group and
+    tags, which a run may set after it started), with every config update merged in."""
+    runs = [r["run"] for r in records if r["type"] == "run"]
+    config = {}
+    for r in records:
+        if r["type"] in ("run", "config"):
+            config.update((r.get("run") or r)["config"]["update"])
+    return {**runs[-1], "config": config}
 
 
 def test_offline_run_holds_loss_scale_and_epoch_time(tmp_path, monkeypatch):
@@ -48,10 +65,11 @@ def test_offline_run_holds_loss_scale_and_epoch_time(tmp_path, monkeypatch):
         r["perf/epoch_time_s"] for r in local if "perf/epoch_time_s" in r
     ]
 
-    (run_record,) = [r["run"] for r in records if r["type"] == "run"]
+    run_record = final_run(records)
     assert run_record["display_name"] == "wandb-test" and run_record["run_group"] == "g"
-    ran = run_record["config"]["update"]["ran"]
+    ran = run_record["config"]["ran"]
     assert ran["precision"] == "fp16" and ran["loss_scaling"] == "dynamic"
+    assert {"precision=fp16", "loss_scaling=dynamic"} <= set(run_record["tags"])
 
 
 def test_checkpoints_go_to_wandb_as_artifacts_only_when_asked(tmp_path, monkeypatch):
@@ -66,3 +84,86 @@ def test_checkpoints_go_to_wandb_as_artifacts_only_when_asked(tmp_path, monkeypa
         assert len(models) == (2 if asked else 0)  # one checkpoint per epoch
         if asked:
             assert "step-32" in models[-1]["aliases"] and "latest" in models[-1]["aliases"]
+
+
+def test_the_training_process_never_imports_wandb(tmp_path):
+    """wandb's import and start (over a second of work) run in the W&B process, on another core,
+    not in the training process, where they held up its start and first epoch."""
+    code = (
+        "import sys; from mpexp.runner import train; from mpexp.tracking import RunContext; "
+        "from tests.conftest import TINY, make_cfg; "
+        f"train(make_cfg(*TINY, 'wandb.mode=offline'), RunContext({str(tmp_path)!r})); "
+        "print('wandb imported:', 'wandb' in sys.modules)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "wandb imported: False" in out.stdout
+    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert len([r for r in history(leet_records(wandb_dir)) if "train/loss" in r]) == 2 * 16
+
+
+def wandb_exit(wandb_dir: Path, timeout: float = 120) -> dict:
+    """The W&B run's exit record, once its process has written it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if wandb_dir is not None:
+            records = leet_records(wandb_dir)
+            exits = [r["exit"] for r in records if r["type"] == "exit"]
+            if exits:
+                return {"exit": exits[0], "records": records}
+        time.sleep(0.5)
+    raise AssertionError(f"no W&B exit record in {wandb_dir}")
+
+
+def test_a_killed_training_run_leaves_a_finished_wandb_run_with_its_rows(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [a for a in ARGS if a != "wandb.mode=disabled"]
+    proc = start_cli(*args, "trainer.epochs=200", "wandb.mode=offline", f"hydra.run.dir={run_dir}",
+                     cwd=tmp_path, env={"WANDB_MODE": "offline"})  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 6, proc)
+    proc.kill()  # SIGKILL: no handler, no checkpoint, no goodbye to W&B
+    proc.communicate(timeout=60)
+
+    (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
+    ended = wandb_exit(wandb_dir)
+    assert ended["exit"]["exit_code"] == 1  # W&B shows it failed, not running forever
+    logged = [r["train/loss"] for r in history(ended["records"]) if "train/loss" in r]
+    local = [json.loads(x) for x in metrics.read_text().splitlines()]
+    local = [r["train/loss"] for r in local if "train/loss" in r]
+    assert len(logged) >= 3 and logged == local[: len(logged)]
+
+
+def wandb_process_of(proc: subprocess.Popen) -> int:
+    """The pid of the training process's W&B process (its child running wandb_process.py)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == proc.pid and b"wandb_process.py" in cmdline:
+            return int(pid)
+    raise AssertionError("no W&B process")
+
+
+def test_training_goes_on_when_the_wandb_process_dies(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [a for a in ARGS if a != "wandb.mode=disabled"]
+    proc = start_cli(*args, "trainer.epochs=6", "wandb.mode=offline", f"hydra.run.dir={run_dir}",
+                     cwd=tmp_path, env={"WANDB_MODE": "offline"})  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
+    os.kill(wandb_process_of(proc), signal.SIGKILL)
+    output, _ = proc.communicate(timeout=300)
+
+    assert proc.returncode == 0, output
+    assert "Traceback" not in output
+    assert output.count("W&B's process ended early (exit code -9)") == 1
+    assert str(run_dir / "wandb" / "process.log") in output
+    assert status(run_dir) == "finished"
+    epochs = [json.loads(x) for x in metrics.read_text().splitlines() if '"epoch"' in x]
+    assert [r["epoch"] for r in epochs] == [1, 2, 3, 4, 5, 6]
