@@ -401,13 +401,16 @@ def run(args) -> dict:
 
 def time_processes(args) -> dict:
     """The whole `python -m mpexp.train experiment=quickstart` process (imports, config, data,
-    W&B offline, training, validation, files) against scripts/bare_quickstart.py doing the same
-    training with nothing else, run alternately; wall-clock seconds."""
+    W&B offline, training, validation, files), the same with W&B disabled, and
+    scripts/bare_quickstart.py doing the same training with nothing else, run in turn; wall-clock
+    seconds."""
     epochs, size = args.process_size
+    mpexp = [sys.executable, "-m", "mpexp.train", "experiment=quickstart",
+             f"trainer.epochs={epochs}", f"dataset.train_size={size}", "trainer.device=cpu",
+             "trainer.progress=false"]  # fmt: skip
     commands = {
-        "mpexp": [sys.executable, "-m", "mpexp.train", "experiment=quickstart",
-                  f"trainer.epochs={epochs}", f"dataset.train_size={size}", "trainer.device=cpu",
-                  "trainer.progress=false"],
+        "mpexp": mpexp,
+        "mpexp_no_wandb": [*mpexp, "wandb.mode=disabled"],
         "bare": [sys.executable, str(ROOT / "scripts" / "bare_quickstart.py"), "--epochs",
                  str(epochs), "--train-size", str(size)],
     }  # fmt: skip
@@ -419,13 +422,16 @@ def time_processes(args) -> dict:
                 start = time.perf_counter()
                 subprocess.run(command, cwd=cwd, env=env, check=True, capture_output=True)
                 times[name].append(time.perf_counter() - start)
+    bare = times["bare"]
     return {
         "epochs": epochs,
         "train_size": size,
-        "mpexp_s": times["mpexp"],
-        "bare_s": times["bare"],
-        "ratio_median": statistics.median(times["mpexp"]) / statistics.median(times["bare"]),
-        "ratio_best": min(times["mpexp"]) / min(times["bare"]),
+        **{f"{name}_s": seconds for name, seconds in times.items()},
+        "ratio_median": statistics.median(times["mpexp"]) / statistics.median(bare),
+        "ratio_best": min(times["mpexp"]) / min(bare),
+        "ratio_no_wandb_median": statistics.median(times["mpexp_no_wandb"])
+        / statistics.median(bare),
+        "ratio_no_wandb_best": min(times["mpexp_no_wandb"]) / min(bare),
     }
 
 
@@ -488,12 +494,18 @@ def table(result: dict) -> str:
             f"whole process, experiment=quickstart ({process['epochs']} epochs of "
             f"{process['train_size']} samples, W&B offline) against scripts/bare_quickstart.py, "
             f"{len(process['mpexp_s'])} runs each:",
-            "process | median s | best s",
-            "--- | --- | ---",
-            f"mpexp | {statistics.median(process['mpexp_s']):.2f} | {min(process['mpexp_s']):.2f}",
-            f"bare | {statistics.median(process['bare_s']):.2f} | {min(process['bare_s']):.2f}",
-            f"ratio | {process['ratio_median']:.2f}x | {process['ratio_best']:.2f}x",
+            "process | median s | best s | vs bare (median) | vs bare (best)",
+            "--- | --- | --- | --- | ---",
         ]
+        for name, said, ratio in (("mpexp", "mpexp", "ratio"),
+                                  ("mpexp_no_wandb", "mpexp, W&B disabled", "ratio_no_wandb"),
+                                  ("bare", "bare", None)):  # fmt: skip
+            seconds = process[f"{name}_s"]
+            ratios = (f"{process[ratio + '_median']:.2f}x | {process[ratio + '_best']:.2f}x"
+                      if ratio else "1.00x | 1.00x")  # fmt: skip
+            lines.append(
+                f"{said} | {statistics.median(seconds):.2f} | {min(seconds):.2f} | {ratios}"
+            )
     return "\n".join(lines)
 
 

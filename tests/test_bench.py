@@ -49,12 +49,18 @@ def test_cpu_benchmark_prints_its_table_and_writes_json(tmp_path):
     assert rollback["foreach"]["us"] > 0 and rollback["per_buffer"]["us"] > 0
     assert "rollback | operators | us/step" in result.stdout
 
-    # the whole quickstart process against a bare script doing the same training
+    # the whole quickstart process, with W&B and without, against a bare script doing the same
+    # training
     process = bench["process"]
     assert (process["epochs"], process["train_size"]) == (1, 256)
-    assert len(process["mpexp_s"]) == len(process["bare_s"]) == 1
+    assert (
+        len(process["mpexp_s"]) == len(process["mpexp_no_wandb_s"]) == len(process["bare_s"]) == 1
+    )
     assert process["ratio_median"] == process["mpexp_s"][0] / process["bare_s"][0]
+    no_wandb = process["mpexp_no_wandb_s"][0] / process["bare_s"][0]
+    assert process["ratio_no_wandb_median"] == no_wandb
     assert "whole process, experiment=quickstart" in result.stdout
+    assert "mpexp, W&B disabled |" in result.stdout
 
 
 @pytest.mark.slow
