@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -332,6 +333,47 @@ def test_calibration_resumed_midway_chooses_the_same_scale():
     used, resumed = calibrated_steps(GRADIENTS[2:], scaler=halfway)
     assert used == [1.0, 2048.0, 2048.0]
     assert resumed.outcome()["calibration_max_grad"] == 9.0
+
+
+def test_dynamic_short_rule_moves_as_the_whole_rule_does():
+    """`dynamic` (no hysteresis) takes a short path of a few operators; over random overflows
+    and non-finite losses, near the floor, it moves scale, count and floor flag exactly as the
+    whole rule does."""
+    floor = {**DYNAMIC, "init_scale": 8.0, "growth_interval": 3, "min_scale": 1.0,
+             "on_min_scale": "continue"}  # fmt: skip
+    runs = []
+    for whole_rule in (False, True):
+        model, optimizer, precision, scaler = setup(floor)
+        if whole_rule:
+            scaler.update = scaler._update_with_hysteresis
+        events = random.Random(0)
+        trajectory = []
+        for _ in range(60):
+            event = events.choices(["clean", "overflow", "bad loss"], [5, 3, 1])[0]
+            images = torch.randn(8, 1, 4, 4)
+            if event == "bad loss":
+                images[0, 0, 0, 0] = torch.inf
+            handle = None
+            if event == "overflow":
+                handle = model[1].weight.register_hook(lambda g: g * torch.inf)
+            train_step(model, images, torch.randint(4, (8,)), optimizer, scaler, precision)
+            skipped = scaler.found_inf().item()
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            if handle:
+                handle.remove()
+            count = scaler._growth_tracker.item()
+            trajectory.append(
+                (event, skipped, scaler.get_scale(), count, scaler.floor_hit().item())
+            )
+        runs.append(trajectory)
+    short, whole = runs
+    assert short == whole
+    # the run saw every case: each event, growth, back-off, and back-offs due at the floor
+    assert {e for e, *_ in short} == {"clean", "overflow", "bad loss"}
+    scales = [s for _, _, s, _, _ in short]
+    assert any(b > a for a, b in itertools.pairwise(scales)) and min(scales) == 1.0
+    assert any(hit for *_, hit in short)
 
 
 def test_nonfinite_loss_skips_the_step_without_touching_the_scale():
