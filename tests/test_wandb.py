@@ -117,13 +117,25 @@ def wandb_exit(wandb_dir: Path, timeout: float = 120) -> dict:
     raise AssertionError(f"no W&B exit record in {wandb_dir}")
 
 
-def test_a_killed_training_run_leaves_a_finished_wandb_run_with_its_rows(tmp_path):
+def training_with_wandb(tmp_path: Path, epochs: int, rows: int) -> tuple[subprocess.Popen, Path]:
+    """A training run with W&B offline, from the command line, once it has logged `rows` rows."""
     run_dir = tmp_path / "run"
     args = [a for a in ARGS if a != "wandb.mode=disabled"]
-    proc = start_cli(*args, "trainer.epochs=200", "wandb.mode=offline", f"hydra.run.dir={run_dir}",
-                     cwd=tmp_path, env={"WANDB_MODE": "offline"})  # fmt: skip
+    overrides = [
+        *args,
+        f"trainer.epochs={epochs}",
+        "wandb.mode=offline",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = start_cli(*overrides, cwd=tmp_path, env={"WANDB_MODE": "offline"})
     metrics = run_dir / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 6, proc)
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= rows, proc)
+    return proc, run_dir
+
+
+def test_a_killed_training_run_leaves_a_finished_wandb_run_with_its_rows(tmp_path):
+    proc, run_dir = training_with_wandb(tmp_path, epochs=200, rows=6)
+    metrics = run_dir / "metrics.jsonl"
     proc.kill()  # SIGKILL: no handler, no checkpoint, no goodbye to W&B
     proc.communicate(timeout=60)
 
@@ -151,12 +163,8 @@ def wandb_process_of(proc: subprocess.Popen) -> int:
 
 
 def test_training_goes_on_when_the_wandb_process_dies(tmp_path):
-    run_dir = tmp_path / "run"
-    args = [a for a in ARGS if a != "wandb.mode=disabled"]
-    proc = start_cli(*args, "trainer.epochs=6", "wandb.mode=offline", f"hydra.run.dir={run_dir}",
-                     cwd=tmp_path, env={"WANDB_MODE": "offline"})  # fmt: skip
+    proc, run_dir = training_with_wandb(tmp_path, epochs=6, rows=1)
     metrics = run_dir / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
     os.kill(wandb_process_of(proc), signal.SIGKILL)
     output, _ = proc.communicate(timeout=300)
 
