@@ -231,7 +231,7 @@ def stop_if_asked(stop: StopSignals, world: World, run: RunContext, where: str) 
     """
     if world.any(bool(stop.received)):
         name = signal.Signals(stop.received or signal.SIGTERM).name
-        if world.is_main:  # no Tracker yet: summary.json must still say how the run ended
+        if world.is_main:  # summary.json says how the run ended, with a Tracker or without
             record_end(run.run_dir, "interrupted")
         raise Preempted(
             stop.received or signal.SIGTERM,

@@ -165,9 +165,10 @@ class LossScaler(torch.amp.GradScaler):
             # x - x is exactly 0 for a finite x and NaN for inf or NaN: two operators (kernel
             # launches, on a GPU) where isfinite().all() takes five
             loss = outputs.detach()
-            bad = torch.ne(loss - loss, 0, out=torch.empty_like(self._loss_bad))
-            if loss.dim():
-                bad = bad.amax()
+            if loss.dim():  # not a loss but a batch of them
+                bad = (loss - loss).ne(0).any().to(self._loss_bad.dtype)
+            else:
+                bad = torch.ne(loss - loss, 0, out=torch.empty_like(self._loss_bad))
             if self._loss_bad is not self._all_finite:  # a later micro-batch of the step
                 bad = torch.maximum(self._loss_bad, bad)
             self._loss_bad = bad
@@ -268,8 +269,10 @@ class DynamicLossScaler(LossScaler):
         if new_scale is not None:  # GradScaler's manual override
             super().update(new_scale)
             return
-        if self.hysteresis == 1 and len(self._per_optimizer_states) == 1:
-            self._update_without_hysteresis()
+        flags = [f for state in self._per_optimizer_states.values()
+                 for f in state["found_inf_per_device"].values()]  # fmt: skip
+        if self.hysteresis == 1 and len(flags) == 1 and flags[0].device == self.device:
+            self._update_without_hysteresis(flags[0])
         else:
             self._update_with_hysteresis()
 
@@ -302,20 +305,19 @@ class DynamicLossScaler(LossScaler):
         self._cur_hysteresis.copy_(torch.where(refill, self.hysteresis, left))
         super().update(new)
 
-    def _update_without_hysteresis(self) -> None:
+    def _update_without_hysteresis(self, found: torch.Tensor) -> None:
         """The rule above with no overflow tolerated (`dynamic`, the default) in 4 to 6
         operators, where the general one takes about 25: each is a kernel launch on a GPU, and
         on a fast GPU a step's launches are what it waits for. The same results: the tests hold
-        both to GradScaler's trajectory and to each other."""
+        both to GradScaler's trajectory and to each other.
+
+        `found`: the step's one skip flag, 1.0 for overflowing gradients or a bad loss."""
         scale, tracker = self._check_scale_growth_tracker("update")
-        (state,) = self._per_optimizer_states.values()
-        if not state["found_inf_per_device"]:
-            raise AssertionError("No inf checks were recorded prior to update.")
-        found = self._found_inf  # 1.0 if skipped, for overflowing gradients or a bad loss
         # a step skipped only for its loss is no overflow (its gradients may be finite)
         overflow = found - self._loss_bad
         if self.min_scale > 0:  # a back-off due at the floor (scale before this update)
             self._floor_hit = overflow * (scale <= self.min_scale)
+            floor = overflow * self.min_scale  # the floor where it backs off, else none (0)
         # ... and it leaves scale and count alone: GradScaler's update adds one to the count of
         # a step it takes for clean and grows the scale once the count reaches the interval;
         # one taken off first makes it a no-op (the count stays below the interval)
@@ -328,8 +330,8 @@ class DynamicLossScaler(LossScaler):
             self._backoff_factor,
             self._growth_interval,
         )
-        if self.min_scale > 0:
-            scale.clamp_(min=self.min_scale)
+        if self.min_scale > 0:  # the whole rule's clamp, only where it backed off
+            torch.maximum(scale, floor, out=scale)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)  # as GradScaler
         self._loss_bad = self._all_finite
 

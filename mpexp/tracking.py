@@ -123,15 +123,20 @@ class Tracker:
         self._wandb_id = None
         self._wandb: WandbProcess | None = None
         self._log_lines: LogLines | None = None
+        self._logged = False  # any metrics row yet
         if self.wandb_mode != "disabled":
             self._wandb_id = run.wandb_id or new_wandb_id()
-            self._wandb = WandbProcess(
-                self._wandb_start(run, config, wandb_cfg),
-                self.run_dir / "wandb" / "process.log",
-                self._wandb_problem,
-            )
-            self._log_lines = LogLines(self._wandb)
-            logging.getLogger().addHandler(self._log_lines)
+            try:
+                self._wandb = WandbProcess(
+                    self._wandb_start(run, config, wandb_cfg),
+                    self.run_dir / "wandb" / "process.log",
+                    self._wandb_problem,
+                )
+            except OSError as err:  # no process to be had: W&B must never stop a training run
+                self._wandb_problem("failed", f"its process did not start: {err}")
+            else:
+                self._log_lines = LogLines(self._wandb)
+                logging.getLogger().addHandler(self._log_lines)
 
     def _wandb_start(self, run: RunContext, config: dict, wandb_cfg: Any) -> dict[str, Any]:
         """What the W&B process needs to start the run (mpexp/wandb_process.py's `init`)."""
@@ -172,7 +177,7 @@ class Tracker:
             return
         hint = ""
         if "init_timeout" in text:  # W&B's hint names its own setting, not mpexp's key
-            now = self._wandb_cfg.init_timeout
+            now = self._wandb_cfg.get("init_timeout", 90)
             hint = f" Give it longer: wandb.init_timeout=<seconds> (now {now:g})."
         said = text.splitlines()[0]
         log.warning("W&B could not start; logging to %s only.%s (%s)", self.run_dir, hint, said)
@@ -206,11 +211,13 @@ class Tracker:
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (it must hold `step` or `epoch`)."""
         self._metrics.write(json.dumps(row, default=_histogram_json) + "\n")
+        self._logged = True
         if self._wandb is not None:
             histograms = {
                 k: (v.counts, v.edges) for k, v in row.items() if isinstance(v, Histogram)
             }
-            plain = {k: v for k, v in row.items() if k not in histograms} if histograms else row
+            # a copy: the row is written out later, on another thread
+            plain = {k: v for k, v in row.items() if k not in histograms}
             self._wandb.send("log", (plain, histograms))
 
     def update_summary(self, values: dict[str, Any]) -> None:
@@ -228,7 +235,10 @@ class Tracker:
             self._metrics.close()
             if self._wandb is not None:
                 logging.getLogger().removeHandler(self._log_lines)
-                where = self._wandb.finish(exit_code=0 if status == "finished" else 1)
+                # a run that ended before it logged a row (a stop signal, an error while it was
+                # built) does not wait for W&B to start and finish: its process does that alone
+                exit_code = 0 if status == "finished" else 1
+                where = self._wandb.finish(exit_code, wait=self._logged)
                 self._wandb = None
                 if where is not None:
                     self._record_wandb_run()

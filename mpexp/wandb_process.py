@@ -79,7 +79,8 @@ class WandbProcess:
         self._reader.start()
 
     def send(self, kind: str, payload: Any = None) -> None:
-        self._outbox.put((kind, payload))
+        if not self._ended.is_set():  # once W&B is gone, nothing is kept for it
+            self._outbox.put((kind, payload))
 
     def send_and_wait(self, kind: str, payload: Any = None) -> None:
         """Send, and wait until the W&B process has taken it (or has ended): for a checkpoint,
@@ -89,47 +90,65 @@ class WandbProcess:
         while not (self._took.wait(0.1) or self._ended.is_set()):
             pass
 
-    def finish(self, exit_code: int) -> Path | None:
+    def finish(self, exit_code: int, wait: bool = True) -> Path | None:
         """Finish the W&B run; the W&B run's directory, or None where W&B never started.
 
         Waits until the run is finished, not for the process to exit: its exit (wandb's own
-        teardown) overlaps this process's.
+        teardown) overlaps this process's. Without `wait`, the W&B process finishes the run on
+        its own, in the background, and None is returned.
         """
         self.send("finish", exit_code)
         self._outbox.put(_END)
+        if not wait:
+            return None
         self._ended.wait()
         return self.run_dir
 
     def _write(self) -> None:
         pipe = self._process.stdin
-        try:
-            while (message := self._outbox.get()) is not _END:
-                pipe.write(_line(message))
+        while (message := self._outbox.get()) is not _END:
+            if pipe.closed:
+                continue  # the process has ended: the reader says why; the queue is emptied
+            try:
+                line = _line(message)
+            except (TypeError, ValueError) as err:  # a key JSON cannot take, say
+                self._problem("warning", f"W&B did not take a {message[0]} message ({err}).")
+                continue
+            try:
+                pipe.write(line)
                 pipe.flush()
-        except OSError:
-            pass  # the process has ended (W&B did not start); the reader tells why
-        finally:
-            with contextlib.suppress(OSError):
-                pipe.close()
+            except OSError:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        with contextlib.suppress(OSError):
+            pipe.close()
 
     def _read(self) -> None:
-        for kind, payload in _messages(self._process.stdout):
-            if kind == "started":
-                self.run_dir = Path(payload)
-            elif kind in ("failed", "warning"):
-                self._on_problem(kind, payload)
-            if kind == "took":
-                self._took.set()
-            if kind in ("failed", "finished"):
-                self._ended.set()
-        code = self._process.wait()  # reaped here, as it exits after its last answer
-        if not self._ended.is_set():  # it died without a word: a crash, or a kill
-            self._on_problem(
-                "warning",
-                f"W&B's process ended early (exit code {code}); its errors are in "
-                f"{self.log_file}. Local metrics continue.",
-            )
+        try:
+            for kind, payload in _messages(self._process.stdout):
+                if kind == "started":
+                    self.run_dir = Path(payload)
+                elif kind == "took":
+                    self._took.set()
+                if kind in ("failed", "finished"):
+                    self._ended.set()  # first: from here on nothing more is queued for it
+                if kind in ("failed", "warning"):
+                    self._problem(kind, payload)
+            code = self._process.wait()  # reaped here, as it exits after its last answer
+            if not self._ended.is_set():  # it died without a word: a crash, or a kill
+                self._problem(
+                    "warning",
+                    f"W&B's process ended early (exit code {code}); its errors are in "
+                    f"{self.log_file}. Local metrics continue.",
+                )
+        finally:  # whatever happened here, nothing in training may wait on W&B any longer
             self._ended.set()
+
+    def _problem(self, kind: str, text: str) -> None:
+        try:
+            self._on_problem(kind, text)
+        except Exception:  # a warning that cannot be given must not stop the threads
+            logging.getLogger(__name__).exception("W&B problem not reported: %s", text)
 
 
 def _line(message: Message) -> bytes:
@@ -137,10 +156,15 @@ def _line(message: Message) -> bytes:
 
 
 def _messages(pipe: BinaryIO) -> Iterator[Message]:
+    """The `[kind, payload]` messages on `pipe` until it ends; a line that is not one is skipped."""
     try:
         for line in pipe:
-            yield tuple(json.loads(line))
-    except (OSError, ValueError):
+            try:
+                kind, payload = json.loads(line)
+            except (ValueError, TypeError):
+                continue
+            yield kind, payload
+    except OSError:
         return
 
 

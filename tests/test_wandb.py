@@ -9,11 +9,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from mpexp.runner import train
-from mpexp.tracking import RunContext
+from mpexp.tracking import RunContext, Tracker
+from mpexp.wandb_process import WandbProcess
 from tests.conftest import ROOT, TINY, make_cfg
 from tests.test_resume import ARGS, start_cli, status, wait_for
 
@@ -104,17 +108,25 @@ def test_the_training_process_never_imports_wandb(tmp_path):
     assert len([r for r in history(leet_records(wandb_dir)) if "train/loss" in r]) == 2 * 16
 
 
-def wandb_exit(wandb_dir: Path, timeout: float = 120) -> dict:
-    """The W&B run's exit record, once its process has written it."""
+def wandb_exit(where: Path, timeout: float = 120) -> dict:
+    """The exit record of the W&B run in `where` (its directory, or the run's wandb/ folder
+    holding it), once W&B's process has written it; the run's records with it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if wandb_dir is not None:
-            records = leet_records(wandb_dir)
-            exits = [r["exit"] for r in records if r["type"] == "exit"]
-            if exits:
-                return {"exit": exits[0], "records": records}
+        runs = (
+            [where]
+            if where.name.startswith("offline-run-")
+            else sorted(where.glob("offline-run-*"))
+        )
+        try:
+            records = leet_records(runs[0]) if runs else []
+        except subprocess.CalledProcessError:  # its file has not been started yet
+            records = []
+        exits = [r["exit"] for r in records if r["type"] == "exit"]
+        if exits:
+            return {"exit": exits[0], "records": records}
         time.sleep(0.5)
-    raise AssertionError(f"no W&B exit record in {wandb_dir}")
+    raise AssertionError(f"no W&B exit record in {where}")
 
 
 def training_with_wandb(tmp_path: Path, epochs: int, rows: int) -> tuple[subprocess.Popen, Path]:
@@ -139,8 +151,8 @@ def test_a_killed_training_run_leaves_a_finished_wandb_run_with_its_rows(tmp_pat
     proc.kill()  # SIGKILL: no handler, no checkpoint, no goodbye to W&B
     proc.communicate(timeout=60)
 
-    (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
-    ended = wandb_exit(wandb_dir)
+    # W&B's process goes on: it may still be starting the W&B run, then finishes it
+    ended = wandb_exit(run_dir / "wandb")
     assert ended["exit"]["exit_code"] == 1  # W&B shows it failed, not running forever
     logged = [r["train/loss"] for r in history(ended["records"]) if "train/loss" in r]
     local = [json.loads(x) for x in metrics.read_text().splitlines()]
@@ -175,3 +187,69 @@ def test_training_goes_on_when_the_wandb_process_dies(tmp_path):
     assert status(run_dir) == "finished"
     epochs = [json.loads(x) for x in metrics.read_text().splitlines() if '"epoch"' in x]
     assert [r["epoch"] for r in epochs] == [1, 2, 3, 4, 5, 6]
+
+
+def wandb_process(tmp_path: Path, problems: list, **settings) -> WandbProcess:
+    """The W&B process of an offline run in tmp_path, its problems appended to `problems`."""
+    start = {
+        "init": {"project": "mpexp-test", "dir": str(tmp_path), "mode": "offline"},
+        "settings": {"silent": True, **settings},
+        "argv": ["test"],
+        "metrics": [],
+    }
+    return WandbProcess(start, tmp_path / "process.log", lambda *p: problems.append(p))
+
+
+def test_rows_for_a_wandb_that_did_not_start_are_not_kept(tmp_path):
+    problems = []
+    process = wandb_process(tmp_path, problems, no_such_setting=1)  # wandb.Settings refuses it
+    deadline = time.monotonic() + 120
+    while not problems and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert problems and problems[0][0] == "failed"
+    for step in range(10_000):  # a long run's rows: none may pile up for a W&B that is gone
+        process.send("log", ({"step": step}, {}))
+    assert process._outbox.qsize() == 0
+    assert process.finish(1) is None
+
+
+def test_a_row_wandb_cannot_take_costs_a_warning_not_the_run(tmp_path):
+    problems = []
+    process = wandb_process(tmp_path, problems)
+    process.send("log", ({"step": 1, "train/loss": 1.0}, {}))
+    process.send("log", ({"step": 2, ("not", "a", "name"): 1.0}, {}))  # JSON keys are strings
+    process.send("log", ({"step": 3, "train/loss": 0.5}, {}))
+    wandb_dir = process.finish(0)
+    assert [kind for kind, _ in problems] == ["warning"]
+    assert "W&B did not take a log message" in problems[0][1]
+    rows = history(wandb_exit(wandb_dir)["records"])
+    assert [r["train/loss"] for r in rows] == [1.0, 0.5]
+
+
+def test_a_failing_warning_does_not_leave_the_run_waiting_on_wandb(tmp_path):
+    def refuse(kind, text):
+        raise RuntimeError("no place to say it")
+
+    start = {"init": {"dir": str(tmp_path), "mode": "offline"}, "settings": {"bogus": 1},
+             "argv": ["test"], "metrics": []}  # fmt: skip
+    process = WandbProcess(start, tmp_path / "process.log", refuse)
+    ended = threading.Thread(target=process.finish, args=(1,), daemon=True)
+    ended.start()
+    ended.join(timeout=120)
+    assert not ended.is_alive()  # finish() returned although the warning could not be given
+
+
+def test_a_run_that_ends_before_its_first_row_does_not_wait_for_wandb(tmp_path, monkeypatch):
+    """A stop signal or an error while the run is built: W&B's process finishes the W&B run on
+    its own, and the training process does not wait out a start against a server that does not
+    answer (wandb.init_timeout)."""
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    wandb_cfg = OmegaConf.create(
+        {"mode": "online", "project": "p", "entity": None, "tags": [], "init_timeout": 90}
+    )
+    tracker = Tracker(RunContext(tmp_path), {}, wandb_cfg)
+    started = time.monotonic()
+    tracker.close("interrupted")
+    assert time.monotonic() - started < 30  # not the 90 s W&B may take to give up
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "interrupted"
