@@ -406,3 +406,23 @@ def test_skip_mode_guards_steps_even_without_loss_scaling():
     train_step(model, images, labels, optimizer, scaler, precision_of("fp32"))
     assert scaler.found_inf().item() == 1.0 and scaler.get_scale() == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_the_floor_only_stops_a_back_off():
+    """A scale set below the floor by hand (GradScaler's update(new_scale)) stays where it was
+    put on clean steps, as GradScaler leaves it; only a back-off is held at the floor."""
+    floor = {**DYNAMIC, "growth_interval": 100, "min_scale": 1.0, "on_min_scale": "continue"}
+    model, optimizer, precision, scaler = setup(floor)
+    step(model, optimizer, precision, scaler, poison=False)
+    scaler.update(0.25)
+    assert step(model, optimizer, precision, scaler, poison=False) == (0.25, 0.0)
+    assert scaler.get_scale() == 0.25
+    assert step(model, optimizer, precision, scaler, poison=True) == (0.25, 1.0)
+    assert scaler.get_scale() == 1.0 and scaler.floor_hit().item() == 1.0
+
+
+def test_a_batch_of_losses_with_a_nan_marks_the_step(recwarn):
+    scaler = DynamicLossScaler(CPU, 1024.0, 2.0, 0.5, 2)
+    scaler.scale(torch.tensor([1.0, float("nan")]))
+    assert scaler._loss_bad.item() == 1
+    assert not [w for w in recwarn if "resized" in str(w.message)]
