@@ -306,7 +306,7 @@ class DynamicLossScaler(LossScaler):
         super().update(new)
 
     def _update_without_hysteresis(self, found: torch.Tensor) -> None:
-        """The rule above with no overflow tolerated (`dynamic`, the default) in 4 to 6
+        """The rule above with no overflow tolerated (`dynamic`, the default) in 4 to 7
         operators, where the general one takes about 25: each is a kernel launch on a GPU, and
         on a fast GPU a step's launches are what it waits for. The same results: the tests hold
         both to GradScaler's trajectory and to each other.
