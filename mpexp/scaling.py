@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from hydra.utils import get_object
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from mpexp.config import to_dict
 from mpexp.distributed import local_shard
@@ -77,8 +75,10 @@ class LossScaler(torch.amp.GradScaler):
 
     def __init__(self, device: torch.device, **kwargs):
         super().__init__(device.type, **kwargs)
-        self.device = device
         self._found_inf = torch.zeros((), device=device)
+        # as its tensors have it ("cuda" becomes "cuda:0"), so that comparing it with a
+        # gradient's device tells whether a flag needs moving
+        self.device = self._found_inf.device
         self._one = torch.ones((), device=device)
         self._sum_overflow_over_ranks = False
         # 1 when a loss of this step was not finite (int32: it takes part in arithmetic below).
@@ -332,7 +332,7 @@ class DynamicLossScaler(LossScaler):
         )
         if self.min_scale > 0:  # the whole rule's clamp, only where it backed off
             torch.maximum(scale, floor, out=scale)
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)  # as GradScaler
+        self._per_optimizer_states.clear()  # what GradScaler.update clears for the next step
         self._loss_bad = self._all_finite
 
     def describe(self) -> dict:

@@ -116,6 +116,7 @@ class Tracker:
         self._summary: dict[str, Any] = {"status": "running", "started_at": _now()}
         self._write_summary()
         self._run, self._wandb_cfg = run, wandb_cfg
+        self._init_timeout = wandb_cfg.get("init_timeout", 90)  # a config from Python may lack it
         self.wandb_mode = resolve_wandb_mode(wandb_cfg.mode)
         self._announce_sync = self.wandb_mode == "offline" and not run.in_sweep
         # chosen here, not by W&B: a checkpoint records the id at once, without waiting for a
@@ -161,7 +162,7 @@ class Tracker:
                 "resume": "allow" if run.wandb_id else None,
             },
             "settings": {
-                "init_timeout": wandb_cfg.get("init_timeout", 90),
+                "init_timeout": self._init_timeout,
                 "silent": True,  # W&B's own console lines are quiet; mpexp says where the run is
                 "x_stats_pid": os.getpid(),  # system metrics of this process, not W&B's
                 "program": sys.argv[0],
@@ -177,7 +178,7 @@ class Tracker:
             return
         hint = ""
         if "init_timeout" in text:  # W&B's hint names its own setting, not mpexp's key
-            now = self._wandb_cfg.get("init_timeout", 90)
+            now = self._init_timeout
             hint = f" Give it longer: wandb.init_timeout=<seconds> (now {now:g})."
         said = text.splitlines()[0]
         log.warning("W&B could not start; logging to %s only.%s (%s)", self.run_dir, hint, said)

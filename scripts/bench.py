@@ -422,17 +422,13 @@ def time_processes(args) -> dict:
                 start = time.perf_counter()
                 subprocess.run(command, cwd=cwd, env=env, check=True, capture_output=True)
                 times[name].append(time.perf_counter() - start)
-    bare = times["bare"]
-    return {
-        "epochs": epochs,
-        "train_size": size,
-        **{f"{name}_s": seconds for name, seconds in times.items()},
-        "ratio_median": statistics.median(times["mpexp"]) / statistics.median(bare),
-        "ratio_best": min(times["mpexp"]) / min(bare),
-        "ratio_no_wandb_median": statistics.median(times["mpexp_no_wandb"])
-        / statistics.median(bare),
-        "ratio_no_wandb_best": min(times["mpexp_no_wandb"]) / min(bare),
-    }
+    result = {"epochs": epochs, "train_size": size}
+    for name, seconds in times.items():
+        result[f"{name}_s"] = seconds
+    for name, key in (("mpexp", "ratio"), ("mpexp_no_wandb", "ratio_no_wandb")):
+        result[f"{key}_median"] = statistics.median(times[name]) / statistics.median(times["bare"])
+        result[f"{key}_best"] = min(times[name]) / min(times["bare"])
+    return result
 
 
 def table(result: dict) -> str:
@@ -497,15 +493,13 @@ def table(result: dict) -> str:
             "process | median s | best s | vs bare (median) | vs bare (best)",
             "--- | --- | --- | --- | ---",
         ]
-        for name, said, ratio in (("mpexp", "mpexp", "ratio"),
-                                  ("mpexp_no_wandb", "mpexp, W&B disabled", "ratio_no_wandb"),
-                                  ("bare", "bare", None)):  # fmt: skip
+        bare = process["bare_s"]
+        for name, said in (("mpexp", "mpexp"), ("mpexp_no_wandb", "mpexp, W&B disabled"),
+                           ("bare", "bare")):  # fmt: skip
             seconds = process[f"{name}_s"]
-            ratios = (f"{process[ratio + '_median']:.2f}x | {process[ratio + '_best']:.2f}x"
-                      if ratio else "1.00x | 1.00x")  # fmt: skip
-            lines.append(
-                f"{said} | {statistics.median(seconds):.2f} | {min(seconds):.2f} | {ratios}"
-            )
+            median, best = statistics.median(seconds), min(seconds)
+            versus = f"{median / statistics.median(bare):.2f}x | {best / min(bare):.2f}x"
+            lines.append(f"{said} | {median:.2f} | {best:.2f} | {versus}")
     return "\n".join(lines)
 
 

@@ -11,8 +11,10 @@ from torch import nn
 from mpexp.errors import ConfigError
 from mpexp.precision import FP8_CAPABILITY, convert_to_fp8, setup_precision
 from mpexp.runner import train
+from mpexp.scaling import DynamicLossScaler
 from mpexp.tracking import RunContext
 from tests.conftest import TINY, TINY_VIT, VIT_FP8_LAYERS, make_cfg, precision_of
+from tests.test_step_cost import Dispatched
 
 pytestmark = pytest.mark.gpu
 
@@ -205,3 +207,16 @@ def test_fp8_on_cuda_rounds_to_e4m3_as_the_emulation_does():
         with precision.autocast():
             outputs[device.type] = layer(x.to(device))[0, :3].float().cpu().tolist()
     assert outputs["cuda"] == outputs["cpu"] == [448.0, 1.0, 1.0]
+
+
+def test_a_scaler_on_cuda_without_an_index_takes_the_short_update():
+    """torch.device("cuda") is the GPU its tensors call cuda:0: the `dynamic` scaler's short rule
+    (a handful of operators a step) holds for it too, not the whole rule's 25 or so."""
+    scaler = DynamicLossScaler(torch.device("cuda"), 1024.0, 2.0, 0.5, 2)
+    weight = nn.Parameter(torch.ones(4, device="cuda"))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler.scale((weight * 2).sum()).backward()
+    scaler.step(optimizer)
+    with Dispatched() as counted:
+        scaler.update()
+    assert sum(counted.ops.values()) <= 8, counted.ops
