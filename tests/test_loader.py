@@ -54,8 +54,7 @@ def test_validation_batches_cover_the_validation_set_in_order():
 
 def test_channels_last_batches_come_in_nhwc_layout():
     data = Numbered(batch_size=16, loader="device")
-    data.setup(CPU)
-    data.memory_format = torch.channels_last
+    data.setup(CPU, torch.channels_last)
     images, _ = next(iter(data.train_batches(1, 0, CPU)))
     assert images.dtype == torch.float32
     assert images.is_contiguous(memory_format=torch.channels_last)

@@ -55,11 +55,13 @@ class InMemoryData:
         self.drop_last = drop_last
         self.loader = loader
         self.num_workers = num_workers
-        self.memory_format = torch.contiguous_format  # the trainer sets channels_last when asked
+        self.memory_format = torch.contiguous_format  # setup() takes the step's
         self.train: Batch | None = None
         self.val: Batch | None = None
         self.info: DataInfo | None = None
         self.rank, self.world_size = 0, 1
+        self._ready: dict[str, Batch] = {}  # loader=device: what the step reads, made in setup
+        self._static: Batch | None = None  # static batches' storage
 
     def load(self) -> tuple[Batch, Batch, int]:
         """Return (train images, labels), (val images, labels) and the number of classes.
@@ -68,16 +70,41 @@ class InMemoryData:
         """
         raise NotImplementedError
 
-    def setup(self, device: torch.device) -> DataInfo:
-        """Load the data and place it where the chosen loader reads it from."""
+    def setup(
+        self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
+    ) -> DataInfo:
+        """Load the data and make it what the step reads.
+
+        With `loader=device` the images are converted once, here, to float32 in [0, 1] in the
+        step's memory format on the device, so that a batch is one gather: no per-batch dtype
+        conversion, division or layout copy. `self.train` and `self.val` keep what `load()` gave.
+        """
         train, val, num_classes = self.load()
-        if self.loader == "device":
-            train = tuple(t.to(device) for t in train)
-            val = tuple(t.to(device) for t in val)
         self.train, self.val = train, val
+        self.memory_format = memory_format
+        if self.loader == "device":
+            self._ready = {
+                "train": self._on_device(train, device),
+                "val": self._on_device(val, device),
+            }
         _, c, h, w = train[0].shape
         self.info = DataInfo(channels=c, height=h, width=w, num_classes=num_classes)
         return self.info
+
+    def _on_device(self, data: Batch, device: torch.device) -> Batch:
+        """Images as float32 on `device`, stored N x H x W x C for channels_last: a gather along
+        the first dimension then yields batches that are channels_last already."""
+        images, labels = data
+        images = to_float(images.to(device))
+        if self.memory_format == torch.channels_last:
+            images = images.permute(0, 2, 3, 1).contiguous()
+        return images, labels.to(device)
+
+    def _batch_view(self, stored: torch.Tensor) -> torch.Tensor:
+        """A batch as the model takes it (N x C x H x W), from its stored layout."""
+        if self.memory_format == torch.channels_last:
+            return stored.permute(0, 3, 1, 2)
+        return stored
 
     def shard(self, rank: int, world_size: int) -> None:
         """Train on rank `rank`'s share of each epoch; `batch_size` is then per rank."""
@@ -100,14 +127,20 @@ class InMemoryData:
         n = self.train_size // self.world_size
         return n - n % self.batch_size if self.drop_last else n
 
-    def train_batches(self, epoch: int, seed: int, device: torch.device) -> Iterator[Batch]:
-        """One epoch of shuffled training batches on `device`, in an order set by (seed, epoch)."""
+    def train_batches(
+        self, epoch: int, seed: int, device: torch.device, static: bool = False
+    ) -> Iterator[Batch]:
+        """One epoch of shuffled training batches on `device`, in an order set by (seed, epoch).
+
+        With `static=True` and `loader=device`, every full batch is gathered into the same two
+        tensors, which a captured CUDA graph reads (the values change, the memory does not).
+        """
         epoch_seed = seed * 100_003 + epoch
         n, world = self.train_size, self.world_size
         if self.loader == "device":
             order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed))
             order = order[: n - n % world][self.rank :: world]
-            yield from self._slices(self.train, order.to(device), self.drop_last)
+            yield from self._gather(self._ready["train"], order.to(device), static)
         elif world > 1:
             # DistributedSampler seeds its permutation with seed + epoch: the device path's order
             sampler = DistributedSampler(
@@ -126,23 +159,27 @@ class InMemoryData:
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
         """The validation set in order, every sample once."""
         if self.loader == "device":
-            yield from self._slices(self.val, None, drop_last=False)
+            images, labels = self._ready["val"]
+            for start in range(0, len(labels), self.batch_size):
+                stop = start + self.batch_size
+                yield self._batch_view(images[start:stop]), labels[start:stop]
         else:
             yield from self._dataloader(self.val, device, shuffle=False)
 
-    def _slices(self, data: Batch, order: torch.Tensor | None, drop_last: bool) -> Iterator[Batch]:
+    def _gather(self, data: Batch, order: torch.Tensor, static: bool) -> Iterator[Batch]:
         images, labels = data
-        n, b = len(labels) if order is None else len(order), self.batch_size
-        stop = n - n % b if drop_last else n
+        n, b = len(order), self.batch_size
+        stop = n - n % b if self.drop_last else n
         for start in range(0, stop, b):
-            if order is None:
-                yield (
-                    to_float(images[start : start + b], self.memory_format),
-                    labels[start : start + b],
-                )
+            idx = order[start : start + b]
+            if static and len(idx) == b:
+                if self._static is None:
+                    self._static = (images.new_empty((b, *images.shape[1:])), labels.new_empty(b))
+                torch.index_select(images, 0, idx, out=self._static[0])
+                torch.index_select(labels, 0, idx, out=self._static[1])
+                yield self._batch_view(self._static[0]), self._static[1]
             else:
-                idx = order[start : start + b]
-                yield to_float(images[idx], self.memory_format), labels[idx]
+                yield self._batch_view(images[idx]), labels[idx]
 
     def _dataloader(
         self, data: Batch, device, shuffle: bool, generator=None, sampler=None
