@@ -90,9 +90,12 @@ class TrainerConfig:
     progress: Optional[bool] = None  # null: a bar on a terminal only
     strategy: Strategy = Strategy.single
     cudnn_benchmark: bool = True
-    channels_last: bool = False
-    compile: bool = False
+    # null: decided by the device (on for CUDA, off for a CPU), see mpexp.performance.plan_speed
+    channels_last: Optional[bool] = None
+    compile: Optional[bool] = None
     compile_mode: str = "default"  # torch.compile's names contain '-': checked in mpexp.validate
+    cuda_graph: Optional[bool] = None
+    eager: bool = False  # compile and cuda_graph off where they are null
     deterministic: bool = False
     checkpoint_every_steps: Optional[int] = None
     keep_checkpoints: int = 1

@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mpexp.distributed import all_reduce, local_shard, shard_group
 from mpexp.history import DeviceRows
 from mpexp.precision import Precision
-from mpexp.scaling import LossScaler, min_scale_error
+from mpexp.scaling import LossScaler
 from mpexp.tracking import Histogram, Tracker
 
 log = logging.getLogger(__name__)
@@ -147,8 +147,6 @@ class Diagnostics:
         self.attribute = cfg.overflow_attribution
         self.max_names = cfg.max_names
         self.scaler, self.tracker = scaler, tracker
-        self.watch_floor = scaler.min_scale > 0
-        self.floor_hits = 0
 
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # a layer is the module that owns the parameter ("features.3.0.weight" -> "features.3.0")
@@ -218,31 +216,19 @@ class Diagnostics:
         return bad
 
     def after_update(self, step: int) -> None:
-        """Record the step's flags (after scaler.update(), which decides the floor)."""
-        parts = []
-        if self.watch_floor:
-            parts.append(self.scaler.floor_hit().reshape(1))
+        """Record the step's non-finite flags, once the step is done."""
         if self.attribute and self._flags is not None:
-            parts.append(self._flags)
-        if parts:
-            self._steps.append(step, torch.cat(parts) if len(parts) > 1 else parts[0])
+            self._steps.append(step, self._flags)
+            self._flags = None
 
     def flush(self, wait: bool = False) -> None:
-        """Report what has been read back; raise if the scale hit its floor under `raise`."""
-        for step, values in self._steps.flush(wait):
-            floor_hit = self.watch_floor and values[0] > 0
-            if self.attribute:
-                self._attribute(step, values[1:] if self.watch_floor else values)
-            if floor_hit:
-                self._on_floor(step)
+        """Report what has been read back."""
+        for step, flags in self._steps.flush(wait):
+            self._attribute(step, flags)
         for step, counts in self._stats.flush(wait):
             self.tracker.log(self._stats_row(step, counts))
         for step, counts in self._fp8.flush(wait):
             self.tracker.log(self._fp8_row(step, counts))
-
-    def outcome(self) -> dict:
-        """Totals for the run summary."""
-        return {"amp/floor_hits": self.floor_hits} if self.watch_floor else {}
 
     def _attribute(self, step: int, flags: list[float]) -> None:
         names = [name for (name, _), bad in zip(self.params, flags, strict=True) if bad]
@@ -255,19 +241,6 @@ class Diagnostics:
         self.tracker.log(
             {"step": step, "diag/nonfinite_params": text, "diag/nonfinite_param_count": len(names)}
         )
-
-    def _on_floor(self, step: int) -> None:
-        if self.scaler.on_min_scale == "raise":
-            raise min_scale_error(step, self.scaler.min_scale)
-        if self.floor_hits == 0:
-            log.warning(
-                "Loss scale at its floor loss_scaling.min_scale=%g at step %d and gradients "
-                "still overflow; continuing (loss_scaling.on_min_scale=continue): such steps are "
-                "skipped.",
-                self.scaler.min_scale,
-                step,
-            )
-        self.floor_hits += 1
 
     def _fp8_row(self, step: int, counts: list[int]) -> dict:
         width = len(FP8_COUNTS)

@@ -1,10 +1,11 @@
 """Per-step training values kept on the device and read back in batches.
 
 Reading a CUDA tensor on the host (`.item()`, `.tolist()`, `GradScaler.get_scale()`) waits for all
-queued work, which stalls the pipeline if done every step. Instead, each step stacks its values into
-one small device tensor; `flush()` copies everything recorded so far to pinned host memory without
-waiting, and hands back the rows of the *previous* flush, whose copy has long finished. The complete
-scale history (every step's scale and skip flag) survives this way.
+queued work, which stalls the pipeline if done every step. Instead, each step writes its values into
+a row of a small device tensor; `flush()` copies everything recorded so far to pinned host memory
+without waiting, and hands back the rows of the *previous* flush, whose copy has long finished. The
+complete scale history (every step's scale and skip flag) survives this way, also from steps
+replayed as a CUDA graph (mpexp/step_graph.py).
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ class DeviceRows:
         back, e.g. values averaged over the ranks of a distributed run."""
         self._reduce = reduce
         self._meta: list[Any] = []
-        self._values: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []  # blocks of rows
         self._pending: list[tuple[list[Any], torch.Tensor, object]] = []
 
     def append(self, meta: Any, values: torch.Tensor) -> None:
         """Queue one row (a 1-D tensor, the same width and dtype every time); no synchronisation."""
         self._meta.append(meta)
+        self._values.append(values.unsqueeze(0))
+
+    def append_block(self, metas: list[Any], values: torch.Tensor) -> None:
+        """Queue several rows at once: `values` holds one row per entry of `metas`."""
+        self._meta.extend(metas)
         self._values.append(values)
 
     def flush(self, wait: bool = False) -> list[tuple[Any, list[float]]]:
@@ -38,7 +44,7 @@ class DeviceRows:
         With wait=True every appended row is returned (one synchronisation), as at an epoch's end.
         """
         if self._values:
-            values = torch.stack(self._values)
+            values = torch.cat(self._values)
             if self._reduce is not None:
                 values = self._reduce(values)
             event = None
@@ -75,28 +81,76 @@ class StepRow:
     loss: float
     scale: float
     skipped: bool
+    floor_hit: bool = False  # the scale wanted to back off below loss_scaling.min_scale
 
 
 class StepHistory:
-    """Every step's loss, loss scale and skip flag."""
+    """Every step's loss, loss scale, skip flag and floor flag, in a ring of rows on the device.
 
-    def __init__(self, reduce_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """`reduce_loss`, if given, maps each flushed block of losses on the device to what is
-        logged, e.g. their mean over the ranks of a distributed run."""
+    The host notes each step's number and learning rate (`note`); the step itself writes its row
+    into the ring (`record`), at the host's count when it runs eagerly, or at a position the
+    device keeps when it is replayed from a CUDA graph, where no host value can reach it.
+    `flush` copies the rows written since the last one to the host without waiting.
+    """
+
+    WIDTH = 4  # loss, scale, skipped, floor hit
+
+    def __init__(
+        self,
+        capacity: int = 64,
+        device: torch.device | str = "cpu",
+        reduce_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """`capacity`: the most steps between two flushes that a captured step may write
+        (eager steps grow the ring as needed). `reduce_loss`, if given, maps each flushed block
+        of losses on the device to what is logged, e.g. their mean over the ranks of a
+        distributed run."""
+        self._ring = torch.zeros((capacity, self.WIDTH), device=device)
+        self._position = torch.zeros((), dtype=torch.long, device=device)
+        self._device_at: int | None = 0  # what `_position` holds, as far as the host knows
+        self._meta: list[tuple[int, float]] = []
         self._rows = DeviceRows(_in_column(0, reduce_loss) if reduce_loss else None)
 
-    def record(
-        self, step: int, lr: float, loss: torch.Tensor, scale: torch.Tensor, skipped: torch.Tensor
-    ) -> None:
-        """Queue one step's values; no host-device synchronisation."""
-        # all float32 already (the loss leaves autocast in float32, the scaler keeps float32):
-        # one small stack is the whole per-step cost
-        values = torch.stack((loss.detach(), scale, skipped))
-        self._rows.append((step, lr), values)
+    def note(self, step: int, lr: float) -> None:
+        """The host's part of a step's row, before the step runs."""
+        self._meta.append((step, lr))
+
+    def record(self, before_update: torch.Tensor, floor_hit: torch.Tensor) -> None:
+        """Write the step's row: `before_update` is (loss, scale, skipped) stacked before the
+        scaler's update, `floor_hit` what the update decided. Eager: at the host's count."""
+        row = len(self._meta) - 1
+        if row >= len(self._ring):
+            grown = self._ring.new_zeros((2 * len(self._ring), self.WIDTH))
+            grown[: len(self._ring)] = self._ring
+            self._ring = grown
+        torch.cat((before_update, floor_hit.reshape(1)), out=self._ring[row])
+
+    def record_captured(self, before_update: torch.Tensor, floor_hit: torch.Tensor) -> None:
+        """`record` for a step captured in a CUDA graph: at the position the device keeps."""
+        row = torch.cat((before_update, floor_hit.reshape(1))).unsqueeze(0)
+        self._ring.index_copy_(0, self._position, row)
+        self._position.add_(1)
+
+    def before_replay(self) -> None:
+        """Point the device's position at this step's row, if the host's count has moved on
+        without it (eager steps, a flush); then account for the replay's own increment."""
+        row = len(self._meta) - 1
+        if row >= len(self._ring):
+            raise RuntimeError(
+                f"{row + 1} steps since the last flush, but the history ring holds "
+                f"{len(self._ring)}: flush at least every {len(self._ring)} steps."
+            )
+        if self._device_at != row:
+            self._position.fill_(row)
+        self._device_at = row + 1
 
     def flush(self, wait: bool = False) -> list[StepRow]:
         """Rows whose copy to the host is done (all of them with wait=True); see DeviceRows."""
+        if self._meta:
+            # a copy: the ring's rows are written again from the next step on
+            self._rows.append_block(self._meta, self._ring[: len(self._meta)].clone())
+            self._meta = []
         return [
-            StepRow(step, lr, loss, scale, skipped > 0)
-            for (step, lr), (loss, scale, skipped) in self._rows.flush(wait)
+            StepRow(step, lr, loss, scale, skipped > 0, floor > 0)
+            for (step, lr), (loss, scale, skipped, floor) in self._rows.flush(wait)
         ]

@@ -15,6 +15,7 @@ import logging
 import math
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import islice
@@ -31,9 +32,11 @@ from mpexp.distributed import World
 from mpexp.errors import NumericsError
 from mpexp.flops import Throughput
 from mpexp.history import StepHistory, StepRow
+from mpexp.performance import Speed
 from mpexp.precision import Precision
 from mpexp.rollback import BufferRollback
-from mpexp.scaling import LossScaler
+from mpexp.scaling import LossScaler, min_scale_error
+from mpexp.step_graph import WARMUP_STEPS, CudaGraph, StepGraph
 from mpexp.stopping import StopSignals
 from mpexp.system import PeakMemory, synchronize
 from mpexp.tracking import Tracker
@@ -63,7 +66,7 @@ def train_step(
     does it inside its update kernel, sparing a separate multiply over every gradient.
     """
     if accumulate == 1:  # the common case, straight: no chunks, no weights, no accumulator
-        with precision.autocast():  # forward only: backward runs outside autocast
+        with precision.autocast(cache=False):  # forward only: backward runs outside autocast
             loss = F.cross_entropy(model(images), labels)
         scaler.scale(loss).backward()
         total = loss.detach()
@@ -74,7 +77,7 @@ def train_step(
             # under DDP, all-reduce the gradients once, with the last micro-batch's backward
             last = i == len(chunks) - 1
             with _no_grad_sync(model, last):
-                with precision.autocast():
+                with precision.autocast(cache=False):
                     loss = F.cross_entropy(model(x), y) * (len(y) / len(labels))
                 scaler.scale(loss).backward()
             total += loss.detach()
@@ -96,7 +99,12 @@ def _no_grad_sync(model, last: bool) -> contextlib.AbstractContextManager:
 
 @dataclass
 class Stepper:
-    """What one training step touches; `step` is the loop's whole per-step work."""
+    """What one training step touches; `step` is the loop's whole per-step work.
+
+    The step's device work (`_device_work`) is the same code eagerly and in a CUDA graph: with
+    `graph`, it is captured once after the warm-up steps and replayed for every step that can be
+    (see mpexp/step_graph.py); the others run it eagerly.
+    """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -106,15 +114,82 @@ class Stepper:
     diagnostics: Diagnostics
     accumulate: int = 1
     clip_grad_norm: float | None = None
+    graph: StepGraph | None = None
+    # eager steps whose time is set-up, not training: compilation at the first, the CUDA graph's
+    # warm-up and capture (timed with a synchronisation each, so few)
+    setup_steps: int = 0
 
     def __post_init__(self) -> None:
         self.buffers = BufferRollback.for_step(self.model, can_skip=self.scaler.is_enabled())
+        self.setup_s = 0.0  # time taken by the set-up steps so far
+        self.steps_taken = 0
+        self.on_compile_error: Callable[[Exception], torch.nn.Module] | None = None
+
+    @classmethod
+    def with_graph(cls, *args, **kwargs) -> Stepper:
+        """A Stepper whose steps are captured once and replayed (`new_graph`: the graph type)."""
+        new_graph = kwargs.pop("new_graph", CudaGraph)
+        stepper = cls(*args, **kwargs)
+        stepper.graph = StepGraph(
+            stepper._captured_work, stepper._forget_step, stepper.history.before_replay, new_graph
+        )
+        stepper.setup_steps = max(stepper.setup_steps, WARMUP_STEPS + 1)
+        return stepper
 
     def step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> None:
         """The optimizer step, its history row and the scale update; a skipped step leaves the
         model's buffers (BatchNorm statistics) as they were. No host-device synchronisation: a
         GPU test runs this in CUDA's sync-debug error mode."""
-        lr = self.optimizer.param_groups[0]["lr"]  # read first: a real step advances the schedule
+        # read first: a real step advances the schedule
+        self.history.note(step, self.optimizer.param_groups[0]["lr"])
+        inspect = self.diagnostics.inspector(step)
+        timed = self.steps_taken < self.setup_steps
+        if timed:
+            synchronize(images.device)
+            began = time.perf_counter()
+        if not self._replayed(images, labels, inspect):
+            self._eager(images, labels, inspect)
+        if inspect is not None:
+            self.diagnostics.after_update(step)
+        if timed:
+            synchronize(images.device)
+            self.setup_s += time.perf_counter() - began
+        self.steps_taken += 1
+
+    def _replayed(self, images, labels, inspect) -> bool:
+        """Whether the step ran as a replay of the captured graph."""
+        if self.graph is None or inspect is not None or not self.scaler.capturable():
+            return False
+        return self.graph.run(images, labels)
+
+    def _eager(self, images, labels, inspect) -> None:
+        if self.graph is not None and self.graph.captured:
+            # the graph's gradients are its own: an eager step starts from none, as it would
+            self.optimizer.zero_grad(set_to_none=True)
+        warming = self.graph is not None and not self.graph.captured and not self.graph.failed
+        with self.graph.warmup_stream() if warming else contextlib.nullcontext():
+            if self.steps_taken == 0 and self.on_compile_error is not None:
+                self._first_compiled(images, labels, inspect)
+            else:
+                self._device_work(images, labels, inspect)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.graph is not None:
+            self.graph.warmed_up()
+
+    def _first_compiled(self, images, labels, inspect) -> None:
+        """The first step compiles the model; one that cannot be compiled trains eagerly."""
+        saved = BufferRollback(list(self.model.buffers()))
+        saved.save()
+        try:
+            self._device_work(images, labels, inspect)
+        except Exception as err:  # any compiler failure: the eager model instead
+            saved.restore_if(torch.ones((), device=images.device))
+            self._forget_step()
+            self.model = self.on_compile_error(err)
+            self._device_work(images, labels, inspect)
+
+    def _device_work(self, images, labels, inspect, captured: bool = False) -> None:
+        """Everything the step does on the device: the same kernels eager or replayed."""
         self.buffers.save()
         loss = train_step(
             self.model,
@@ -125,14 +200,36 @@ class Stepper:
             self.precision,
             self.accumulate,
             self.clip_grad_norm,
-            inspect=self.diagnostics.inspector(step),
+            inspect=inspect,
         )
-        self.buffers.restore_if(self.scaler.found_inf())
+        skipped = self.scaler.found_inf()
+        self.buffers.restore_if(skipped)
         # between step() and update(): the scale this step used and whether it was skipped
-        self.history.record(step, lr, loss, self.scaler.scale_tensor(), self.scaler.found_inf())
+        before_update = torch.stack((loss, self.scaler.scale_tensor(), skipped))
         self.scaler.update()
-        self.diagnostics.after_update(step)
+        record = self.history.record_captured if captured else self.history.record
+        record(before_update, self.scaler.floor_hit())
+
+    def _captured_work(self, images, labels) -> None:
+        self._device_work(images, labels, None, captured=True)
+
+    def _forget_step(self) -> None:
+        """Undo the host side of a step that did not finish (its device work never ran)."""
+        self.scaler.reset_step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def timed_steps(self) -> int:
+        """Set-up steps taken so far."""
+        return min(self.steps_taken, self.setup_steps)
+
+    def describe(self) -> dict:
+        """What the steps ran as, for the run record (after training)."""
+        graph = self.graph
+        return {
+            "cuda_graph": bool(graph is not None and graph.captured and not graph.failed),
+            "graph_replays": graph.replays if graph is not None else 0,
+        }
 
 
 @torch.no_grad()
@@ -157,12 +254,18 @@ class StepLog:
     """Writes flushed step rows as metrics; keeps the running skip count and the epoch's losses.
 
     A non-finite loss stops the run (trainer.on_nonfinite_loss=raise) or is counted (skip: the
-    scaler has already skipped that step on the device).
+    scaler has already skipped that step on the device). A loss scale that wanted to back off
+    below its floor stops the run (loss_scaling.on_min_scale=raise) or is counted.
     """
 
-    def __init__(self, tracker: Tracker, on_nonfinite_loss: str = "raise"):
+    def __init__(
+        self, tracker: Tracker, on_nonfinite_loss: str = "raise", scaler: LossScaler | None = None
+    ):
         self.tracker = tracker
         self.skip_nonfinite = on_nonfinite_loss == "skip"
+        self.scaler = scaler
+        self.watch_floor = scaler is not None and scaler.min_scale > 0
+        self.floor_hits = 0
         self.skipped = 0
         self.nonfinite_losses = 0
         self.last_finite: tuple[int, float] | None = None
@@ -177,6 +280,8 @@ class StepLog:
                 self.nonfinite_losses += 1
             else:
                 raise self._nonfinite_error(r)
+            if r.floor_hit and self.watch_floor:
+                self._on_floor(r.step)
             self.skipped += r.skipped
             self.epoch_skipped += r.skipped
             self.losses.append(r.loss)
@@ -194,6 +299,23 @@ class StepLog:
     def new_epoch(self) -> None:
         self.losses, self.epoch_skipped = [], 0
 
+    def outcome(self) -> dict:
+        """Totals for the run summary."""
+        return {"amp/floor_hits": self.floor_hits} if self.watch_floor else {}
+
+    def _on_floor(self, step: int) -> None:
+        if self.scaler.on_min_scale == "raise":
+            raise min_scale_error(step, self.scaler.min_scale)
+        if self.floor_hits == 0:
+            log.warning(
+                "Loss scale at its floor loss_scaling.min_scale=%g at step %d and gradients "
+                "still overflow; continuing (loss_scaling.on_min_scale=continue): such steps are "
+                "skipped.",
+                self.scaler.min_scale,
+                step,
+            )
+        self.floor_hits += 1
+
     def epoch_loss(self) -> float:
         finite = [x for x in self.losses if math.isfinite(x)]
         return sum(finite) / len(finite) if finite else float("nan")
@@ -206,6 +328,7 @@ class StepLog:
             "last_finite": self.last_finite,
             "losses": self.losses,
             "epoch_skipped": self.epoch_skipped,
+            "floor_hits": self.floor_hits,
         }
 
     def load_state(self, state: dict) -> None:
@@ -214,6 +337,7 @@ class StepLog:
         self.last_finite = tuple(state["last_finite"]) if state["last_finite"] else None
         self.losses = state["losses"]
         self.epoch_skipped = state.get("epoch_skipped", 0)
+        self.floor_hits = state.get("floor_hits", 0)
 
     def _nonfinite_error(self, row: StepRow) -> NumericsError:
         last = (
@@ -244,6 +368,8 @@ class Parts:
     precision: Precision
     # FLOPs per sample, counted once in the background from setup on, and the device's peak
     throughput: Future[Throughput]
+    speed: Speed | None = None  # the speed switches decided at setup (None: all off)
+    new_graph: Callable[[], CudaGraph] | None = None  # the graph type, if not CUDA's (tests)
 
 
 class Fit:
@@ -268,13 +394,19 @@ class Fit:
         )
         self.device = world.device
         # in a distributed run each flush averages the losses over ranks (one collective per flush)
-        self.history = StepHistory(reduce_loss=world.mean if world.distributed else None)
+        self.history = StepHistory(
+            capacity=cfg.trainer.log_every,
+            device=self.device,
+            reduce_loss=world.mean if world.distributed else None,
+        )
         self.memory = PeakMemory(self.device)
-        self.steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss)
+        self.steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss, parts.scaler)
         self.diagnostics = Diagnostics(
             cfg.diagnostics, parts.model, parts.scaler, tracker, parts.precision
         )
-        self.stepper = Stepper(
+        speed = parts.speed
+        make = Stepper.with_graph if speed is not None and speed.cuda_graph else Stepper
+        self.stepper = make(
             parts.forward,
             parts.optimizer,
             parts.scaler,
@@ -283,12 +415,17 @@ class Fit:
             self.diagnostics,
             cfg.trainer.accumulate,
             cfg.trainer.clip_grad_norm,
+            **({"new_graph": parts.new_graph} if parts.new_graph is not None else {}),
         )
+        if speed is not None and speed.compile:
+            self.stepper.setup_steps = max(self.stepper.setup_steps, 1)
+            self.stepper.on_compile_error = self._compile_failed
         progress = cfg.trainer.progress
         self.hide_bar = (None if progress is None else not progress) if world.is_main else True
         self.position = Position()  # where training stands: the next epoch, batches done in it
         self.row: dict | None = None  # the last epoch's metrics
         self.resumed_time = 0.0  # time the epoch in progress had taken before a checkpoint
+        self.compile_failed = False
 
     def restore(self, resume: Resume) -> None:
         """Continue from a checkpoint: weights, optimizer, scaler, schedule, RNGs and the log."""
@@ -297,7 +434,6 @@ class Fit:
         self.position = resume.restore(p.model, p.optimizer, p.scaler, self.world, schedule)
         carried = resume.log_state
         self.steps.load_state(carried)
-        self.diagnostics.floor_hits = carried["floor_hits"]
         self.row = carried["epoch_row"]
         self.resumed_time = carried["elapsed"]
 
@@ -307,7 +443,7 @@ class Fit:
         for epoch in range(self.position.epoch, self.trainer.epochs + 1):
             self.row = self._epoch(epoch)
             self._checkpoint(Position(epoch + 1, 0, self.position.step), 0.0, self._stop_agreed())
-        steps, diagnostics = self.steps, self.diagnostics
+        steps = self.steps
         return {
             **self.row,
             "amp/skipped_steps": steps.skipped,
@@ -316,7 +452,8 @@ class Fit:
             **(
                 {"amp/nonfinite_loss_steps": steps.nonfinite_losses} if steps.skip_nonfinite else {}
             ),
-            **diagnostics.outcome(),
+            **steps.outcome(),
+            **self._setup_time(),
         }
 
     def check_it_trained(self) -> None:
@@ -345,7 +482,11 @@ class Fit:
             disable=self.hide_bar,
         )
         start = time.perf_counter() - (self.resumed_time if done else 0.0)
-        batches = islice(data.train_batches(epoch, self.trainer.seed, self.device), done, None)
+        setup_before, timed_before = self.stepper.setup_s, self.stepper.timed_steps
+        static = self.stepper.graph is not None  # a captured step reads its batch in place
+        batches = islice(
+            data.train_batches(epoch, self.trainer.seed, self.device, static=static), done, None
+        )
         for batch, (images, labels) in enumerate(batches, start=done + 1):
             step += 1
             self.stepper.step(step, images, labels)
@@ -363,13 +504,49 @@ class Fit:
                 start += time.perf_counter() - began  # writing checkpoints is not training time
 
         synchronize(self.device)
-        epoch_time = time.perf_counter() - start
+        # compilation and the CUDA graph's warm-up and capture are set-up, not training time:
+        # perf/compile_s has them
+        setup = self.stepper.setup_s - setup_before
+        epoch_time = time.perf_counter() - start - setup
         self._flush(wait=True)
         bar.close()
         self.position = Position(epoch + 1, 0, step)
-        return self._epoch_row(epoch, step, epoch_time)
+        timed = self.stepper.timed_steps - timed_before
+        return self._epoch_row(epoch, step, epoch_time, (timed, setup))
 
-    def _epoch_row(self, epoch: int, step: int, epoch_time: float) -> dict:
+    def speed_ran(self) -> dict:
+        """The speed switches as they took effect: a model that could not be compiled, or a
+        step that could not be captured, ran eagerly."""
+        speed = self.parts.speed
+        if speed is None:
+            return {}
+        ran = self.stepper.describe()
+        if speed.compile and self.compile_failed:
+            ran["compile"] = False
+        return ran
+
+    def _setup_time(self) -> dict:
+        """Set-up time of the run's steps (compilation, CUDA graph capture), when it had any."""
+        if not self.stepper.setup_steps:
+            return {}
+        return {"perf/compile_s": self.stepper.setup_s}
+
+    def _compile_failed(self, err: Exception) -> torch.nn.Module:
+        """The model cannot be compiled: warn once and train (and evaluate) it eagerly."""
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning(
+            "torch.compile could not compile the model (%s); training it eagerly instead "
+            "(recorded as compile: false). trainer.compile=false skips the attempt.",
+            reason,
+        )
+        self.parts.forward = self.parts.model
+        self.compile_failed = True
+        return self.parts.model
+
+    def _epoch_row(
+        self, epoch: int, step: int, epoch_time: float, setup: tuple[int, float] = (0, 0.0)
+    ) -> dict:
+        """`setup`: the set-up steps in this epoch and their time, both left out of its speed."""
         p = self.parts
         val_loss, val_acc = evaluate(p.forward, p.data, self.device, p.precision)
         row = {
@@ -379,9 +556,13 @@ class Fit:
             "val/loss": val_loss,
             "val/acc": val_acc,
             "perf/epoch_time_s": epoch_time,
-            "perf/samples_per_s": p.data.samples_per_epoch() / epoch_time,
+            # the set-up steps' samples are left out with their time
+            "perf/samples_per_s": (p.data.samples_per_epoch() - setup[0] * p.data.batch_size)
+            / epoch_time,
             self.memory.key: self.memory.read_mib(),
         }
+        if setup[0]:
+            row["perf/compile_s"] = setup[1]
         row = self.world.reduce_epoch(row)
         # from the samples/s already computed (summed over ranks): no device read of its own
         row.update(p.throughput.result().metrics(row["perf/samples_per_s"]))
@@ -430,7 +611,6 @@ class Fit:
     def _checkpoint(self, position: Position, elapsed: float, stopping: bool) -> None:
         log_state = {
             **self.steps.state(),
-            "floor_hits": self.diagnostics.floor_hits,
             "elapsed": elapsed,
             "epoch_row": self.row,
         }

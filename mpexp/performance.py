@@ -1,19 +1,103 @@
-"""Speed switches that do not change the numerics: fused optimizers, memory format, compilation.
+"""Speed switches that do not change the numerics: fused optimizers, memory format, compilation,
+the whole step as one CUDA graph.
 
-Each is decided once at setup. None of them is allowed to fall back silently: a switch that cannot
-take effect here says so.
+Each is decided once at setup, in `plan_speed`: on CUDA the defaults take the fast path (compiled
+model, channels_last, the step captured as a CUDA graph), on a CPU the plain one; `trainer.eager`
+turns compilation and the graph off together. None of them is allowed to fall back silently: a
+switch that cannot take effect here says so.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+from dataclasses import dataclass, replace
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 from torch import nn
 
+from mpexp.errors import ConfigError
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Speed:
+    """The speed switches a run takes, each decided once (see `plan_speed`)."""
+
+    compile: bool
+    compile_mode: str
+    channels_last: bool
+    cuda_graph: bool
+    fused: bool | None  # None: the optimizer's default (fused on CUDA where it may be)
+
+    def memory_format(self) -> torch.memory_format:
+        return memory_format(self.channels_last)
+
+    def without_compile(self) -> Speed:
+        return replace(self, compile=False)
+
+
+def plan_speed(cfg: DictConfig, device: torch.device) -> Speed:
+    """The run's switches: those set on the command line as set, the others (null) by device.
+
+    On CUDA the null ones take the fastest path that leaves the numerics unchanged; with
+    `trainer.eager=true` compilation and the CUDA graph stay off. A switch asked for explicitly
+    that this configuration cannot take is refused with the reason; one that this hardware
+    cannot take (a CUDA graph on a CPU) is switched off with a warning.
+    """
+    t = cfg.trainer
+    cuda = device.type == "cuda"
+    for key in ("compile", "cuda_graph"):
+        if t.eager and t[key]:
+            raise ConfigError(
+                f"trainer.eager=true and trainer.{key}=true contradict each other; drop one."
+            )
+    compile_on = (cuda and not t.eager) if t.compile is None else bool(t.compile)
+    channels_last = cuda if t.channels_last is None else bool(t.channels_last)
+    fused = cfg.optimizer.get("fused")
+    blocked = _graph_blockers(cfg, fused)
+    if t.cuda_graph is None:
+        graph = cuda and not t.eager and not blocked
+        if cuda and not t.eager and blocked:
+            log.info("The training step runs eagerly, not as a CUDA graph: %s.", blocked[0])
+    elif t.cuda_graph and blocked:
+        raise ConfigError(f"trainer.cuda_graph=true cannot be taken: {blocked[0]}.")
+    elif t.cuda_graph and not cuda:
+        log.warning(
+            "trainer.cuda_graph=true on %s: CUDA graphs need a CUDA device; the step runs "
+            "eagerly (recorded as cuda_graph: false).",
+            device,
+        )
+        graph = False
+    else:
+        graph = bool(t.cuda_graph)
+    if graph and fused is None:
+        fused = True  # a captured optimizer step must skip overflowing steps on the device
+    return Speed(compile_on, t.compile_mode, channels_last, graph, fused)
+
+
+def _graph_blockers(cfg: DictConfig, fused) -> list[str]:
+    """Why this configuration's step cannot be captured as one CUDA graph (none: it can)."""
+    t = cfg.trainer
+    reasons = []
+    if t.strategy != "single":
+        reasons.append(f"trainer.strategy={t.strategy} runs eagerly (one process per GPU)")
+    if cfg.scheduler.get("_target_") is not None:
+        # the schedule advances in a Python hook on each real step, which a replay never runs
+        reasons.append("a learning-rate schedule advances on the host; use scheduler=none")
+    if fused is False:
+        reasons.append("optimizer.fused=false: an unfused step reads the overflow flag on the host")
+    if t.compile is not False and t.compile_mode == "reduce-overhead":
+        reasons.append(
+            "trainer.compile_mode=reduce-overhead captures the model's own graphs; use "
+            "compile_mode=default to capture the whole step"
+        )
+    if cfg.diagnostics.overflow_attribution:
+        reasons.append("diagnostics.overflow_attribution reads every step's gradients")
+    return reasons
 
 
 def configure_backends(device: torch.device, trainer: DictConfig) -> None:
@@ -28,7 +112,9 @@ def configure_backends(device: torch.device, trainer: DictConfig) -> None:
     )
 
 
-def build_optimizer(cfg: DictConfig, model: nn.Module, device: torch.device, scaler):
+def build_optimizer(
+    cfg: DictConfig, model: nn.Module, device: torch.device, scaler, speed: Speed | None = None
+):
     """The `optimizer` group's optimizer, fused on CUDA unless `optimizer.fused` says otherwise.
 
     Fused Adam/AdamW/SGD skip an overflowing step inside the update kernel, so an fp16 step needs
@@ -36,41 +122,50 @@ def build_optimizer(cfg: DictConfig, model: nn.Module, device: torch.device, sca
     automatic choice stays unfused where that read is needed: under FSDP (overflow flags of
     sharded gradients are combined across ranks first, see mpexp.distributed) and with a learning
     rate schedule under loss scaling (the schedule advances only on steps really taken).
+    A step captured as a CUDA graph takes the fused optimizer, capturable: its step count and
+    learning-rate arithmetic stay on the device.
     """
-    fused = cfg.optimizer.get("fused")
+    fused = cfg.optimizer.get("fused") if speed is None else speed.fused
+    extra = {}
+    if speed is not None and speed.cuda_graph:
+        target = get_object(cfg.optimizer._target_)
+        if "capturable" in inspect.signature(target).parameters:
+            extra["capturable"] = True
     if fused is None:
         scheduled = cfg.scheduler.get("_target_") is not None and scaler.is_enabled()
         fused = device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
         if device.type == "cuda" and not fused:
             log.info("Unfused optimizer: GradScaler reads the overflow flag on the host per step.")
-    return instantiate(cfg.optimizer, fused=bool(fused))(model.parameters())
+    return instantiate(cfg.optimizer, fused=bool(fused), **extra)(model.parameters())
 
 
 def memory_format(channels_last: bool) -> torch.memory_format:
     return torch.channels_last if channels_last else torch.contiguous_format
 
 
-def apply_memory_format(model: nn.Module, trainer: DictConfig) -> None:
+def apply_memory_format(model: nn.Module, speed: Speed) -> None:
     """NHWC weights when asked; done before DDP/FSDP wrap the parameters."""
-    if trainer.channels_last:
+    if speed.channels_last:
         model.to(memory_format=torch.channels_last)
 
 
-def compile_model(model: nn.Module, trainer: DictConfig) -> nn.Module:
+def compile_model(model: nn.Module, speed: Speed) -> nn.Module:
     """The module the loop should call: `model` itself, or its compiled wrapper.
 
     Keep using `model` for its weights (state_dict, parameter names), which compilation prefixes.
+    Compilation itself happens at the first forward pass (see mpexp.step_graph).
     """
-    if not trainer.compile:
+    if not speed.compile:
         return model
-    return torch.compile(model, mode=trainer.compile_mode)
+    return torch.compile(model, mode=speed.compile_mode)
 
 
-def describe(optimizer, trainer: DictConfig) -> dict:
+def describe(optimizer, speed: Speed) -> dict:
     """The speed settings that ran, for the run record."""
     return {
         "fused_optimizer": bool(optimizer.defaults.get("fused")),
-        "channels_last": bool(trainer.channels_last),
-        "compile": trainer.compile_mode if trainer.compile else False,
+        "channels_last": speed.channels_last,
+        "compile": speed.compile_mode if speed.compile else False,
+        "cuda_graph": speed.cuda_graph,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
     }

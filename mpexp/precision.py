@@ -76,11 +76,18 @@ class Precision:
     emulated: bool = False
     fp8: Fp8 | None = None  # fp8 training of Linear layers; None: none
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward-pass context: autocast to the mode's dtype, or nothing."""
+    def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager:
+        """The forward-pass context: autocast to the mode's dtype, or nothing.
+
+        `cache=False` casts each weight where it is used instead of keeping its cast for the
+        region: the same values (each weight is used once per forward pass), and what PyTorch
+        requires of autocast while a CUDA graph is captured.
+        """
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=self.autocast_dtype)
+        return torch.autocast(
+            device_type=self.device_type, dtype=self.autocast_dtype, cache_enabled=cache
+        )
 
     def record(self) -> dict:
         """The precision facts that every run writes to its config and summary."""

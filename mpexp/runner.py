@@ -113,9 +113,9 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     seed_everything(cfg.trainer.seed)
     precision = setup_precision(cfg.precision, device)
 
+    speed = performance.plan_speed(cfg, device)
     data: InMemoryData = build(cfg.dataset)
-    info = data.setup(device)
-    data.memory_format = performance.memory_format(cfg.trainer.channels_last)
+    info = data.setup(device, speed.memory_format())
     data.shard(world.rank, world.size)
     model = build_model(cfg.model, info, run.choices.get("model")).to(device)
     parameters = sum(p.numel() for p in model.parameters())
@@ -131,10 +131,10 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     precision = check_fp16_convolutions_on_cpu(model, precision)
     # fp8 swaps Linear layers: before fp32_modules wraps forwards and DDP/FSDP/compile take them
     model, precision = convert_to_fp8(
-        model, precision, list(cfg.precision.fp32_modules), cfg.trainer.compile
+        model, precision, list(cfg.precision.fp32_modules), speed.compile
     )
     fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
-    performance.apply_memory_format(model, cfg.trainer)  # before DDP/FSDP takes the parameters
+    performance.apply_memory_format(model, speed)  # before DDP/FSDP takes the parameters
     model = world.wrap(model, precision)
     skip_nonfinite = cfg.trainer.on_nonfinite_loss == "skip"
     scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip_nonfinite)
@@ -147,11 +147,11 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         Tracker(run, config.to_dict(cfg), cfg.wandb) if world.is_main else NullTracker(run.run_dir)
     )
     with ended_in_summary(tracker):
-        optimizer = performance.build_optimizer(cfg, model, device, scaler)
+        optimizer = performance.build_optimizer(cfg, model, device, scaler, speed)
         total_steps = data.steps_per_epoch() * cfg.trainer.epochs
         schedule = build_schedule(cfg.scheduler, optimizer, scaler, total_steps)
         performance.configure_backends(device, cfg.trainer)
-        forward = performance.compile_model(model, cfg.trainer)
+        forward = performance.compile_model(model, speed)
 
         ran = {
             "device": str(device),
@@ -162,7 +162,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
             "choices": run.choices,
             **precision.record(),
             **scaler.describe(),
-            **performance.describe(optimizer, cfg.trainer),
+            **performance.describe(optimizer, speed),
             **world.record(),
             "fp32_modules": fp32_modules,
             "scheduler": (cfg.scheduler.get("_target_") or "none").rpartition(".")[2],
@@ -188,7 +188,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         tracker.record_ran(ran)
         stop_if_asked(stop, world, run, "while the data loaded and the model was built")
         saver = Checkpointer(cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule)
-        parts = Parts(model, forward, data, optimizer, scaler, precision, throughput)
+        parts = Parts(model, forward, data, optimizer, scaler, precision, throughput, speed)
         fit = Fit(cfg, parts, tracker, saver, world, stop)
         if resume is not None:
             fit.restore(resume)
@@ -196,6 +196,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         counted = throughput.result()
         summary["ran"] = {
             **ran,
+            **fit.speed_ran(),  # what compilation and the CUDA graph came to
             "final_scale": summary.pop("amp/final_scale"),
             **scaler.outcome(),
             "flops_per_sample": counted.flops_per_sample,  # counted in the background

@@ -85,6 +85,7 @@ class LossScaler(torch.amp.GradScaler):
         # Replaced, never changed in place, so one zero tensor serves every step's reset.
         self._all_finite = torch.zeros((), dtype=torch.int32, device=device)
         self._loss_bad = self._all_finite
+        self._no_floor_hit = torch.zeros((), device=device)
 
     def scale_tensor(self) -> torch.Tensor:
         """The current scale as a device tensor (1.0 when disabled).
@@ -157,7 +158,18 @@ class LossScaler(torch.amp.GradScaler):
 
     def floor_hit(self) -> torch.Tensor:
         """1.0 if the last `update` wanted to back off from a scale already at the floor."""
-        return torch.zeros((), device=self.device)
+        return self._no_floor_hit
+
+    def capturable(self) -> bool:
+        """Whether the next step can be captured in a CUDA graph and replayed: its device work
+        must not depend on Python state that changes from step to step."""
+        return True
+
+    def reset_step(self) -> None:
+        """Forget a step that was begun but not finished (a failed capture or compilation)."""
+        if self._enabled:  # a disabled GradScaler keeps no per-step state
+            self._per_optimizer_states.clear()
+        self._loss_bad = self._all_finite
 
     def scale(self, outputs):
         if self._enabled and isinstance(outputs, torch.Tensor):
@@ -461,6 +473,9 @@ class CalibratedLossScaler(StaticLossScaler):
 
     def needs_true_units(self) -> bool:
         return self.chosen_scale is None  # calibration measures the unscaled gradients
+
+    def capturable(self) -> bool:
+        return self.chosen_scale is not None  # calibration counts its steps on the host
 
     def unscale_(self, optimizer) -> None:
         super().unscale_(optimizer)

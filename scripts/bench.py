@@ -4,7 +4,8 @@ In one process on one device, after a warm-up epoch, for each precision mode it 
   tutorial  the loop as the World4AI "Mixed Precision Training" tutorial writes it: a DataLoader
             over the MNIST files with ToTensor and 2 workers, `loss.item()` every step, GradScaler
             for fp16;
-  mpexp     `mpexp.runner.train` itself, as `python -m mpexp.train` runs it (W&B off);
+  mpexp     `python -m mpexp.train` itself, in a process of its own per precision, exactly as a
+            user's command runs (W&B off): the same switches give the same epoch times;
   bare      (CPU only, or with --bare) the same model, optimizer, device-resident batches and
             speed switches (memory format, compilation, cuDNN autotuning) as mpexp, in a loop
             with no metrics at all: mpexp's overhead is measured against it.
@@ -59,11 +60,10 @@ from mpexp.flops import device_peak_tflops, flops_per_sample  # noqa: E402
 from mpexp.models.deepcnn import DeepCNN  # noqa: E402
 from mpexp.precision import convert_to_fp8, setup_precision  # noqa: E402
 from mpexp.rollback import BufferRollback  # noqa: E402
-from mpexp.runner import build, train  # noqa: E402
+from mpexp.runner import build  # noqa: E402
 from mpexp.scaling import build_scaler  # noqa: E402
 from mpexp.stopping import Preempted  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
-from mpexp.tracking import RunContext  # noqa: E402
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
@@ -151,8 +151,9 @@ def write_data(root: Path, train_size: int, seed: int = 0) -> Path:
     return root
 
 
-def mpexp_config(args, root: Path, precision: str, epochs: int):
-    overrides = [
+def mpexp_overrides(args, root: Path, precision: str, epochs: int) -> list[str]:
+    """The command line of a run of `precision` on the benchmark's data."""
+    return [
         "dataset=mnist",
         f"dataset.root={root}",
         "dataset.download=false",
@@ -165,19 +166,35 @@ def mpexp_config(args, root: Path, precision: str, epochs: int):
         "wandb.mode=disabled",
         *args.overrides,
     ]
+
+
+def mpexp_config(args, root: Path, precision: str, epochs: int):
+    overrides = mpexp_overrides(args, root, precision, epochs)
     config.register()
     with initialize_config_dir(config_dir=str(config.config_dir()), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 
 def time_mpexp(args, root: Path, precision: str) -> dict:
-    """mpexp's own entry point; epoch times and peak memory from the run's metrics.jsonl."""
+    """`python -m mpexp.train` in a process of its own, as a user runs it (nothing compiled or
+    captured for another precision shares its process); epoch times, peak memory and compile
+    time from the run's metrics.jsonl."""
     with tempfile.TemporaryDirectory() as run_dir:
-        train(mpexp_config(args, root, precision, args.epochs + 1), RunContext(Path(run_dir)))
+        overrides = mpexp_overrides(args, root, precision, args.epochs + 1)
+        subprocess.run(
+            [sys.executable, "-m", "mpexp.train", *overrides, f"hydra.run.dir={run_dir}"],
+            check=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+        )
         rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    epochs = [r for r in rows if "epoch" in r][1:]  # the first epoch is the warm-up
+    epochs = [r for r in rows if "epoch" in r]
+    compile_s = sum(r.get("perf/compile_s", 0.0) for r in epochs)
+    epochs = epochs[1:]  # the first epoch is the warm-up
     memory = [v for r in epochs for k, v in r.items() if k.startswith("mem/")]
-    return {**_summarise([r["perf/epoch_time_s"] for r in epochs]), "mem": max(memory)}
+    times = [r["perf/epoch_time_s"] for r in epochs]
+    return {**_summarise(times), "mem": max(memory), "compile_s": compile_s}
 
 
 def fresh_model(args, device):
@@ -223,28 +240,31 @@ def time_tutorial(args, root: Path, precision: str) -> dict:
     return {**_summarise(times[1:]), "mem": _peak_mib(device)}
 
 
-def bare_parts(args, precision: str, root: Path = Path(".")):
+def bare_parts(args, precision: str, root: Path = Path("."), graph: bool = True):
     """What a run of `precision` builds for its steps, without the run around them: its config,
     precision mode, model (converted, in the memory format and compiled as the config says), loss
-    scaler and optimizer, with cuDNN set as a run sets it. Also scripts/profile_step.py's."""
+    scaler, optimizer and speed switches, with cuDNN set as a run sets it (`graph=False`: for an
+    eager loop of its own). Also scripts/profile_step.py's."""
     device = args.device
     cfg = mpexp_config(args, root, precision, 1)
     performance.configure_backends(device, cfg.trainer)
     mode = setup_precision(cfg.precision, device)
     weights = model_for(args, mode)
-    performance.apply_memory_format(weights, cfg.trainer)
+    speed = performance.plan_speed(cfg, device)
+    if not graph:
+        speed = performance.replace(speed, cuda_graph=False)
+    performance.apply_memory_format(weights, speed)
     scaler = build_scaler(cfg.loss_scaling, mode, device)
-    optimizer = performance.build_optimizer(cfg, weights, device, scaler)
-    return cfg, mode, performance.compile_model(weights, cfg.trainer), scaler, optimizer
+    optimizer = performance.build_optimizer(cfg, weights, device, scaler, speed)
+    return cfg, mode, performance.compile_model(weights, speed), scaler, optimizer, speed
 
 
 def time_bare(args, root: Path, precision: str) -> dict:
     """mpexp's model, optimizer, scaler and device-resident batches with no metrics at all."""
     device = args.device
-    cfg, mode, model, scaler, optimizer = bare_parts(args, precision, root)
+    _, mode, model, scaler, optimizer, speed = bare_parts(args, precision, root, graph=False)
     data = MNISTData(root=str(root), download=False, batch_size=args.batch_size)
-    data.memory_format = performance.memory_format(cfg.trainer.channels_last)
-    data.setup(device)
+    data.setup(device, speed.memory_format())
     times = []
     for epoch in range(args.epochs + 1):
         synchronize(device)

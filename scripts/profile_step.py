@@ -5,15 +5,16 @@ loss scaler, cuDNN settings), trains `--warmup` steps on device-resident random 
 dataset's shape, then times `--steps` steps by the wall clock (synchronised once at the end;
 every precision before any profiling) and again under the profiler. It prints, per step, the
 wall time, the time the GPU spent in kernels and how many kernels ran, then the kernels that took
-the most time (on CPU: the operators, by their own CPU time). The step is mpexp's train_step and
-the scale update: a run's epoch adds its batches, history and metrics around it.
+the most time (on CPU: the operators, by their own CPU time). The step is mpexp's own (its
+Stepper: forward, backward, loss scaling, optimizer, rollback and history row), with the run's
+defaults: on CUDA compiled, channels_last and captured as one CUDA graph after its warm-up steps;
+a run's epoch adds its batch gathers and metric flushes around it.
 
 When the GPU is busy for most of the wall time the step is bound by its kernels (look at the
-top operators); when it is busy for a small part, by the host launching them (fewer, fused
-kernels help: trainer.compile=true; CUDA graphs: trainer.compile_mode=reduce-overhead).
+top kernels); when it is busy for a small part, by the host launching them.
 
     python scripts/profile_step.py --precisions bf16,fp16
-    python scripts/profile_step.py --precisions bf16 trainer.compile=true trainer.channels_last=true
+    python scripts/profile_step.py --precisions bf16 trainer.eager=true     # the eager step
     python scripts/profile_step.py --device cpu --model simplecnn --precisions fp32 --steps 5
 """
 
@@ -33,8 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench import bare_parts  # noqa: E402  (scripts/bench.py: what a run builds for its steps)
 
-from mpexp import performance  # noqa: E402
-from mpexp.loop import train_step  # noqa: E402
+from mpexp.diagnostics import Diagnostics  # noqa: E402
+from mpexp.history import StepHistory  # noqa: E402
+from mpexp.loop import Stepper  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
 
 
@@ -56,17 +58,25 @@ def parse_args(argv=None):
 
 
 def build_step(args, precision: str):
-    """One training step as mpexp's loop runs it (mpexp.loop.train_step, then the scale update)."""
-    cfg, mode, net, scaler, optimizer = bare_parts(args, precision)
+    """One training step as mpexp's loop runs it: its Stepper, captured as a CUDA graph and
+    replayed where a run would do so (after its warm-up steps), eager otherwise."""
+    cfg, mode, net, scaler, optimizer, speed = bare_parts(args, precision)
     device = args.device
-    fmt = performance.memory_format(cfg.trainer.channels_last)
-    images = torch.randn(args.batch_size, 1, 28, 28, device=device).to(memory_format=fmt)
+    images = torch.randn(args.batch_size, 1, 28, 28, device=device)
+    images = images.to(memory_format=speed.memory_format())
     labels = torch.randint(0, 10, (args.batch_size,), device=device)
+    history = StepHistory(capacity=64, device=device)
+    diagnostics = Diagnostics(cfg.diagnostics, net, scaler, None, mode)
+    make = Stepper.with_graph if speed.cuda_graph else Stepper
+    stepper = make(net, optimizer, scaler, mode, history, diagnostics)
+    count = 0
 
     def step() -> None:
-        train_step(net, images, labels, optimizer, scaler, mode)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        nonlocal count
+        count += 1
+        stepper.step(count, images, labels)
+        if count % 64 == 0:
+            history.flush()
 
     return step
 

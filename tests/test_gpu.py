@@ -15,6 +15,7 @@ from mpexp.scaling import DynamicLossScaler
 from mpexp.tracking import RunContext
 from tests.conftest import TINY, TINY_VIT, VIT_FP8_LAYERS, make_cfg, precision_of
 from tests.test_step_cost import Dispatched
+from tests.test_step_graph import CASE_IDS, CASES, assert_replayed_as_eager, batches, run_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -137,7 +138,7 @@ def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode, extra):
     optimizer = build_optimizer(cfg, model, device, scaler)
     assert optimizer.defaults["fused"]  # the path that keeps GradScaler off the host
     diagnostics = Diagnostics(cfg.diagnostics, model, scaler, NullTracker(tmp_path), precision)
-    stepper = Stepper(model, optimizer, scaler, precision, StepHistory(), diagnostics)
+    stepper = Stepper(model, optimizer, scaler, precision, StepHistory(device=device), diagnostics)
     batches = list(data.train_batches(1, 0, device))
     for step, (images, labels) in enumerate(batches[:3], start=1):  # lazy state is made here
         stepper.step(step, images, labels)
@@ -220,3 +221,64 @@ def test_a_scaler_on_cuda_without_an_index_takes_the_short_update():
     with Dispatched() as counted:
         scaler.update()
     assert sum(counted.ops.values()) <= 8, counted.ops
+
+
+@pytest.mark.parametrize("overrides", CASES, ids=CASE_IDS)
+def test_a_step_replayed_from_a_cuda_graph_trains_exactly_as_the_eager_step(monkeypatch, overrides):
+    """The same comparison as tests/test_step_graph.py, with real CUDA graphs: every step's loss,
+    scale, skip and floor flags, and the weights and optimizer state at the end, bit for bit."""
+    if "precision=bf16" in overrides and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs Ampere or newer")
+    # the same convolution algorithms (and no atomics in them) for the eager and captured runs
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    assert_replayed_as_eager(overrides, cuda())
+
+
+def test_replays_of_the_captured_step_never_wait_on_the_gpu():
+    """After the warm-up and the capture, a replayed step (batch gather included) in CUDA's
+    sync-debug mode set to error."""
+    device = cuda()
+    _, _, _, stepper = run_steps(["precision=fp16"], True, device=device)
+    assert stepper.graph.captured
+    images, labels = next(iter(batches(device=device)))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(100, 110):
+            stepper.step(step, images, labels)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert stepper.graph.replays >= 10
+
+
+def test_the_default_run_on_cuda_is_compiled_channels_last_and_captured(tmp_path):
+    """`python -m mpexp.train` with no speed switch on a GPU: the fast path, recorded, with the
+    compile time as its own figure; `trainer.eager=true` is the plain eager run."""
+    train(make_cfg(*TINY, "precision=bf16", "trainer.device=cuda"), RunContext(tmp_path / "a"))
+    saved = json.loads((tmp_path / "a" / "summary.json").read_text())
+    ran = saved["ran"]
+    assert (ran["compile"], ran["channels_last"], ran["cuda_graph"]) == ("default", True, True)
+    assert ran["graph_replays"] > 0 and saved["perf/compile_s"] > 0
+    assert saved["val/loss"] < 2.3
+    eager = make_cfg(*TINY, "precision=bf16", "trainer.device=cuda", "trainer.eager=true")
+    train(eager, RunContext(tmp_path / "b"))
+    ran = json.loads((tmp_path / "b" / "summary.json").read_text())["ran"]
+    assert (ran["compile"], ran["cuda_graph"]) == (False, False)
+
+
+def test_a_captured_run_logs_what_the_eager_run_logs_on_cuda(tmp_path):
+    """Through train(), uncompiled, fp16 from a scale that overflows first: the captured run's
+    per-step losses, scales and skip counts and its validation are the eager run's."""
+    base = [*TINY, "precision=fp16", "trainer.device=cuda", "trainer.compile=false",
+            "trainer.deterministic=true", "loss_scaling.init_scale=1099511627776",
+            "diagnostics.grad_stats_every=7"]  # fmt: skip
+    runs = {}
+    for name, graph in (("eager", "false"), ("graph", "true")):
+        train(make_cfg(*base, f"trainer.cuda_graph={graph}"), RunContext(tmp_path / name))
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        runs[name] = [json.loads(line) for line in lines]
+    keys = ("step", "train/loss", "amp/scale", "amp/skipped_steps", "val/loss", "val/acc")
+    steps = {n: [[r.get(k) for k in keys] for r in rows if "step" in r] for n, rows in runs.items()}
+    assert steps["graph"] == steps["eager"]
+    assert any(r.get("amp/skipped_steps") for r in runs["graph"])
