@@ -13,15 +13,21 @@
   exact zeros; under fp32 the statistics are a what-if for fp16 at that scale.
 - fp8 range (the same `diagnostics.grad_stats_every=N`, under precision=fp8, in place of the fp16
   statistics): every N steps, for each Linear layer that fp8 converted and over all of them, the
-  fraction of the weight's elements, and of its gradient's, that e4m3 and e5m2 cannot hold at the
-  scale torchao's dynamic tensorwise scaling gives that tensor, S = largest finite value of the
-  format / amax (max |x|). Underflow: x != 0 but S*x rounds to zero in the format (|S*x| at most
-  half its smallest subnormal, 2^-10 for e4m3, 2^-17 for e5m2); overflow: S*x rounds past the
-  format's largest value (|S*x| from 464 for e4m3, 448 its largest; from 61440 for e5m2, 57344),
-  or is not finite. At the amax scale nothing finite overflows: a non-zero overflow fraction
-  means a non-finite tensor. The weights are what torchao casts to e4m3 in the forward pass; the
-  weight gradients are not cast by torchao (the gradients flowing between layers are), so theirs
-  say how much of their range each format would keep.
+  fraction of the weight's elements, and of its gradient's, that fp8 cannot hold at the scales
+  the run's recipe (`precision.fp8.recipe`, recorded as `ran.fp8_recipe`) gives them. Each scale
+  is torchao's dynamic one, S = largest finite value of the format / amax (max |x|), over the part
+  of the tensor the recipe scales as one: under `tensorwise` the whole tensor, in e4m3 and e5m2
+  (`weight_e4m3_*`, ...); under `rowwise` each row of the weight (one scale per output feature,
+  as the forward pass casts it: `weight_rows_e4m3_*`), each column (one per input feature, as the
+  backward pass casts it for the input's gradient: `weight_columns_e4m3_*`) and each row of the
+  gradient (`grad_rows_e4m3_*`), in e4m3 only, which is all that recipe uses, with S rounded
+  down to a power of two as torchao rounds it there. Underflow: x != 0 but S*x rounds to zero in
+  the format (|S*x| at most half its smallest subnormal, 2^-10 for e4m3, 2^-17 for e5m2);
+  overflow: S*x rounds past the format's largest value (|S*x| from 464 for e4m3, 448 its largest;
+  from 61440 for e5m2, 57344), or is not finite. At the amax scale nothing finite overflows: a
+  non-zero overflow fraction means a non-finite tensor. The weights are what torchao casts to
+  e4m3; the weight gradients are not cast by torchao (the gradients flowing between layers are),
+  so theirs say how much of their range each format would keep.
 - Overflow attribution (`diagnostics.overflow_attribution=true`): the names of the parameters whose
   gradients were not finite, on each step where any was (a skipped step, under loss scaling).
 - The loss-scale floor of dynamic and hysteresis scaling, checked here because it is read back the
@@ -35,6 +41,7 @@ of the whole gradients, as in a single process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -66,12 +73,47 @@ FP8_FORMATS = {
     "e5m2": (torch.float8_e5m2, 57344.0, 61440.0),
 }
 FP8_AMAX_EPS = 1e-12  # torchao's floor under amax, so that an all-zero tensor gets a finite scale
-FP8_COUNTS = tuple(
-    f"{tensor}_{fmt}_{kind}"
-    for tensor in ("weight", "grad")
-    for fmt in FP8_FORMATS
-    for kind in ("underflow", "overflow")
-)
+FP8_KINDS = ("underflow", "overflow")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Cast:
+    """One cast of a converted layer's tensor as a recipe makes it: which tensor, the dimension
+    its amax is taken over (None: the whole tensor, one scale), whether the scale is rounded down
+    to a power of two, and the formats whose range is counted."""
+
+    name: str  # the key's first part
+    tensor: str  # "weight" or "grad" (the weight's gradient)
+    dim: int | None
+    power_of_two: bool
+    formats: tuple[str, ...]
+
+    def names(self) -> list[str]:
+        return [f"{self.name}_{fmt}_{kind}" for fmt in self.formats for kind in FP8_KINDS]
+
+
+# torchao 0.18's recipes (Float8LinearConfig.from_recipe_name). Tensorwise scales each tensor as
+# one, weights to e4m3; e5m2 is counted beside it, as the format of the gradients between layers.
+# Rowwise casts the weight twice, e4m3 with power-of-two scales: for the forward product with one
+# scale per output feature (amax over a row of the (out, in) weight, dim 1), for the input's
+# gradient with one per input feature (over a column, dim 0); the weight gradient, not cast, is
+# counted per row as that recipe would scale it.
+FP8_CASTS = {
+    "tensorwise": (
+        Fp8Cast("weight", "weight", None, False, ("e4m3", "e5m2")),
+        Fp8Cast("grad", "grad", None, False, ("e4m3", "e5m2")),
+    ),
+    "rowwise": (
+        Fp8Cast("weight_rows", "weight", 1, True, ("e4m3",)),
+        Fp8Cast("weight_columns", "weight", 0, True, ("e4m3",)),
+        Fp8Cast("grad_rows", "grad", 1, True, ("e4m3",)),
+    ),
+}
+
+
+def fp8_count_keys(recipe: str) -> list[str]:
+    """The fp8 range keys a run of this recipe logs per layer, in the order of fp8_layer_counts."""
+    return [key for cast in FP8_CASTS[recipe] for key in cast.names()]
 
 
 def fp16_counts(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -101,11 +143,17 @@ def fp16_counts(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.cat((totals, hist[:HIST_BINS]))
 
 
-def fp8_scale(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """torchao's dynamic tensorwise scale for `x` in format `fmt` ("e4m3" or "e5m2"): the format's
-    largest value over amax, in float64 and then float32, as torchao computes it."""
-    amax = x.detach().abs().max().double()
-    return (FP8_FORMATS[fmt][1] / torch.clamp(amax, min=FP8_AMAX_EPS)).float()
+def fp8_scale(
+    x: torch.Tensor, fmt: str, dim: int | None = None, power_of_two: bool = False
+) -> torch.Tensor:
+    """torchao's dynamic scale for `x` in format `fmt` ("e4m3" or "e5m2"): the format's largest
+    value over amax, in float64 and then float32, as torchao computes it. `dim` None: one scale
+    for the tensor; else one per slice, amax taken over `dim` (kept, so that it broadcasts);
+    `power_of_two`: rounded down to a power of two, as torchao's rowwise recipe does."""
+    magnitude = x.detach().abs()
+    amax = magnitude.max() if dim is None else magnitude.amax(dim=dim, keepdim=True)
+    scale = (FP8_FORMATS[fmt][1] / torch.clamp(amax.double(), min=FP8_AMAX_EPS)).float()
+    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_two else scale
 
 
 def fp8_counts(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -124,12 +172,16 @@ def fp8_counts(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.stack((underflow.sum(), overflow.sum()))
 
 
-def fp8_layer_counts(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """FP8_COUNTS of one fp8 layer: its weight and gradient, each in e4m3 and e5m2 at its own
-    amax scale."""
-    return torch.cat(
-        [fp8_counts(t, fp8_scale(t, fmt), fmt) for t in (weight, grad) for fmt in FP8_FORMATS]
-    )
+def fp8_layer_counts(weight: torch.Tensor, grad: torch.Tensor, recipe: str) -> torch.Tensor:
+    """The counts behind fp8_count_keys(recipe) for one fp8 layer: its weight and gradient cast
+    as the recipe casts them, each at its own amax scales."""
+    tensors = {"weight": weight, "grad": grad}
+    counts = []
+    for cast in FP8_CASTS[recipe]:
+        x = tensors[cast.tensor]
+        for fmt in cast.formats:
+            counts.append(fp8_counts(x, fp8_scale(x, fmt, cast.dim, cast.power_of_two), fmt))
+    return torch.cat(counts)
 
 
 class Diagnostics:
@@ -172,6 +224,7 @@ class Diagnostics:
         fp8 = precision.fp8 if precision is not None else None
         root = model.module if isinstance(model, DistributedDataParallel) else model
         self.fp8_layers = [(n, root.get_submodule(n)) for n in (fp8.converted if fp8 else ())]
+        self.fp8_recipe = fp8.recipe if fp8 else None
         self._fp8 = DeviceRows()
 
     def inspector(self, step: int) -> Callable[[], None] | None:
@@ -204,7 +257,7 @@ class Diagnostics:
         for _, layer in self.fp8_layers:
             weight = layer.weight
             grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-            rows.append(fp8_layer_counts(weight, grad))
+            rows.append(fp8_layer_counts(weight, grad, self.fp8_recipe))
         return torch.cat(rows)
 
     def _nonfinite(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -243,7 +296,8 @@ class Diagnostics:
         )
 
     def _fp8_row(self, step: int, counts: list[int]) -> dict:
-        width = len(FP8_COUNTS)
+        keys = fp8_count_keys(self.fp8_recipe)
+        width = len(keys)
         per_layer = [counts[i * width : (i + 1) * width] for i in range(len(self.fp8_layers))]
         sizes = [layer.weight.numel() for _, layer in self.fp8_layers]
         total = [sum(column) for column in zip(*per_layer, strict=True)]
@@ -252,7 +306,7 @@ class Diagnostics:
             *zip((n for n, _ in self.fp8_layers), sizes, per_layer, strict=True),
             ("total", sum(sizes), total),
         ]:
-            for key, value in zip(FP8_COUNTS, values, strict=True):
+            for key, value in zip(keys, values, strict=True):
                 row[f"diag/{name}/{key}"] = value / numel
         return row
 

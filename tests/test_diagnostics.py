@@ -10,16 +10,18 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mpexp.diagnostics import (
-    FP8_COUNTS,
     HIST_BINS,
     HIST_EDGES,
     HIST_LOW,
     Diagnostics,
+    fp8_count_keys,
     fp8_counts,
+    fp8_layer_counts,
     fp8_scale,
     fp16_counts,
 )
 from mpexp.errors import NumericsError
+from mpexp.precision import convert_to_fp8, setup_precision
 from mpexp.runner import train
 from mpexp.scaling import build_scaler
 from mpexp.tracking import RunContext, Tracker
@@ -305,30 +307,125 @@ def test_fp8_overflow_is_rounding_past_the_largest_value(fmt, value, overflows):
     assert (underflow, overflow) == (0, int(overflows))
 
 
-def test_fp8_range_fractions_per_converted_layer_reach_the_metrics(tmp_path):
-    from mpexp.precision import convert_to_fp8
-
+def fp8_range_row(tmp_path, recipe: str, weight: torch.Tensor, grad: torch.Tensor) -> dict:
+    """The metrics row of the fp8 range statistics for a Linear(16, 16) converted under `recipe`
+    and holding `weight` and `grad`, beside a 10-class head that fp8 leaves alone."""
+    cfg = make_cfg("precision=fp8", f"precision.fp8.recipe={recipe}")
     model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 10))
-    model, precision = convert_to_fp8(model, precision_of("fp8"), [], compiled=False)
+    model, precision = convert_to_fp8(
+        model, setup_precision(cfg.precision, CPU), [], compiled=False
+    )
     tracker = Tracker(RunContext(tmp_path), {}, OmegaConf.create({"mode": "disabled"}))
     scaler = build_scaler(OmegaConf.create({"_target_": None}), precision, CPU)
     diagnostics = Diagnostics(DIAG, model, scaler, tracker, precision)
-    weight = torch.zeros(16, 16)
-    weight.view(-1)[: len(FP8_WEIGHT)] = torch.tensor(FP8_WEIGHT)
     with torch.no_grad():
         model[0].weight.copy_(weight)
-    model[0].weight.grad = weight / 2**10  # the same spread: the same fractions at its own scale
+    model[0].weight.grad = grad
     diagnostics.inspector(3)()
     diagnostics.flush(wait=True)
     tracker.close()
-
     steps, _ = read_metrics(tmp_path)
-    (row,) = [r for r in steps if "diag/total/weight_e4m3_underflow" in r]
+    (row,) = [r for r in steps if any(k.startswith("diag/total/") for k in r)]
     assert {k for k in row if k.startswith("diag/")} == {
-        f"diag/{layer}/{key}" for layer in ("0", "total") for key in FP8_COUNTS
+        f"diag/{layer}/{key}" for layer in ("0", "total") for key in fp8_count_keys(recipe)
     }  # the head, 10 outputs, is not converted
+    return row
+
+
+def test_fp8_range_fractions_per_converted_layer_reach_the_metrics(tmp_path):
+    weight = torch.zeros(16, 16)
+    weight.view(-1)[: len(FP8_WEIGHT)] = torch.tensor(FP8_WEIGHT)
+    # the gradient: the same spread, so the same fractions at its own scale
+    row = fp8_range_row(tmp_path, "tensorwise", weight, weight / 2**10)
     for tensor in ("weight", "grad"):
         assert row[f"diag/0/{tensor}_e4m3_underflow"] == 6 / 256
         assert row[f"diag/0/{tensor}_e5m2_underflow"] == 2 / 256
         assert row[f"diag/0/{tensor}_e4m3_overflow"] == row[f"diag/0/{tensor}_e5m2_overflow"] == 0
     assert row["diag/total/weight_e4m3_underflow"] == 6 / 256
+
+
+def torchao_weight_zeros(weight: torch.Tensor, recipe: str) -> tuple[int, int]:
+    """How many non-zero elements of `weight` torchao's own casts round to zero under `recipe`:
+    the forward pass's cast and the backward pass's (for the input's gradient), each made as
+    torchao's Float8Linear makes it, from the transposed weight with the recipe's cast configs."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_scaling_utils import (
+        get_maybe_axiswise_dim,
+        hp_tensor_to_float8_dynamic,
+    )
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    zeros = []
+    # the axes torchao's matmul passes: 0 for the forward cast, -1 for the input-gradient one
+    for cast, axis in (
+        (config.cast_config_weight, 0),
+        (config.cast_config_weight_for_grad_input, -1),
+    ):
+        fp8 = hp_tensor_to_float8_dynamic(
+            weight.t(),
+            cast.target_dtype,
+            LinearMMConfig(),
+            gemm_input_role=GemmInputRole.WEIGHT,
+            scaling_granularity=cast.scaling_granularity,
+            axiswise_dim=get_maybe_axiswise_dim(axis, cast.scaling_granularity),
+            round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+        )
+        zeros.append(int(((fp8._data.float() == 0) & (weight.t() != 0)).sum()))
+    return zeros[0], zeros[1]
+
+
+def one_loud_row(rows: int) -> torch.Tensor:
+    """A (rows, 16) weight: its first row at 1e4, every other element at 1e-3."""
+    weight = torch.full((rows, 16), 1e-3)
+    weight[0] = 1e4
+    return weight
+
+
+def test_fp8_range_follows_the_recipe_as_torchao_casts():
+    """The issue's 4x16 weight. One scale for the tensor (amax 1e4) puts 1e-3 at 4.5e-5, below
+    e4m3's reach (2^-10): 48 of 64 elements lost. Rowwise, each quiet row gets its own scale
+    (2^18: 1e-3 becomes 262) and none is lost in the forward cast; the backward's cast, one
+    scale per column, has 1e4 in every column and loses the same 48."""
+    weight = one_loud_row(4)
+    tensorwise, rowwise = (
+        dict(zip(fp8_count_keys(r), fp8_layer_counts(weight, weight, r).tolist(), strict=True))
+        for r in ("tensorwise", "rowwise")
+    )
+    assert tensorwise["weight_e4m3_underflow"] == 48
+    assert (rowwise["weight_rows_e4m3_underflow"], rowwise["weight_columns_e4m3_underflow"]) == (
+        0,
+        48,
+    )
+    assert not any(v for k, v in {**tensorwise, **rowwise}.items() if k.endswith("_overflow"))
+    # what torchao's casts do to the same weight: forward cast, backward cast
+    assert torchao_weight_zeros(weight, "tensorwise") == (48, 48)
+    assert torchao_weight_zeros(weight, "rowwise") == (0, 48)
+
+
+def test_fp8_rowwise_scales_are_torchaos_bit_for_bit():
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 48) * torch.exp2(torch.randint(-40, 20, (64, 48)).float())
+    x[3] = 0  # an all-zero row: torchao's floor under amax gives it a finite scale
+    for dim in (0, 1):
+        ours = fp8_scale(x, "e4m3", dim, power_of_two=True)
+        theirs = tensor_to_scale(
+            x,
+            torch.float8_e4m3fn,
+            scaling_granularity=ScalingGranularity.AXISWISE,
+            axiswise_dim=dim,
+            round_scales_to_power_of_2=True,
+        )
+        assert torch.equal(ours, theirs) and torch.isfinite(ours).all()
+
+
+def test_fp8_range_under_rowwise_reaches_the_metrics_per_row_and_column(tmp_path):
+    weight = one_loud_row(16)
+    row = fp8_range_row(tmp_path, "rowwise", weight, weight / 2**10)
+    assert row["diag/0/weight_rows_e4m3_underflow"] == 0
+    assert row["diag/0/weight_columns_e4m3_underflow"] == 240 / 256
+    assert row["diag/0/grad_rows_e4m3_underflow"] == 0
+    assert row["diag/total/weight_columns_e4m3_underflow"] == 240 / 256

@@ -9,15 +9,17 @@ import sys
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from mpexp import precision as precision_module
 from mpexp.errors import ConfigError
 from mpexp.precision import convert_to_fp8, setup_precision
-from mpexp.runner import train
+from mpexp.runner import build, train
 from mpexp.scaling import build_scaler
 from mpexp.tracking import RunContext
 from tests.conftest import (
+    CONF,
     CPU,
     TINY,
     TINY_VIT,
@@ -87,6 +89,42 @@ def test_fp8_range_statistics_cover_the_converted_layers_only(fp8_run):
         assert len(fractions) == 9 * 8 and all(0 <= v <= 1 for v in fractions)
         # at torchao's amax scale the largest element lands on the format's largest value
         assert all(v == 0 for k, v in row.items() if k.endswith("_overflow"))
+
+
+def test_the_fp8_vit_preset_is_vit_base_on_cifar10_shaped_data_and_converts_48_of_49_layers():
+    """experiment=fp8_vit, built on the meta device (shapes, no memory or compute): every Linear
+    layer of ViT-Base but the 10-class head has sizes fp8 can take, and they hold 99.99 % of
+    the Linear weights."""
+    cfg = make_cfg("experiment=fp8_vit")
+    assert (cfg.model.width, cfg.model.depth, cfg.model.heads, cfg.model.mlp_ratio) == (
+        768,
+        12,
+        12,
+        4,
+    )
+    data = cfg.dataset
+    assert (data.channels, data.height, data.width, data.train_size) == (3, 32, 32, 50000)
+    assert cfg.trainer.compile is True and cfg.precision.fp8.recipe == "tensorwise"
+    preset = yaml.safe_load((CONF / "experiment" / "fp8_vit.yaml").read_text())
+    assert preset["hydra"]["sweeper"]["params"] == {
+        "precision": "bf16,fp8",
+        "trainer.seed": "0,1,2",
+    }
+
+    with torch.device("meta"):
+        model = build(cfg.model, in_channels=3, num_classes=10, image_size=(32, 32))
+    sizes = {(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)}
+    assert sizes == {(768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 10)}
+    model, precision = convert_to_fp8(model, setup_precision(cfg.precision, CPU), [], True)
+    record = precision.record()
+    assert record["fp8_converted_count"] == 12 * 4
+    assert record["fp8_unconverted"] == {
+        "heads.head": "768 inputs, 10 outputs: fp8 matrix multiplication needs multiples of 16"
+    }
+    weights = {n: m.weight.numel() for n, m in model.named_modules() if hasattr(m, "in_features")}
+    converted = sum(weights[n] for n in record["fp8_converted"])
+    assert converted == 12 * (4 * 768 * 768 + 2 * 768 * 3072) == 84_934_656
+    assert converted / sum(weights.values()) > 0.9999
 
 
 def test_emulated_fp8_warns_once_that_the_numerics_are_real_and_the_speed_is_not(caplog):

@@ -328,3 +328,47 @@ def test_fp8_without_a_bf16_configuration_says_so(tmp_path):
     assert (row["bf16 reference"], row["parity vs bf16"]) == ("none", "no bf16 reference")
     _, fp8 = read_table(tmp_path / "report.md", "Accuracy against fp32")
     assert fp8["parity"] == "within noise"
+
+
+def test_an_fp8_rowwise_sweep_beside_a_bf16_one_is_judged_against_that_bf16(tmp_path):
+    """The parity measurement without fp32: bf16 against fp8 over three seeds (one sweep), and
+    fp8's rowwise recipe from a sweep of its own (`precision.fp8.recipe` exists only under
+    precision=fp8), reported together: each fp8 configuration gets the bf16 one as its
+    reference, with its verdict, interval and speedup."""
+    for k, seed in enumerate((0, 1, 2)):
+        make_run(tmp_path / "sweep", str(k), "bf16", seed, [0.1, [0.91, 0.93, 0.95][k]], [2, 1])
+        make_run(
+            tmp_path / "sweep", str(3 + k), "fp8", seed, [0.1, [0.85, 0.875, 0.90][k]], [1, 0.5]
+        )
+        rowwise = make_run(
+            tmp_path / "rowwise", str(k), "fp8", seed, [0.1, [0.912, 0.931, 0.951][k]], [1, 0.8]
+        )
+        given = rowwise / ".hydra" / "overrides.yaml"
+        given.write_text(
+            yaml.safe_dump([*yaml.safe_load(given.read_text()), "precision.fp8.recipe=rowwise"])
+        )
+    assert (
+        report.main(
+            [
+                str(tmp_path / "sweep"),
+                str(tmp_path / "rowwise"),
+                "--out",
+                str(tmp_path),
+                "--wandb",
+                "disabled",
+            ]
+        )
+        == 0
+    )
+    rows = {r["configuration"]: r for r in read_table(tmp_path / "report.md", "fp8 against bf16")}
+    assert set(rows) == {"precision=fp8", "precision=fp8,precision.fp8.recipe=rowwise"}
+    assert {r["bf16 reference"] for r in rows.values()} == {"precision=bf16"}
+    tensorwise = rows["precision=fp8"]
+    half = T2 * 0.5 / math.sqrt(3)  # -6, -5.5, -5 points against bf16
+    assert tensorwise["parity vs bf16"] == f"**worse by 5.50 ± {half:.2f} points**"
+    assert tensorwise["speedup vs bf16"] == "2.00x (2.00 to 2.00)"
+    rowwise = rows["precision=fp8,precision.fp8.recipe=rowwise"]
+    half = T2 * (0.1 / math.sqrt(3)) / math.sqrt(3)  # +0.2, +0.1, +0.1 points: sd 0.0577
+    assert rowwise["Δ val acc vs bf16 (points)"] == f"+0.13 ± {half:.2f}"
+    assert rowwise["parity vs bf16"].startswith("within noise")
+    assert rowwise["speedup vs bf16"] == "1.25x (1.25 to 1.25)"
