@@ -372,3 +372,17 @@ def test_an_fp8_rowwise_sweep_beside_a_bf16_one_is_judged_against_that_bf16(tmp_
     assert rowwise["Δ val acc vs bf16 (points)"] == f"+0.13 ± {half:.2f}"
     assert rowwise["parity vs bf16"].startswith("within noise")
     assert rowwise["speedup vs bf16"] == "1.25x (1.25 to 1.25)"
+
+
+def test_compile_time_is_shown_and_counted_in_time_to_target_not_in_epoch_time(tmp_path):
+    time_to_target_sweep(tmp_path)
+    for seed in range(3):  # the fp16 runs compiled: 1.5 s before their first epoch's steps
+        metrics = tmp_path / f"{3 + seed}" / "metrics.jsonl"
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        rows[1]["perf/compile_s"] = 1.5  # the first epoch's row
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    fp32, fp16, _ = read_table(tmp_path / "report.md", "Speed")
+    assert (fp32["compile (s)"], fp16["compile (s)"]) == ("0.0 ± 0.0", "1.5 ± 0.0")
+    assert fp16["time to target (s)"] == "5.5 ± 0.0"  # 2+1+1 s of epochs and 1.5 s compiling
+    assert fp16["epoch time (s)"].startswith("1.000")  # the timed epochs alone

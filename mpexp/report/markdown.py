@@ -265,6 +265,7 @@ def _speed_section(report: Report) -> list[str]:
             str(c.n),
             _estimate(c.epoch_time_s, ".3f"),
             _ratio(c.speedup),
+            _estimate(c.compile_s, ".1f"),
             _time_to_target(c),
             _ratio(c.speedup_at_target),
             _estimate(c.samples_per_s, ".0f"),
@@ -274,16 +275,19 @@ def _speed_section(report: Report) -> list[str]:
             _number(c.mem_ratio, ".2f") + ("x" if c.mem_ratio is not None else ""),
         ]
 
-    headers = ["configuration", "n", "epoch time (s)", "speedup", "time to target (s)",
-               "speedup at target", "samples/s", "TFLOP/s", "MFU (%)", "peak memory (MiB)",
-               "memory vs fp32"]  # fmt: skip
+    headers = ["configuration", "n", "epoch time (s)", "speedup", "compile (s)",
+               "time to target (s)", "speedup at target", "samples/s", "TFLOP/s", "MFU (%)",
+               "peak memory (MiB)", "memory vs fp32"]  # fmt: skip
     lines = ["## Speed", "", *_table(headers, report.configs, cells), ""]
     notes = [
         "Epoch time: each run's median over its timed epochs (those after the first, which pays "
         "one-off warm-up), then the mean over seeds ± its 95 % interval. Speedup: the fp32 "
         "reference's mean epoch time over this configuration's, with a 95 % interval (Welch, on "
         "the log scale) when both have two seeds or more.",
-        "Time to target: training time (the epochs' times, warm-up included, validation not) "
+        "Compile: set-up time kept out of the epoch times, compilation and the CUDA graph's "
+        "warm-up and capture (0 for an eager run).",
+        "Time to target: training time (the epochs' times, warm-up and compilation included, "
+        "validation not) "
         "until val accuracy first reached the target, to the epoch; speedup at target is the "
         "reference's time over this configuration's, the speedup at equal accuracy. "
         + _targets(report),

@@ -74,14 +74,20 @@ class Row:
     def epoch_time_s(self) -> float:
         return statistics.median(self.timed)
 
+    @property
+    def compile_s(self) -> float:
+        """Set-up time out of the epochs' times: compilation, the CUDA graph's warm-up and
+        capture (0 for a run that had none)."""
+        return sum(e.get("perf/compile_s", 0.0) for e in self.run.epochs)
+
     def time_to(self, target: float | None) -> float | None:
-        """Training seconds (the epochs' times, warm-up included, validation not) until val
-        accuracy first reached `target`; None where it never did."""
+        """Training seconds (the epochs' times, warm-up and compilation included, validation
+        not) until val accuracy first reached `target`; None where it never did."""
         if target is None:
             return None
         elapsed = 0.0
         for epoch in self.run.epochs:
-            elapsed += epoch["perf/epoch_time_s"]
+            elapsed += epoch["perf/epoch_time_s"] + epoch.get("perf/compile_s", 0.0)
             if epoch["val/acc"] >= target:
                 return elapsed
         return None
@@ -184,6 +190,10 @@ class Config:
     @property
     def tflops(self) -> Estimate | None:
         return self._mean_of("tflops")
+
+    @property
+    def compile_s(self) -> Estimate:
+        return self._mean_of("compile_s")
 
     @property
     def mfu_pct(self) -> Estimate | None:
