@@ -120,7 +120,10 @@ class Stepper:
     setup_steps: int = 0
 
     def __post_init__(self) -> None:
-        self.buffers = BufferRollback.for_step(self.model, can_skip=self.scaler.is_enabled())
+        # a skipped step must leave BatchNorm's statistics alone where training goes on after it
+        self.buffers = BufferRollback.for_step(
+            self.model, can_skip=self.scaler.continues_after_skip()
+        )
         self.setup_s = 0.0  # time taken by the set-up steps so far
         self.steps_taken = 0
         self.on_compile_error: Callable[[Exception], torch.nn.Module] | None = None
@@ -254,8 +257,11 @@ class StepLog:
     """Writes flushed step rows as metrics; keeps the running skip count and the epoch's losses.
 
     A non-finite loss stops the run (trainer.on_nonfinite_loss=raise) or is counted (skip: the
-    scaler has already skipped that step on the device). A loss scale that wanted to back off
-    below its floor stops the run (loss_scaling.on_min_scale=raise) or is counted.
+    scaler has already skipped that step on the device). So do non-finite gradients of a finite
+    loss without loss scaling (where they are no overflow that a scale answers): the guard has
+    skipped the step; under raise the run stops here, under skip they are counted as
+    amp/nonfinite_grad_steps. A loss scale that wanted to back off below its floor stops the run
+    (loss_scaling.on_min_scale=raise) or is counted.
     """
 
     def __init__(
@@ -265,7 +271,9 @@ class StepLog:
         self.skip_nonfinite = on_nonfinite_loss == "skip"
         self.scaler = scaler
         self.watch_floor = scaler is not None and scaler.min_scale > 0
+        self.unscaled = scaler is not None and not scaler.scales_loss
         self.floor_hits = 0
+        self.nonfinite_grads = 0
         self.skipped = 0
         self.nonfinite_losses = 0
         self.last_finite: tuple[int, float] | None = None
@@ -274,6 +282,10 @@ class StepLog:
 
     def write(self, rows: list[StepRow]) -> None:
         for r in rows:
+            if math.isfinite(r.loss) and r.skipped and self.unscaled:
+                if not self.skip_nonfinite:
+                    raise self._nonfinite_grads_error(r)
+                self.nonfinite_grads += 1
             if math.isfinite(r.loss):
                 self.last_finite = (r.step, r.loss)
             elif self.skip_nonfinite:
@@ -294,6 +306,8 @@ class StepLog:
             }
             if self.skip_nonfinite:
                 row["amp/nonfinite_loss_steps"] = self.nonfinite_losses
+                if self.unscaled:
+                    row["amp/nonfinite_grad_steps"] = self.nonfinite_grads
             self.tracker.log(row)
 
     def new_epoch(self) -> None:
@@ -301,7 +315,24 @@ class StepLog:
 
     def outcome(self) -> dict:
         """Totals for the run summary."""
-        return {"amp/floor_hits": self.floor_hits} if self.watch_floor else {}
+        totals = {"amp/floor_hits": self.floor_hits} if self.watch_floor else {}
+        if self.skip_nonfinite:
+            totals["amp/nonfinite_loss_steps"] = self.nonfinite_losses
+            if self.unscaled:
+                totals["amp/nonfinite_grad_steps"] = self.nonfinite_grads
+        return totals
+
+    def _nonfinite_grads_error(self, row: StepRow) -> NumericsError:
+        return NumericsError(
+            f"The gradients became inf/NaN at step {row.step} while the loss was finite "
+            f"({row.loss:.4g}); that step was not applied. Without loss scaling this is no "
+            "overflow that a scale could answer: the backward pass itself produced it, e.g. a "
+            "function whose derivative is infinite where it was taken (sqrt or log at 0) or "
+            "values beyond the format's range. diagnostics.overflow_attribution=true names the "
+            "parameters; trainer.clip_grad_norm does not help (the norm is inf); "
+            "trainer.on_nonfinite_loss=skip skips such steps and counts them "
+            "(amp/nonfinite_grad_steps)."
+        )
 
     def _on_floor(self, step: int) -> None:
         if self.scaler.on_min_scale == "raise":
@@ -329,6 +360,7 @@ class StepLog:
             "losses": self.losses,
             "epoch_skipped": self.epoch_skipped,
             "floor_hits": self.floor_hits,
+            "nonfinite_grads": self.nonfinite_grads,
         }
 
     def load_state(self, state: dict) -> None:
@@ -338,6 +370,7 @@ class StepLog:
         self.losses = state["losses"]
         self.epoch_skipped = state.get("epoch_skipped", 0)
         self.floor_hits = state.get("floor_hits", 0)
+        self.nonfinite_grads = state.get("nonfinite_grads", 0)
 
     def _nonfinite_error(self, row: StepRow) -> NumericsError:
         last = (
@@ -449,9 +482,6 @@ class Fit:
             "amp/skipped_steps": steps.skipped,
             # after the last update: the scale the next step would use (one read, at the end)
             "amp/final_scale": float(self.parts.scaler.scale_tensor()),
-            **(
-                {"amp/nonfinite_loss_steps": steps.nonfinite_losses} if steps.skip_nonfinite else {}
-            ),
             **steps.outcome(),
             **self._setup_time(),
         }
@@ -576,7 +606,7 @@ class Fit:
                 steps,
                 " Under loss scaling, a scale still coming down from a high "
                 "loss_scaling.init_scale does this."
-                if p.scaler.is_enabled()
+                if p.scaler.scales_loss
                 else "",
             )
         log.info(

@@ -121,7 +121,8 @@ def build_optimizer(
     no host read of the overflow flag; on the unfused path GradScaler reads it every step. The
     automatic choice stays unfused where that read is needed: under FSDP (overflow flags of
     sharded gradients are combined across ranks first, see mpexp.distributed) and with a learning
-    rate schedule under loss scaling (the schedule advances only on steps really taken).
+    rate schedule where training goes on past a skipped step (loss scaling, or
+    trainer.on_nonfinite_loss=skip: the schedule advances only on steps really taken).
     A step captured as a CUDA graph takes the fused optimizer, capturable: its step count and
     learning-rate arithmetic stay on the device.
     """
@@ -132,7 +133,7 @@ def build_optimizer(
         if "capturable" in inspect.signature(target).parameters:
             extra["capturable"] = True
     if fused is None:
-        scheduled = cfg.scheduler.get("_target_") is not None and scaler.is_enabled()
+        scheduled = cfg.scheduler.get("_target_") is not None and scaler.continues_after_skip()
         fused = device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
         if device.type == "cuda" and not fused:
             log.info("Unfused optimizer: GradScaler reads the overflow flag on the host per step.")

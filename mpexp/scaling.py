@@ -160,6 +160,17 @@ class LossScaler(torch.amp.GradScaler):
         """1.0 if the last `update` wanted to back off from a scale already at the floor."""
         return self._no_floor_hit
 
+    @property
+    def scales_loss(self) -> bool:
+        """Whether it scales the loss (a skipped step is then an overflow, which the scale rule
+        answers), as against guarding unscaled steps or doing nothing."""
+        return self._enabled
+
+    def continues_after_skip(self) -> bool:
+        """Whether training goes on after a skipped step, which must then leave everything as
+        it was (BatchNorm statistics, the learning-rate schedule's position)."""
+        return self._enabled
+
     def capturable(self) -> bool:
         """Whether the next step can be captured in a CUDA graph and replayed: its device work
         must not depend on Python state that changes from step to step."""
@@ -416,13 +427,23 @@ class StaticLossScaler(LossScaler):
 
 
 class NonfiniteGuard(StaticLossScaler):
-    """No loss scaling, but a scale-1 scaler all the same, so that steps with a non-finite loss
-    can be skipped (trainer.on_nonfinite_loss=skip). Exact: multiplying by 1 changes nothing."""
+    """No loss scaling, but a scale-1 scaler all the same, so that a step whose loss or gradients
+    are not finite is never applied: it is skipped on the device, and the run then stops at the
+    next metrics flush (trainer.on_nonfinite_loss=raise, `continues=False`) or counts it and goes
+    on (skip). Exact: multiplying by 1 changes nothing."""
 
     strategy = "none"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, continues: bool = False):
         super().__init__(device, scale=1.0)
+        self._continues = continues
+
+    @property
+    def scales_loss(self) -> bool:
+        return False
+
+    def continues_after_skip(self) -> bool:
+        return self._continues
 
     def describe(self) -> dict:
         return {"loss_scaling": "none", "nonfinite_guard": True}
@@ -565,8 +586,9 @@ def build_scaler(
     """The scaler a `loss_scaling` config asks for under a precision mode.
 
     `_target_` names the scaler class (none: no scaling); `only_under_fp16` (the `auto` option)
-    keeps it for fp16 and drops it otherwise. skip_nonfinite_loss (trainer.on_nonfinite_loss=skip)
-    needs a scaler to skip steps even without loss scaling: a scale-1 guard then stands in.
+    keeps it for fp16 and drops it otherwise. Without loss scaling a scale-1 guard stands in, so
+    that a step with a non-finite loss or gradients is not applied; skip_nonfinite_loss
+    (trainer.on_nonfinite_loss=skip) lets training go on after one.
     """
     settings = {k: v for k, v in to_dict(cfg).items() if k not in ("_target_", "only_under_fp16")}
     target = cfg.get("_target_")
@@ -584,5 +606,5 @@ def build_scaler(
     elif target is None and fp16:
         log.info("fp16 without loss scaling: small gradients will underflow to zero (as intended?)")
     if target is None:
-        return NonfiniteGuard(device) if skip_nonfinite_loss else LossScaler(device, enabled=False)
+        return NonfiniteGuard(device, continues=skip_nonfinite_loss)
     return get_object(target)(device, **settings)

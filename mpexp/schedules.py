@@ -9,8 +9,10 @@ and no guessing. The alternative, a schedule driven by a device-side count of re
 need the learning rate as a device tensor inside the optimizer, which only the fused and capturable
 optimizer variants accept (and those differ between torch versions).
 
-Fused optimizers under loss scaling are the exception: they skip on the device inside
-`optimizer.step()`, so the hook would count skipped steps too. That pairing is refused.
+Fused optimizers under loss scaling (or with trainer.on_nonfinite_loss=skip) are the exception:
+they skip on the device inside `optimizer.step()`, so the hook would count skipped steps too. That
+pairing is refused. Without either, a skipped step (non-finite gradients) stops the run at the
+next flush, so the schedule's count past it never matters.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def build_schedule(
     if spans_run(target):
         settings["total_steps"] = total_steps
     factor = get_object(target)(**settings)
-    if getattr(optimizer, "_step_supports_amp_scaling", False) and scaler.is_enabled():
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and scaler.continues_after_skip():
         name = target.rpartition(".")[2]
         raise ConfigError(
             f"The {name} schedule with a fused optimizer under loss scaling: the fused step skips "

@@ -146,7 +146,7 @@ def test_every_precision_and_scaling_pair_builds(precision, scaling):
     scaler = build_scaler(cfg.loss_scaling, mode, CPU)
     expected = {"auto": "dynamic" if precision == "fp16" else "none"}.get(scaling, scaling)
     assert scaler.describe()["loss_scaling"] == expected
-    assert scaler.is_enabled() == (expected != "none")
+    assert scaler.scales_loss == (expected != "none")
 
 
 @pytest.mark.parametrize("experiment", options("experiment"))
