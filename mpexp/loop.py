@@ -402,7 +402,6 @@ class Parts:
     # FLOPs per sample, counted once in the background from setup on, and the device's peak
     throughput: Future[Throughput]
     speed: Speed | None = None  # the speed switches decided at setup (None: all off)
-    new_graph: Callable[[], CudaGraph] | None = None  # the graph type, if not CUDA's (tests)
 
 
 class Fit:
@@ -448,7 +447,6 @@ class Fit:
             self.diagnostics,
             cfg.trainer.accumulate,
             cfg.trainer.clip_grad_norm,
-            **({"new_graph": parts.new_graph} if parts.new_graph is not None else {}),
         )
         if speed is not None and speed.compile:
             self.stepper.setup_steps = max(self.stepper.setup_steps, 1)
