@@ -13,6 +13,8 @@
 | stop signal as the run starts, data loads | one line, status interrupted, 128+sig | - |
 | stop signal while W&B starts | one line naming the checkpoint, interrupted | the checkpoint |
 | a second Ctrl-C | one line naming the last checkpoint, 130 | checkpoints |
+| Ctrl-C while the command imports Hydra | one line, 130 | - |
+| the terminal closes (SIGHUP) | as SIGTERM: status interrupted, 129 | the checkpoint |
 | a run with no step per epoch | one line, exit 2, before training | - |
 | every step skipped | a warning per epoch, status failed | the metrics |
 | truncated / corrupt / mislabelled data | one line naming the file and the fault | - |
@@ -26,12 +28,17 @@ in the report in tests/test_report.py.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import re
+import select
 import signal
 import struct
+import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -51,7 +58,7 @@ from mpexp.runner import stop_if_asked, train
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.tracking import RunContext
 from mpexp.validate import validate
-from tests.conftest import TINY, make_cfg, run_cli
+from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
 from tests.test_training import read_metrics
 
@@ -270,6 +277,70 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
     assert f"trainer.resume={run_dir}" in output
     assert status(run_dir) == "interrupted"
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+# Runs the command as `python -m mpexp.train` does, with Ctrl-C pressed `presses` times just as
+# it starts to import Hydra: the moment a real Ctrl-C within its first second lands in.
+CTRL_C_AT_IMPORT = """
+import importlib.abc, os, runpy, signal, sys
+
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "hydra":
+            sys.meta_path.remove(self)
+            for _ in range({presses}):
+                os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["mpexp.train", *sys.argv[1:]]
+runpy.run_module("mpexp.train", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_while_the_command_imports_gives_one_line_and_130(tmp_path, presses):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    code = CTRL_C_AT_IMPORT.format(presses=presses)
+    result = subprocess.run(
+        [sys.executable, "-c", code, *TINY, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 128 + signal.SIGINT, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    if presses == 1:  # the run starts and stops before its first step, as it promises
+        assert "Stopped by SIGINT as the run started" in output
+        assert status(run_dir) == "interrupted"
+    else:  # a second press quits at once: nothing had started
+        assert output == "Interrupted before the run started; nothing was trained.\n"
+        assert not run_dir.exists()
+
+
+def test_a_closed_terminal_stops_the_run_with_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    terminal, tty = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpexp.train", *ARGS, "trainer.epochs=200",
+         "trainer.progress=true", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stdin=tty, stdout=tty, stderr=tty, start_new_session=True,
+        # the pty becomes the run's controlling terminal, as a shell's or an ssh session's is
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    )  # fmt: skip
+    os.close(tty)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.stat().st_size) and proc.poll() is None:
+            if select.select([terminal], [], [], 0.05)[0]:
+                os.read(terminal, 65536)  # what a terminal shows; a full one would block the run
+    finally:
+        os.close(terminal)  # the terminal window closes: the kernel sends SIGHUP
+    assert proc.wait(timeout=120) == 128 + signal.SIGHUP
+    assert "Stopped by SIGHUP at step" in (run_dir / "train.log").read_text()
+    assert status(run_dir) == "interrupted"
+    assert checkpoint_files(run_dir)
 
 
 # --- runs that train nothing ---------------------------------------------------------------------
