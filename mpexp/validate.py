@@ -144,11 +144,16 @@ def _validate_scaling(ls: Mapping[str, Any]) -> None:
 def _validate_training_loop(cfg: DictConfig) -> None:
     trainer, diag = cfg.trainer, cfg.diagnostics
     accumulate = _integer(trainer.accumulate, "trainer.accumulate", 1)
-    if accumulate > cfg.dataset.batch_size:
+    batch = cfg.dataset.batch_size  # per process
+    if batch % accumulate:
+        # a batch splits into `accumulate` micro-batches of one size only when k divides it;
+        # otherwise torch's chunk() makes fewer, and the run would not do what it records
+        divisors = [k for k in range(1, batch + 1) if batch % k == 0]
+        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
         raise ConfigError(
-            f"trainer.accumulate={accumulate} splits each batch of dataset.batch_size="
-            f"{cfg.dataset.batch_size} into more micro-batches than it has samples; "
-            "use a value <= the batch size."
+            f"trainer.accumulate={accumulate} does not divide dataset.batch_size={batch} "
+            f"(per process) into {accumulate} equal micro-batches; use a divisor of {batch}: "
+            f"{shown}."
         )
     clip = trainer.clip_grad_norm
     if clip is not None and _number(clip, "trainer.clip_grad_norm") <= 0:
