@@ -3,7 +3,7 @@
 | fault | the user sees | kept |
 |---|---|---|
 | W&B unreachable or slow | one warning naming wandb.init_timeout | the whole run |
-| output dir unwritable | one line, exit 2, before Hydra writes | - |
+| output dir unwritable, full, its name too long | one line, exit 2, before Hydra writes | - |
 | a sweep job fails | Hydra's report at the end, exit != 0 | the other jobs |
 | two runs started in the same second | nothing: two directories | both runs |
 | new run in a dir holding a run | one line naming trainer.resume, exit 2 | the old run |
@@ -100,6 +100,42 @@ def test_an_unwritable_output_dir_fails_with_one_message(tmp_path):
     assert "Traceback" not in output
     assert f"Cannot write to the output directory {blocker}/run" in output
     assert "hydra.run.dir=" in output
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_an_output_dir_with_a_name_too_long_fails_with_one_message(tmp_path, sweep):
+    too_long = tmp_path / ("x" * 300)  # file systems take 255 bytes a name
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    result = run_cli("mpexp.train", *(["-m"] if sweep else []), *TINY, f"{key}={too_long}",
+                     cwd=tmp_path)  # fmt: skip
+    output = one_line_failure(result)
+    assert f"Cannot write to the output directory {too_long}: File name too long." in output
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB file system, filled up."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                             capture_output=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        with pytest.raises(OSError), (mount / "filler").open("wb") as filler:
+            while True:
+                filler.write(bytes(4096))
+                filler.flush()
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_an_output_dir_on_a_full_disk_fails_with_one_message(tmp_path, full_disk):
+    result = run_cli("mpexp.train", *TINY, f"hydra.run.dir={full_disk}/run", cwd=tmp_path)
+    output = one_line_failure(result)
+    assert f"Cannot write to the output directory {full_disk}/run: No space left" in output
+    assert not (full_disk / "run" / ".hydra").exists()  # stopped before Hydra wrote anything
 
 
 def test_a_failing_job_does_not_stop_the_sweep_and_is_recorded(tmp_path):
