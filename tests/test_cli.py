@@ -104,6 +104,10 @@ def test_missing_dataset_says_where_to_put_it(tmp_path):
         (["loss_scaling=hysteresis", "loss_scaling.growth_factor=1"], "growth_factor"),
         (["loss_scaling=calibrated", "loss_scaling.margin=0.5"], "loss_scaling.margin"),
         (["loss_scaling=calibrated", "loss_scaling.calibration_steps=0"], "calibration_steps"),
+        (
+            ["trainer.seed=4294967296"],
+            "trainer.seed=4294967296 must be an integer in [0, 4294967295]",
+        ),
         (["trainer.accumulate=0"], "trainer.accumulate"),
         (["trainer.accumulate=512"], "trainer.accumulate"),
         (["trainer.clip_grad_norm=-1"], "trainer.clip_grad_norm"),

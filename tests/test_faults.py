@@ -17,7 +17,8 @@
 | the terminal closes (SIGHUP) | as SIGTERM: status interrupted, 129 | the checkpoint |
 | a run with no step per epoch | one line, exit 2, before training | - |
 | every step skipped | a warning per epoch, status failed | the metrics |
-| truncated / corrupt / mislabelled data | one line naming the file and the fault | - |
+| truncated / corrupt / mislabelled / empty data | one line naming the file and the fault | - |
+| a synthetic set larger than memory | one line with the sizes that fit | - |
 | impossible config values | one line naming the key | - |
 | resume of a finished run | one line saying how to train on | the run |
 | a checkpoint with flipped bytes | one line: corrupt; another one if kept | the run |
@@ -51,6 +52,7 @@ import mpexp.train
 from mpexp import checkpoint
 from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
+from mpexp.data.synthetic import SyntheticData
 from mpexp.distributed import start_world
 from mpexp.errors import ConfigError, DataError
 from mpexp.rundir import checkpoint_files
@@ -463,6 +465,23 @@ def test_image_and_label_files_that_disagree_are_named(tmp_path):
     labels.write_bytes(struct.pack(">HBBI", 0, 8, 1, 10) + bytes(10))
     with pytest.raises(DataError, match="holds 64 images but t10k-labels-idx1-ubyte 10 labels"):
         MNISTData(root=str(tmp_path), download=False, batch_size=8).setup(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("split", ["train", "t10k"])
+def test_an_mnist_split_with_no_samples_is_named(tmp_path, split):
+    sizes = {"train": 64, "t10k": 64, split: 0}
+    splits = {prefix: (np.zeros((n, 28, 28), np.uint8), np.zeros(n, np.uint8))
+              for prefix, n in sizes.items()}  # fmt: skip
+    write_mnist_files(tmp_path, splits)
+    images = tmp_path / "MNIST" / "raw" / f"{split}-images-idx3-ubyte"
+    with pytest.raises(DataError, match=f"{images} holds no images"):
+        MNISTData(root=str(tmp_path), download=False, batch_size=8).setup(torch.device("cpu"))
+
+
+def test_a_synthetic_set_larger_than_memory_is_refused_before_allocating():
+    data = SyntheticData(train_size=100_000_000_000, batch_size=64)
+    with pytest.raises(DataError, match=r"dataset.train_size=100,000,000,000 .* need about"):
+        data.setup(torch.device("cpu"))
 
 
 def test_a_damaged_cifar_batch_is_named(tmp_path):
