@@ -19,6 +19,7 @@
 | every step skipped | a warning per epoch, status failed | the metrics |
 | truncated / corrupt / mislabelled / empty data | one line naming the file and the fault | - |
 | a synthetic set larger than memory | one line with the sizes that fit | - |
+| metrics.jsonl deleted while the run trains | one warning; the file written again | every row |
 | impossible config values | one line naming the key | - |
 | resume of a finished run | one line saying how to train on | the run |
 | a checkpoint with flipped bytes | one line: corrupt; another one if kept | the run |
@@ -58,7 +59,7 @@ from mpexp.errors import ConfigError, DataError
 from mpexp.rundir import checkpoint_files
 from mpexp.runner import stop_if_asked, train
 from mpexp.stopping import Preempted, StopSignals
-from mpexp.tracking import RunContext
+from mpexp.tracking import RunContext, Tracker
 from mpexp.validate import validate
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
@@ -379,6 +380,33 @@ def test_a_closed_terminal_stops_the_run_with_a_checkpoint(tmp_path):
     assert "Stopped by SIGHUP at step" in (run_dir / "train.log").read_text()
     assert status(run_dir) == "interrupted"
     assert checkpoint_files(run_dir)
+
+
+def test_metrics_deleted_while_the_run_trains_are_written_again_whole(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_cli(*ARGS, "trainer.log_every=1", "trainer.epochs=3", f"hydra.run.dir={run_dir}",
+                     cwd=tmp_path)  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
+    metrics.unlink()  # a clean-up script, a user's rm
+    output, _ = proc.communicate(timeout=240)
+
+    assert proc.returncode == 0, output
+    assert output.count(f"{metrics} was deleted or replaced while the run went on") == 1
+    steps, epochs = read_metrics(run_dir)
+    assert [r["step"] for r in steps] == list(range(1, 25)) and len(epochs) == 3
+    assert status(run_dir) == "finished"
+
+
+def test_a_checkpoint_after_metrics_were_deleted_records_their_whole_length(tmp_path):
+    tracker = Tracker(RunContext(tmp_path), {}, make_cfg("wandb.mode=disabled").wandb)
+    tracker.log({"step": 1, "train/loss": 2.5})
+    whole = (tmp_path / "metrics.jsonl").stat().st_size
+    (tmp_path / "metrics.jsonl").unlink()
+    assert tracker.flush() == whole  # the place a resume rewinds to: after the first row
+    tracker.log({"step": 2, "train/loss": 2.25})
+    tracker.close()
+    assert [r["step"] for r in read_metrics(tmp_path)[0]] == [1, 2]
 
 
 # --- runs that train nothing ---------------------------------------------------------------------
