@@ -10,6 +10,7 @@ under this config; a rejected resume so leaves the run's `.hydra/` record as it 
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -43,19 +44,40 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("mpexp.run_dir", resumed_run_dir, replace=True)
 
 
+# what the writability check writes: on a full disk an empty file may still be created, while
+# the first real write (Hydra's config, train.log) fails
+PROBE_BYTES = 64 * 1024
+
+
 def check_writable(directory: str | Path) -> None:
-    """Create `directory` and a file in it, or raise OutputError saying what to do."""
+    """Create `directory` and write (and sync) some KiB to a file in it, or raise OutputError
+    saying what to do."""
     path = Path(directory)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        with tempfile.TemporaryFile(dir=path) as probe:
+            probe.write(bytes(PROBE_BYTES))
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as err:
-        raise OutputError(
-            f"Cannot write to the output directory {path}: {err.strerror or err}.\n"
-            "Run from a writable directory, or choose one with hydra.run.dir=<dir> "
-            "(hydra.sweep.dir=<dir> for a multirun)."
-        ) from err
+        raise _unusable(path, err) from None
+
+
+def check_reachable(directory: str | Path) -> None:
+    """Raise OutputError when the OS cannot even look `directory` up (a name too long for the
+    file system, a folder on the way that may not be entered): checked before anything reads it."""
+    try:
+        Path(directory).exists()
+    except OSError as err:
+        raise _unusable(Path(directory), err) from None
+
+
+def _unusable(path: Path, err: OSError) -> OutputError:
+    return OutputError(
+        f"Cannot write to the output directory {path}: {err.strerror or err}.\n"
+        "Run from a writable directory, or choose one with hydra.run.dir=<dir> "
+        "(hydra.sweep.dir=<dir> for a multirun)."
+    )
 
 
 class RunChecks(Callback):
@@ -65,6 +87,7 @@ class RunChecks(Callback):
         task = _task(config)
         run_dir = Path(config.hydra.run.dir)
         _exit_on_user_error(lambda: validate(task))
+        _exit_on_user_error(lambda: check_reachable(run_dir))
         resume = None
         if task.trainer.resume:
             from mpexp import checkpoint  # torch: only a resume needs it before the run starts
@@ -80,6 +103,7 @@ class RunChecks(Callback):
         # the values a sweep varies are checked per job; unknown keys fail every job alike
         _exit_on_user_error(lambda: check_schema(_task(config)))
         sweep_dir = Path(config.hydra.sweep.dir)
+        _exit_on_user_error(lambda: check_reachable(sweep_dir))
         if sweep_dir.is_dir():  # a sweep dir given again: its jobs' folders would be reused
             for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
                 _exit_on_user_error(lambda job=job: refuse_if_taken(job, key="hydra.sweep.dir"))

@@ -90,7 +90,14 @@ class Precision:
         )
 
     def record(self) -> dict:
-        """The precision facts that every run writes to its config and summary."""
+        """The precision facts that every run writes to its config and summary.
+
+        `precision` is the mode asked for, `effective_precision` what it amounts to here. The TF32
+        switches (`tf32_matmul`, `tf32_cudnn`, `float32_matmul_precision`) are PyTorch's as this
+        run set them, and they are what acts: where TF32 cannot take effect (a CPU, a GPU older
+        than Ampere) `setup_precision` turns them off, so that a `tf32` run there records, and
+        computes, strict fp32 (`tf32_matmul: false`, `float32_matmul_precision: highest`).
+        """
         return {
             "precision": self.mode,
             "effective_precision": self.effective,
@@ -136,18 +143,14 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
     mode = mode_name(dtype, tf32, fp8 is not None)
     if fp8 is not None:
         _check_fp8(dtype, device)
-    set_tf32(tf32)
     effective = mode
 
     if tf32 and not _tf32_capable(device):
-        where = "on CPU" if device.type == "cpu" else f"on {torch.cuda.get_device_name(device)}"
+        # the switches stay off: the run is strict fp32, and its record says what acted
+        tf32 = False
         effective = mode_name(dtype, False, fp8 is not None)
-        log.warning(
-            "TF32 has no effect %s (it needs an Ampere or newer CUDA GPU): this run computes "
-            "float32 work in strict fp32 and is recorded as effective_precision=%s.",
-            where,
-            effective,
-        )
+        _warn_no_tf32_once(device, effective)
+    set_tf32(tf32)
 
     # bf16 autocast needs Ampere (sm80) or newer; older GPUs only emulate it, slowly.
     if dtype is torch.bfloat16 and device.type == "cuda" and not _ampere_or_newer(device):
@@ -217,6 +220,23 @@ def _torchao_version() -> str:
     import torchao
 
     return torchao.__version__
+
+
+_warned_no_tf32: set[str] = set()
+
+
+def _warn_no_tf32_once(device: torch.device, effective: str) -> None:
+    where = "on CPU" if device.type == "cpu" else f"on {torch.cuda.get_device_name(device)}"
+    if where in _warned_no_tf32:  # once per process, as the 16-bit warning
+        return
+    _warned_no_tf32.add(where)
+    log.warning(
+        "TF32 has no effect %s (it needs an Ampere or newer CUDA GPU): this run leaves the TF32 "
+        "switches off, computes float32 work in strict fp32 and is recorded as "
+        "effective_precision=%s, tf32_matmul=false.",
+        where,
+        effective,
+    )
 
 
 _warned_fp8_emulated = False

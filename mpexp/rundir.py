@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -46,7 +47,18 @@ def rerun_command(overrides: list[str]) -> str:
 def resume_command(overrides: list[str], target: str | Path) -> str:
     """The command line that continues a run from `target` (its directory or a checkpoint)."""
     kept = [o for o in overrides if not o.startswith("trainer.resume=")]
-    return rerun_command([*kept, f"trainer.resume={target}"])
+    return rerun_command([*kept, f"trainer.resume={hydra_quoted(str(target))}"])
+
+
+def hydra_quoted(value: str) -> str:
+    """`value` as Hydra's override grammar reads it back unchanged: as it is when it is a plain
+    path, else single-quoted, with the quotes in it, the backslashes before them (or before the
+    closing quote) and `${` (an interpolation) escaped."""
+    if re.fullmatch(r"[\w/.+@-]+", value):
+        return value
+    escaped = re.sub(r"(\\*)'", lambda m: 2 * m.group(1) + "\\'", value)
+    escaped = re.sub(r"(\\+)$", lambda m: 2 * m.group(1), escaped)
+    return "'" + re.sub(r"(\\*)\$\{", lambda m: 2 * m.group(1) + "\\${", escaped) + "'"
 
 
 def checkpoint_files(run_dir: str | Path) -> list[Path]:
@@ -106,7 +118,8 @@ def refuse_if_taken(run_dir: Path, restart: bool = False, key: str = "hydra.run.
     if held is not None:
         raise RunDirTaken(
             f"{run_dir} already holds {held}; a new run would mix its results into it.\n"
-            f"To continue that run: trainer.resume={run_dir} (with the run's own overrides). "
+            f"To continue that run: {shlex.quote(f'trainer.resume={hydra_quoted(str(run_dir))}')} "
+            "(with the run's own overrides). "
             f"For a new run, leave {key} out (each run gets a fresh directory) or choose "
             "another."
         )

@@ -1,12 +1,14 @@
-"""Stop signals: SIGTERM (a scheduler's pre-emption), Ctrl-C, and submitit's pre-emption signal in
-a SLURM job. They only set a flag; the training loop checks it once per step and stops at the step
-boundary with a checkpoint. Nothing here needs torch, so the command line imports it at once.
+"""Stop signals: SIGTERM (a scheduler's pre-emption), Ctrl-C, SIGHUP (the terminal or ssh session
+closed) and submitit's pre-emption signal in a SLURM job. They only set a flag; the training loop
+checks it once per step and stops at the step boundary with a checkpoint. Nothing here needs
+torch, nor Hydra: the command line imports it first, to catch signals from its start.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -32,8 +34,9 @@ def preemption_signal() -> int | None:
 
 
 class StopSignals:
-    """While active, SIGTERM and Ctrl-C (SIGINT) ask the training loop to stop at a step boundary;
-    so does submitit's pre-emption signal in a SLURM job (see `preemption_signal`).
+    """While active, SIGTERM, Ctrl-C (SIGINT) and SIGHUP ask the training loop to stop at a step
+    boundary; so does submitit's pre-emption signal in a SLURM job (see `preemption_signal`).
+    A SIGHUP that the process was started ignoring (`nohup`) stays ignored: the run goes on.
 
     The handler only records the signal; the loop reads `received` once per step, which costs no
     device synchronisation. A second signal stops at once, without a checkpoint. On leaving, the
@@ -41,18 +44,25 @@ class StopSignals:
     which requeues the job once the checkpoint is written (mpexp.train raises the signal again).
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self) -> None:
         self.received: int | None = None
+        # before the command line's own code runs (its imports): nothing could catch the
+        # KeyboardInterrupt of a second signal, so it ends the process here (see catch_from_start)
+        self.before_start = False
         self._previous: dict[int, Any] = {}
         preempt = preemption_signal()
         self.signals = (*self.SIGNALS, preempt) if preempt is not None else self.SIGNALS
 
     def _handle(self, signum, frame) -> None:
-        if self.received is not None:
+        if self.received is None:
+            self.received = signum
+        elif self.before_start:
+            sys.stderr.write(INTERRUPTED_BEFORE_START)
+            raise SystemExit(128 + signal.SIGINT)
+        else:
             raise KeyboardInterrupt
-        self.received = signum
 
     def __enter__(self) -> StopSignals:
         global _active
@@ -60,6 +70,8 @@ class StopSignals:
         # default effect.
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:
+                if signum == signal.SIGHUP and signal.getsignal(signum) is signal.SIG_IGN:
+                    continue  # nohup: the user asked for the run to outlive the terminal
                 self._previous[signum] = signal.signal(signum, self._handle)
         self._outer, _active = _active, self
         return self
@@ -79,3 +91,14 @@ class StopSignals:
 
 
 _active: StopSignals | None = None
+
+INTERRUPTED_BEFORE_START = "Interrupted before the run started; nothing was trained.\n"
+
+
+def catch_from_start() -> StopSignals:
+    """Enter the command line's StopSignals now, before its slow imports (Hydra, OmegaConf), so
+    that a stop signal asks to stop from the moment the command starts; `cli` takes it over
+    through `StopSignals.active()` and leaves it as the command ends."""
+    stop = StopSignals().__enter__()
+    stop.before_start = True
+    return stop

@@ -63,6 +63,18 @@ def set_deterministic(enabled: bool) -> None:
     torch.backends.cudnn.deterministic = enabled
 
 
+def available_memory_bytes() -> int | None:
+    """Memory the system can give a process now without swapping (Linux's MemAvailable); None
+    where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -12,8 +12,9 @@ Metric names are a contract read by dashboards and the report:
              share `step` with the step rows, so readers tell rows apart by their other keys
   summary    the final epoch's metrics, amp/skipped_steps, and under `ran` what ran, with
              final_scale: the scale after the last update, the one a next step would use
-W&B is optional at every point: if it cannot start or stops accepting data, training goes on with
-the local files and one warning.
+metrics.jsonl deleted (or replaced) while the run trains is written again, whole, from the file the
+tracker holds open. W&B is optional at every point: if it cannot start or stops accepting data,
+training goes on with the local files and one warning.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import logging
 import netrc
 import os
 import secrets
+import shutil
 import string
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,6 +42,7 @@ log = logging.getLogger(__name__)
 STEP_METRICS = ("train/loss", "amp/*", "lr", "diag/*")
 EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
 BEST_OF = {"val/acc": "max", "val/loss": "min"}  # W&B summarises these as the best epoch's
+CHECK_FILE_EVERY_S = 1.0  # how often logging rows looks whether metrics.jsonl is still there
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,11 @@ class Tracker:
     def __init__(self, run: RunContext, config: dict, wandb_cfg: Any):
         self.run_dir = Path(run.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = (self.run_dir / "metrics.jsonl").open("a", buffering=1)
+        self._metrics_path = self.run_dir / "metrics.jsonl"
+        # a+: readable too, so that the rows can be copied back if the file is deleted mid-run
+        self._metrics = self._metrics_path.open("a+", buffering=1)
+        self._checked_at = time.monotonic()
+        self._restorable = True  # until a copy back has failed
         # wall-clock start and end: the report warns when a sweep's jobs overlapped in time
         self._summary: dict[str, Any] = {"status": "running", "started_at": _now()}
         self._write_summary()
@@ -200,6 +208,7 @@ class Tracker:
 
     def flush(self) -> int:
         """Push metrics.jsonl to disk; return its size in bytes (a checkpoint's place in it)."""
+        self._keep_metrics_file()
         self._metrics.flush()
         os.fsync(self._metrics.fileno())
         return os.fstat(self._metrics.fileno()).st_size
@@ -211,6 +220,8 @@ class Tracker:
 
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (it must hold `step` or `epoch`)."""
+        if time.monotonic() - self._checked_at > CHECK_FILE_EVERY_S:
+            self._keep_metrics_file()
         self._metrics.write(json.dumps(row, default=_histogram_json) + "\n")
         self._logged = True
         if self._wandb is not None:
@@ -233,6 +244,7 @@ class Tracker:
             ended = {"status": status, "ended_at": _now(), **({"error": error} if error else {})}
             self.update_summary(ended)
         finally:  # even when summary.json cannot be written (a full disk)
+            self._keep_metrics_file()
             self._metrics.close()
             if self._wandb is not None:
                 logging.getLogger().removeHandler(self._log_lines)
@@ -264,6 +276,43 @@ class Tracker:
 
     def _write_summary(self) -> None:
         write_json_atomically(self._summary, self.run_dir / "summary.json")
+
+    def _keep_metrics_file(self) -> None:
+        """If metrics.jsonl was deleted (or replaced) since it was opened, write it again from
+        the open file, which still holds every row, and go on appending there.
+
+        A stat per call: the rows call it once a second at most, checkpoints and the end always.
+        """
+        self._checked_at = time.monotonic()
+        if not self._restorable:
+            return
+        opened = os.fstat(self._metrics.fileno())
+        try:
+            there = os.stat(self._metrics_path)
+            if (there.st_dev, there.st_ino) == (opened.st_dev, opened.st_ino):
+                return
+        except FileNotFoundError:
+            pass
+        try:
+            self._metrics.flush()
+            self._metrics.seek(0)
+            tmp = self._metrics_path.with_name(self._metrics_path.name + ".tmp")
+            with tmp.open("w") as copy:
+                shutil.copyfileobj(self._metrics, copy)
+            tmp.replace(self._metrics_path)
+            reopened = self._metrics_path.open("a+", buffering=1)
+        except OSError as err:  # training goes on; the rows stay in the open (deleted) file
+            log.warning("%s is gone and could not be written again (%s).", self._metrics_path, err)
+            self._restorable = False  # one warning, not one a second
+            return
+        self._metrics.close()
+        self._metrics = reopened
+        log.warning(
+            "%s was deleted or replaced while the run went on; it is written again with every "
+            "row the run has logged (%d bytes), and the run keeps appending to it.",
+            self._metrics_path,
+            opened.st_size,
+        )
 
 
 class NullTracker:

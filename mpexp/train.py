@@ -7,11 +7,20 @@ starts (in `main`), so a config error, `--help`, `--cfg` and tab completion answ
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+from mpexp.stopping import INTERRUPTED_BEFORE_START, StopSignals, catch_from_start
+
+# Run as the command (`python -m mpexp.train`, `mpexp-train`), a stop signal only asks to stop
+# from here on: Hydra's and OmegaConf's imports below take a noticeable fraction of a second.
+# Imported from Python, signals are left as they are.
+if __name__ == "__main__" or Path(sys.argv[0]).name == "mpexp-train":
+    catch_from_start()
+
 import logging
 import os
 import signal
-import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -22,7 +31,7 @@ from mpexp import config
 from mpexp.errors import UserError
 from mpexp.hydra_hooks import register_resolvers, sweep_job_name
 from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
-from mpexp.stopping import Preempted, StopSignals, preemption_signal
+from mpexp.stopping import Preempted, preemption_signal
 from mpexp.tracking import RunContext, record_end
 
 log = logging.getLogger("mpexp")
@@ -102,13 +111,17 @@ def cli() -> None:
     logging.raiseExceptions = False
     # From the start a stop signal only asks to stop: while Hydra composes the config and the
     # run imports torch (seconds, with the run dir already made), the run checks it before its
-    # first step and ends as interrupted, with one line.
-    with StopSignals() as stop:
-        try:
-            main()
-        except KeyboardInterrupt:  # a second Ctrl-C before the run started
-            sys.stderr.write("Interrupted before the run started; nothing was trained.\n")
-            raise SystemExit(128 + signal.SIGINT) from None
+    # first step and ends as interrupted, with one line. Caught since this module's top when it
+    # runs as the command; from here when cli() is called from Python.
+    stop = StopSignals.active() or StopSignals().__enter__()
+    stop.before_start = False  # a second signal now raises KeyboardInterrupt, caught below
+    try:
+        main()
+    except KeyboardInterrupt:  # a second Ctrl-C before the run started
+        sys.stderr.write(INTERRUPTED_BEFORE_START)
+        raise SystemExit(128 + signal.SIGINT) from None
+    finally:
+        stop.__exit__()
     if stop.received:  # nothing ran that would have answered it: --help, --cfg, a sweep's end
         name = signal.Signals(stop.received).name
         sys.stderr.write(f"Stopped by {name}; nothing was trained.\n")

@@ -13,6 +13,7 @@ from mpexp.config import TrainConfig, unknown_keys
 from mpexp.errors import ConfigError
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+MAX_SEED = 2**32 - 1
 
 
 def _number(value: Any, key: str) -> float:
@@ -23,9 +24,11 @@ def _number(value: Any, key: str) -> float:
     return float(value)
 
 
-def _integer(value: Any, key: str, minimum: int) -> int:
+def _integer(value: Any, key: str, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{key}={value!r} must be an integer >= {minimum}.")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{key}={value!r} must be an integer in [{minimum}, {maximum}].")
     return value
 
 
@@ -52,7 +55,8 @@ def validate(cfg: DictConfig) -> None:
 
     _integer(trainer.epochs, "trainer.epochs", 1)
     _integer(trainer.log_every, "trainer.log_every", 1)
-    _integer(trainer.seed, "trainer.seed", 0)
+    # NumPy's global generator takes seeds of 32 bits (and the synthetic set's seed follows it)
+    _integer(trainer.seed, "trainer.seed", 0, MAX_SEED)
     if trainer.strategy == "fsdp":
         _validate_fsdp(cfg)
     _choice(trainer.compile_mode, "trainer.compile_mode", COMPILE_MODES)
@@ -144,11 +148,16 @@ def _validate_scaling(ls: Mapping[str, Any]) -> None:
 def _validate_training_loop(cfg: DictConfig) -> None:
     trainer, diag = cfg.trainer, cfg.diagnostics
     accumulate = _integer(trainer.accumulate, "trainer.accumulate", 1)
-    if accumulate > cfg.dataset.batch_size:
+    batch = cfg.dataset.batch_size  # per process
+    if batch % accumulate:
+        # a batch splits into `accumulate` micro-batches of one size only when k divides it;
+        # otherwise torch's chunk() makes fewer, and the run would not do what it records
+        divisors = [k for k in range(1, batch + 1) if batch % k == 0]
+        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
         raise ConfigError(
-            f"trainer.accumulate={accumulate} splits each batch of dataset.batch_size="
-            f"{cfg.dataset.batch_size} into more micro-batches than it has samples; "
-            "use a value <= the batch size."
+            f"trainer.accumulate={accumulate} does not divide dataset.batch_size={batch} "
+            f"(per process) into {accumulate} equal micro-batches; use a divisor of {batch}: "
+            f"{shown}."
         )
     clip = trainer.clip_grad_norm
     if clip is not None and _number(clip, "trainer.clip_grad_norm") <= 0:

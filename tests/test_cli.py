@@ -104,6 +104,10 @@ def test_missing_dataset_says_where_to_put_it(tmp_path):
         (["loss_scaling=hysteresis", "loss_scaling.growth_factor=1"], "growth_factor"),
         (["loss_scaling=calibrated", "loss_scaling.margin=0.5"], "loss_scaling.margin"),
         (["loss_scaling=calibrated", "loss_scaling.calibration_steps=0"], "calibration_steps"),
+        (
+            ["trainer.seed=4294967296"],
+            "trainer.seed=4294967296 must be an integer in [0, 4294967295]",
+        ),
         (["trainer.accumulate=0"], "trainer.accumulate"),
         (["trainer.accumulate=512"], "trainer.accumulate"),
         (["trainer.clip_grad_norm=-1"], "trainer.clip_grad_norm"),
@@ -116,6 +120,20 @@ def test_missing_dataset_says_where_to_put_it(tmp_path):
 def test_bad_lab_values_are_named(overrides, named):
     with pytest.raises(ConfigError, match=re.escape(named)):
         validate(make_cfg(*overrides))
+
+
+@pytest.mark.parametrize(("batch", "accumulate"), [(6, 4), (256, 100), (64, 65)])
+def test_accumulate_must_split_the_batch_into_equal_micro_batches(batch, accumulate):
+    # chunk() would make 3 micro-batches of 6 where 4 were asked for, and 86 of 256 for 100
+    cfg = make_cfg(f"dataset.batch_size={batch}", f"trainer.accumulate={accumulate}")
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg)
+    message = str(refused.value)
+    assert f"trainer.accumulate={accumulate} does not divide dataset.batch_size={batch}" in message
+    assert "\n" not in message
+    valid = {6: "1, 2, 3, 6.", 256: "1, 2, 4, 8, 16, 32, 64, 128, 256.", 64: "32, 64."}[batch]
+    assert message.endswith(valid)
+    validate(make_cfg(f"dataset.batch_size={batch}", "trainer.accumulate=2"))  # a divisor runs
 
 
 @pytest.mark.parametrize(

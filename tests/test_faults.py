@@ -3,7 +3,7 @@
 | fault | the user sees | kept |
 |---|---|---|
 | W&B unreachable or slow | one warning naming wandb.init_timeout | the whole run |
-| output dir unwritable | one line, exit 2, before Hydra writes | - |
+| output dir unwritable, full, its name too long | one line, exit 2, before Hydra writes | - |
 | a sweep job fails | Hydra's report at the end, exit != 0 | the other jobs |
 | two runs started in the same second | nothing: two directories | both runs |
 | new run in a dir holding a run | one line naming trainer.resume, exit 2 | the old run |
@@ -13,9 +13,13 @@
 | stop signal as the run starts, data loads | one line, status interrupted, 128+sig | - |
 | stop signal while W&B starts | one line naming the checkpoint, interrupted | the checkpoint |
 | a second Ctrl-C | one line naming the last checkpoint, 130 | checkpoints |
+| Ctrl-C while the command imports Hydra | one line, 130 | - |
+| the terminal closes (SIGHUP) | as SIGTERM: status interrupted, 129 | the checkpoint |
 | a run with no step per epoch | one line, exit 2, before training | - |
 | every step skipped | a warning per epoch, status failed | the metrics |
-| truncated / corrupt / mislabelled data | one line naming the file and the fault | - |
+| truncated / corrupt / mislabelled / empty data | one line naming the file and the fault | - |
+| a synthetic set larger than memory | one line with the sizes that fit | - |
+| metrics.jsonl deleted while the run trains | one warning; the file written again | every row |
 | impossible config values | one line naming the key | - |
 | resume of a finished run | one line saying how to train on | the run |
 | a checkpoint with flipped bytes | one line: corrupt; another one if kept | the run |
@@ -26,12 +30,17 @@ in the report in tests/test_report.py.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import re
+import select
 import signal
 import struct
+import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -44,14 +53,15 @@ import mpexp.train
 from mpexp import checkpoint
 from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
+from mpexp.data.synthetic import SyntheticData
 from mpexp.distributed import start_world
 from mpexp.errors import ConfigError, DataError
 from mpexp.rundir import checkpoint_files
 from mpexp.runner import stop_if_asked, train
 from mpexp.stopping import Preempted, StopSignals
-from mpexp.tracking import RunContext
+from mpexp.tracking import RunContext, Tracker
 from mpexp.validate import validate
-from tests.conftest import TINY, make_cfg, run_cli
+from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
 from tests.test_training import read_metrics
 
@@ -93,6 +103,42 @@ def test_an_unwritable_output_dir_fails_with_one_message(tmp_path):
     assert "Traceback" not in output
     assert f"Cannot write to the output directory {blocker}/run" in output
     assert "hydra.run.dir=" in output
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_an_output_dir_with_a_name_too_long_fails_with_one_message(tmp_path, sweep):
+    too_long = tmp_path / ("x" * 300)  # file systems take 255 bytes a name
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    result = run_cli("mpexp.train", *(["-m"] if sweep else []), *TINY, f"{key}={too_long}",
+                     cwd=tmp_path)  # fmt: skip
+    output = one_line_failure(result)
+    assert f"Cannot write to the output directory {too_long}: File name too long." in output
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB file system, filled up."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                             capture_output=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        with pytest.raises(OSError), (mount / "filler").open("wb") as filler:
+            while True:
+                filler.write(bytes(4096))
+                filler.flush()
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_an_output_dir_on_a_full_disk_fails_with_one_message(tmp_path, full_disk):
+    result = run_cli("mpexp.train", *TINY, f"hydra.run.dir={full_disk}/run", cwd=tmp_path)
+    output = one_line_failure(result)
+    assert f"Cannot write to the output directory {full_disk}/run: No space left" in output
+    assert not (full_disk / "run" / ".hydra").exists()  # stopped before Hydra wrote anything
 
 
 def test_a_failing_job_does_not_stop_the_sweep_and_is_recorded(tmp_path):
@@ -272,6 +318,97 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
 
 
+# Runs the command as `python -m mpexp.train` does, with Ctrl-C pressed `presses` times just as
+# it starts to import Hydra: the moment a real Ctrl-C within its first second lands in.
+CTRL_C_AT_IMPORT = """
+import importlib.abc, os, runpy, signal, sys
+
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "hydra":
+            sys.meta_path.remove(self)
+            for _ in range({presses}):
+                os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["mpexp.train", *sys.argv[1:]]
+runpy.run_module("mpexp.train", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_while_the_command_imports_gives_one_line_and_130(tmp_path, presses):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    code = CTRL_C_AT_IMPORT.format(presses=presses)
+    result = subprocess.run(
+        [sys.executable, "-c", code, *TINY, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 128 + signal.SIGINT, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    if presses == 1:  # the run starts and stops before its first step, as it promises
+        assert "Stopped by SIGINT as the run started" in output
+        assert status(run_dir) == "interrupted"
+    else:  # a second press quits at once: nothing had started
+        assert output == "Interrupted before the run started; nothing was trained.\n"
+        assert not run_dir.exists()
+
+
+def test_a_closed_terminal_stops_the_run_with_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    terminal, tty = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpexp.train", *ARGS, "trainer.epochs=200",
+         "trainer.progress=true", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stdin=tty, stdout=tty, stderr=tty, start_new_session=True,
+        # the pty becomes the run's controlling terminal, as a shell's or an ssh session's is
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    )  # fmt: skip
+    os.close(tty)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.stat().st_size) and proc.poll() is None:
+            if select.select([terminal], [], [], 0.05)[0]:
+                os.read(terminal, 65536)  # what a terminal shows; a full one would block the run
+    finally:
+        os.close(terminal)  # the terminal window closes: the kernel sends SIGHUP
+    assert proc.wait(timeout=120) == 128 + signal.SIGHUP
+    assert "Stopped by SIGHUP at step" in (run_dir / "train.log").read_text()
+    assert status(run_dir) == "interrupted"
+    assert checkpoint_files(run_dir)
+
+
+def test_metrics_deleted_while_the_run_trains_are_written_again_whole(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_cli(*ARGS, "trainer.log_every=1", "trainer.epochs=3", f"hydra.run.dir={run_dir}",
+                     cwd=tmp_path)  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
+    metrics.unlink()  # a clean-up script, a user's rm
+    output, _ = proc.communicate(timeout=240)
+
+    assert proc.returncode == 0, output
+    assert output.count(f"{metrics} was deleted or replaced while the run went on") == 1
+    steps, epochs = read_metrics(run_dir)
+    assert [r["step"] for r in steps] == list(range(1, 25)) and len(epochs) == 3
+    assert status(run_dir) == "finished"
+
+
+def test_a_checkpoint_after_metrics_were_deleted_records_their_whole_length(tmp_path):
+    tracker = Tracker(RunContext(tmp_path), {}, make_cfg("wandb.mode=disabled").wandb)
+    tracker.log({"step": 1, "train/loss": 2.5})
+    whole = (tmp_path / "metrics.jsonl").stat().st_size
+    (tmp_path / "metrics.jsonl").unlink()
+    assert tracker.flush() == whole  # the place a resume rewinds to: after the first row
+    tracker.log({"step": 2, "train/loss": 2.25})
+    tracker.close()
+    assert [r["step"] for r in read_metrics(tmp_path)[0]] == [1, 2]
+
+
 # --- runs that train nothing ---------------------------------------------------------------------
 
 
@@ -356,6 +493,23 @@ def test_image_and_label_files_that_disagree_are_named(tmp_path):
     labels.write_bytes(struct.pack(">HBBI", 0, 8, 1, 10) + bytes(10))
     with pytest.raises(DataError, match="holds 64 images but t10k-labels-idx1-ubyte 10 labels"):
         MNISTData(root=str(tmp_path), download=False, batch_size=8).setup(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("split", ["train", "t10k"])
+def test_an_mnist_split_with_no_samples_is_named(tmp_path, split):
+    sizes = {"train": 64, "t10k": 64, split: 0}
+    splits = {prefix: (np.zeros((n, 28, 28), np.uint8), np.zeros(n, np.uint8))
+              for prefix, n in sizes.items()}  # fmt: skip
+    write_mnist_files(tmp_path, splits)
+    images = tmp_path / "MNIST" / "raw" / f"{split}-images-idx3-ubyte"
+    with pytest.raises(DataError, match=f"{images} holds no images"):
+        MNISTData(root=str(tmp_path), download=False, batch_size=8).setup(torch.device("cpu"))
+
+
+def test_a_synthetic_set_larger_than_memory_is_refused_before_allocating():
+    data = SyntheticData(train_size=100_000_000_000, batch_size=64)
+    with pytest.raises(DataError, match=r"dataset.train_size=100,000,000,000 .* need about"):
+        data.setup(torch.device("cpu"))
 
 
 def test_a_damaged_cifar_batch_is_named(tmp_path):

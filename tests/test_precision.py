@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpexp.precision import setup_precision
+from mpexp.precision import set_tf32, setup_precision
 from tests.conftest import CPU, make_cfg, precision_of
 
 
@@ -36,18 +36,25 @@ def test_conv_and_linear_compute_in_the_modes_dtype(mode, dtype):
     assert dtypes_inside_forward(mode) == {"conv": dtype, "linear": dtype}
 
 
-@pytest.mark.parametrize(
-    ("mode", "tf32"), [("fp32", False), ("tf32", True), ("fp16", False), ("bf16", False)]
-)
-def test_tf32_switches_follow_the_mode_for_matmul_and_cudnn(mode, tf32):
-    # start from the opposite state so a mode that forgot one switch is caught
-    torch.backends.cuda.matmul.allow_tf32 = not tf32
-    torch.backends.cudnn.allow_tf32 = not tf32
+@pytest.mark.parametrize("enabled", [True, False])
+def test_tf32_switches_matmul_and_cudnn_together(enabled):
+    # start from the opposite state so that a forgotten switch is caught
+    torch.backends.cuda.matmul.allow_tf32 = not enabled
+    torch.backends.cudnn.allow_tf32 = not enabled
+    set_tf32(enabled)
+    assert torch.backends.cuda.matmul.allow_tf32 is enabled
+    assert torch.backends.cudnn.allow_tf32 is enabled
+    assert torch.get_float32_matmul_precision() == ("high" if enabled else "highest")
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "fp16", "bf16"])
+def test_on_cpu_every_mode_leaves_tf32_off_and_records_it_off(mode):
+    set_tf32(True)  # as a previous run in this process may have left them
     record = precision_of(mode).record()
-    assert torch.backends.cuda.matmul.allow_tf32 is tf32
-    assert torch.backends.cudnn.allow_tf32 is tf32
-    assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
-    assert record["tf32_matmul"] is tf32 and record["tf32_cudnn"] is tf32
+    assert torch.backends.cuda.matmul.allow_tf32 is torch.backends.cudnn.allow_tf32 is False
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert record["tf32_matmul"] is record["tf32_cudnn"] is False
+    assert record["float32_matmul_precision"] == "highest"
 
 
 def test_strict_fp32_turns_off_cudnn_tf32_that_pytorch_leaves_on():
@@ -56,12 +63,19 @@ def test_strict_fp32_turns_off_cudnn_tf32_that_pytorch_leaves_on():
     assert torch.backends.cudnn.allow_tf32 is False
 
 
-def test_tf32_on_cpu_warns_and_records_fp32(caplog):
+def test_tf32_on_cpu_warns_once_and_records_what_acted(caplog):
+    from mpexp import precision as module
+
+    module._warned_no_tf32.clear()
     with caplog.at_level(logging.WARNING):
-        precision = precision_of("tf32")
-    assert precision.effective == "fp32"
-    assert precision.record()["effective_precision"] == "fp32"
-    assert any("no effect" in r.getMessage() for r in caplog.records)
+        precision, again = precision_of("tf32"), precision_of("tf32")
+    assert precision.effective == again.effective == "fp32"
+    record = precision.record()
+    assert (record["precision"], record["effective_precision"]) == ("tf32", "fp32")
+    assert record["tf32_matmul"] is record["tf32_cudnn"] is False  # as the run computed
+    assert record["float32_matmul_precision"] == "highest"
+    warnings = [r.getMessage() for r in caplog.records if "TF32 has no effect" in r.getMessage()]
+    assert len(warnings) == 1 and "on CPU" in warnings[0]  # once per process, like the others
 
 
 @pytest.mark.parametrize("mode", ["fp16", "bf16"])

@@ -257,6 +257,24 @@ def test_incomplete_and_unreadable_runs_are_named(sweep_with_a_failure, tmp_path
     assert [row["run"] for row in read_table(tmp_path / "report.md", "Runs")] == ["complete"]
 
 
+def test_runs_whose_files_hold_other_json_are_named_and_the_rest_reported(
+    sweep_with_a_failure, tmp_path, capsys
+):
+    sweep, _ = sweep_with_a_failure
+    for name in ("complete", "listed", "numbered"):
+        shutil.copytree(sweep / "0", tmp_path / name)
+    (tmp_path / "listed" / "summary.json").write_text("[1, 2]\n")  # valid JSON, not a summary
+    metrics = tmp_path / "numbered" / "metrics.jsonl"
+    line = len(metrics.read_text().splitlines()) + 1
+    metrics.write_text(metrics.read_text() + "42\n")  # valid JSON, not a row
+
+    assert report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "not reported: listed: summary.json holds a list, not an object" in out
+    assert f"numbered: metrics.jsonl cannot be read (line {line} holds a number, not an" in out
+    assert [row["run"] for row in read_table(tmp_path / "report.md", "Runs")] == ["complete"]
+
+
 def test_a_run_killed_mid_write_is_reported_without_its_half_line(sweep_with_a_failure, tmp_path):
     sweep, _ = sweep_with_a_failure
     for name in ("complete", "crashed"):

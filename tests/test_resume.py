@@ -18,6 +18,7 @@ import torch
 from mpexp import checkpoint
 from mpexp.checkpoint import checkpoint_files
 from mpexp.errors import ConfigError, OutputError
+from mpexp.rundir import hydra_quoted
 from mpexp.runner import train
 from mpexp.tracking import RunContext
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
@@ -125,6 +126,26 @@ def test_a_stop_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sign
     assert steps[-1]["step"] == position["step"] < 16  # stopped early, every step logged
     assert status(run_dir) == "interrupted"
     assert f"trainer.resume={run_dir}" in output
+
+
+def test_the_printed_resume_command_works_pasted_into_a_shell(tmp_path):
+    run_dir = tmp_path / "it's a run"  # a space and a quote: both the shell's and Hydra's
+    proc = start_cli(*ARGS, "trainer.log_every=1", f"hydra.run.dir={hydra_quoted(str(run_dir))}",
+                     cwd=tmp_path)  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=240)
+    assert status(run_dir) == "interrupted", output
+
+    printed = output.split("Resume with:\n", 1)[1].splitlines()[0].strip()
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+    env = {**os.environ, "PATH": path, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    resumed = subprocess.run(printed, shell=True, cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, printed + "\n" + resumed.stderr[-3000:]
+    assert status(run_dir) == "finished"
+    assert [r["step"] for r in read_metrics(run_dir)[0]] == list(range(1, 17))
 
 
 FP16 = [

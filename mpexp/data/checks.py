@@ -68,6 +68,8 @@ def check_mnist_raw(raw: Path, height: int = 28, width: int = 28) -> None:
                 f"{images.name} holds {n_images:,} images but {labels.name} {n_labels:,} labels: "
                 f"the two files in {raw} do not belong together. {REPLACE}"
             )
+        if n_images == 0:  # torchvision cannot read an empty file, and there is nothing to train
+            raise DataError(f"{images} holds no images (and {labels.name} no labels). {REPLACE}")
 
 
 def check_labels(labels: torch.Tensor, num_classes: int, source: str) -> None:

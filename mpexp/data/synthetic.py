@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mpexp.data.base import Batch, InMemoryData
+from mpexp.errors import DataError
+from mpexp.system import available_memory_bytes
+
+# float32 bytes held per image value while a set is made: the noise, the templates gathered per
+# label and the blend, each of the set's whole size (see make_images)
+GENERATION_BYTES = 3 * 4
 
 
 def make_images(n: int, templates: torch.Tensor, noise: float, generator) -> Batch:
@@ -38,6 +46,7 @@ class SyntheticData(InMemoryData):
         self.seed = seed
 
     def load(self) -> tuple[Batch, Batch, int]:
+        self._check_memory()
         generator = torch.Generator().manual_seed(self.seed)
         # Each class is a fixed random pattern; noise hides part of it, so the task is learnable
         # but a model must see many samples to separate classes reliably.
@@ -45,3 +54,18 @@ class SyntheticData(InMemoryData):
         train = make_images(self.sizes[0], templates, self.noise, generator)
         val = make_images(self.sizes[1], templates, self.noise, generator)
         return train, val, self.num_classes
+
+    def _check_memory(self) -> None:
+        """Refuse, with one line, sizes whose images cannot be made in the memory there is, rather
+        than fail in the allocator (or be killed by the OS) partway."""
+        available = available_memory_bytes()
+        per_sample = GENERATION_BYTES * math.prod(self.shape) + 8  # and an int64 label
+        needed = max(self.sizes) * per_sample
+        if available is not None and needed > available:
+            fits = available // per_sample
+            raise DataError(
+                f"dataset.train_size={self.sizes[0]:,} and dataset.val_size={self.sizes[1]:,} "
+                f"synthetic images of {'x'.join(map(str, self.shape))} need about "
+                f"{needed / 2**30:,.1f} GiB of memory to make, and {available / 2**30:,.1f} GiB "
+                f"is available: use sizes below {fits:,} samples."
+            )

@@ -103,11 +103,17 @@ def load_run(path: Path) -> Run:
         run.problem = _why_not(path, "it never started training (no summary.json)")
         return run
     try:
-        run.summary = json.loads(summary_file.read_text())
-        run.status = str(run.summary.get("status", "unknown"))
+        summary = json.loads(summary_file.read_text())
     except (OSError, json.JSONDecodeError) as err:
         run.problem = f"summary.json cannot be read ({err})"
         return run
+    if not isinstance(summary, dict):
+        run.problem = (
+            f"summary.json holds {_json_kind(summary)}, not an object of the run's results"
+        )
+        return run
+    run.summary = summary
+    run.status = str(summary.get("status", "unknown"))
 
     error = run.summary.get("error")
     if run.status == "failed" and not (path / "metrics.jsonl").exists():
@@ -160,6 +166,8 @@ def _read_metrics(path: Path) -> tuple[list[dict], list[dict], list[dict], bool]
                 cut_off = True
                 break
             raise ValueError(f"line {number} is not JSON") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"line {number} holds {_json_kind(row)}, not an object of metrics")
         # epoch rows also carry `step` (the step count so far), so test for `epoch` first
         if "epoch" in row:
             epochs.append(row)
@@ -168,6 +176,12 @@ def _read_metrics(path: Path) -> tuple[list[dict], list[dict], list[dict], bool]
         else:
             diagnostics.append(row)
     return steps, epochs, diagnostics, cut_off
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, for a message: "a list", "a number", ..."""
+    kinds = {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), "a number")
 
 
 def _why_not(path: Path, what: str) -> str:
