@@ -11,7 +11,9 @@ Metric names are a contract read by dashboards and the report:
   diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/diagnostics.py); they
              share `step` with the step rows, so readers tell rows apart by their other keys
   summary    the final epoch's metrics, amp/skipped_steps, and under `ran` what ran, with
-             final_scale: the scale after the last update, the one a next step would use
+             final_scale: the scale after the last update, the one a next step would use. In W&B,
+             `ran` is the run's config (not its summary), and val/acc and val/loss are summarised
+             as their best epoch's (`.max`, `.min`) and their last (`.last`)
 W&B is optional at every point: if it cannot start or stops accepting data, training goes on with
 the local files and one warning.
 """
@@ -38,7 +40,9 @@ log = logging.getLogger(__name__)
 
 STEP_METRICS = ("train/loss", "amp/*", "lr", "diag/*")
 EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
-BEST_OF = {"val/acc": "max", "val/loss": "min"}  # W&B summarises these as the best epoch's
+# W&B summarises these as the best epoch's and the last: the report and Optuna's sweeper use the
+# last (the run's result), a dashboard's "best" the other
+SUMMARIES = {"val/acc": "max,last", "val/loss": "min,last"}
 
 
 @dataclass(frozen=True)
@@ -144,9 +148,8 @@ class Tracker:
         metrics = [("step", {}), ("epoch", {})]
         metrics += [(pattern, {"step_metric": "step"}) for pattern in STEP_METRICS]
         metrics += [(pattern, {"step_metric": "epoch"}) for pattern in EPOCH_METRICS]
-        # the run's summary holds the best of these, not whatever the last epoch gave
-        metrics += [(name, {"step_metric": "epoch", "summary": best})
-                    for name, best in BEST_OF.items()]  # fmt: skip
+        metrics += [(name, {"step_metric": "epoch", "summary": kinds})
+                    for name, kinds in SUMMARIES.items()]  # fmt: skip
         return {
             "init": {
                 "project": wandb_cfg.project,
@@ -225,7 +228,10 @@ class Tracker:
         self._summary.update(values)
         self._write_summary()
         if self._wandb is not None:
-            flat = {k: v for k, v in flatten(values).items() if k not in BEST_OF}
+            if "ran" in values:  # what ran is the run's config in W&B, kept in one place there
+                self._wandb.send("config", {"ran": values["ran"]})
+            results = {k: v for k, v in values.items() if k != "ran"}
+            flat = {k: v for k, v in flatten(results).items() if k not in SUMMARIES}
             self._wandb.send("summary", flat)
 
     def close(self, status: str = "finished", error: str | None = None) -> None:

@@ -17,7 +17,7 @@ from mpexp.runner import train
 from mpexp.tracking import RunContext
 from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
-from tests.test_wandb import leet_records
+from tests.test_wandb import final_run, final_summary, leet_records
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PRECISIONS = ["fp32", "tf32", "fp16", "bf16"]
@@ -170,16 +170,14 @@ def test_wandb_runs_hold_what_ran_and_plot_against_epoch_and_step(precision_swee
     assert axes["train/loss"] == axes["amp/*"] == "step"
     assert axes["val/*"] == axes["perf/*"] == axes["mem/*"] == "epoch"
 
-    final = {}
-    for r in records:
-        if r["type"] == "summary":
-            final.update(r["summary"]["update"])
+    ran = final_run(records)["config"]["ran"]
     local = json.loads((fp16_job / "summary.json").read_text())
     for key in ("device", "device_name", "torch_version", "autocast_dtype", "tf32_matmul",
                 "tf32_cudnn", "loss_scaling", "final_scale"):  # fmt: skip
-        assert final[f"ran/{key}"] == local["ran"][key], key
-    assert final["ran/autocast_dtype"] == "float16" and final["ran/loss_scaling"] == "dynamic"
-    assert final["val/acc"] == {"max": max(e["val/acc"] for e in read_metrics(fp16_job)[1])}
+        assert ran[key] == local["ran"][key], key
+    assert ran["autocast_dtype"] == "float16" and ran["loss_scaling"] == "dynamic"
+    accs = [e["val/acc"] for e in read_metrics(fp16_job)[1]]
+    assert final_summary(records)["val/acc"] == {"max": max(accs), "last": accs[-1]}
 
 
 def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, tmp_path, monkeypatch):

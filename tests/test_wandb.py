@@ -76,6 +76,38 @@ def test_offline_run_holds_loss_scale_and_epoch_time(tmp_path, monkeypatch):
     assert {"precision=fp16", "loss_scaling=dynamic"} <= set(run_record["tags"])
 
 
+def final_summary(records: list[dict]) -> dict:
+    """The W&B run's summary at the end: every summary update merged, W&B's own keys left out."""
+    summary = {}
+    for r in records:
+        if r["type"] == "summary":
+            summary.update(r["summary"]["update"])
+    return {k: v for k, v in summary.items() if not k.startswith("_")}
+
+
+def epoch_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "epoch" in r]
+
+
+def test_summary_holds_best_and_last_and_what_ran_only_in_the_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(make_cfg(*TINY, "trainer.epochs=3", "wandb.mode=offline"), RunContext(tmp_path))
+    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    records = leet_records(wandb_dir)
+
+    epochs = epoch_rows(tmp_path)
+    summary = final_summary(records)
+    accs, losses = [e["val/acc"] for e in epochs], [e["val/loss"] for e in epochs]
+    # the last epoch's value, which the report and Optuna's sweeper use, beside the best
+    assert summary["val/acc"] == {"max": max(accs), "last": accs[-1]}
+    assert summary["val/loss"] == {"min": min(losses), "last": losses[-1]}
+    # what ran is in the config, complete (the final scale, counted FLOPs), not in the summary
+    assert not [k for k in summary if k.startswith("ran")]
+    local = json.loads((tmp_path / "summary.json").read_text())
+    assert final_run(records)["config"]["ran"] == local["ran"]
+
+
 def test_checkpoints_go_to_wandb_as_artifacts_only_when_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     for asked in (False, True):
