@@ -20,6 +20,7 @@ the local files and one warning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import netrc
@@ -129,6 +130,8 @@ class Tracker:
         self._wandb: WandbProcess | None = None
         self._log_lines: LogLines | None = None
         self._logged = False  # any metrics row yet
+        # a resumed run's earlier epochs count towards the `best` checkpoint
+        self._validations = Validations.read(self.run_dir / "metrics.jsonl")
         if self.wandb_mode != "disabled":
             self._wandb_id = run.wandb_id or new_wandb_id()
             try:
@@ -208,14 +211,24 @@ class Tracker:
         return os.fstat(self._metrics.fileno()).st_size
 
     def log_checkpoint(self, path: Path, step: int) -> None:
-        """Upload a checkpoint as a W&B artifact of the run (wandb.log_checkpoints=true)."""
-        if self._wandb is not None:
-            self._wandb.send_and_wait("artifact", (str(path), step))
+        """Upload a checkpoint as a W&B artifact of the run (wandb.log_checkpoints=true), with
+        aliases `latest`, `step-<N>` and, on the best val/acc epoch so far, `best`; its metadata
+        holds the step, the precision and, at an epoch's end, the epoch and its val metrics."""
+        if self._wandb is None:
+            return
+        metadata = {"step": step, "precision": self._summary.get("ran", {}).get("precision")}
+        aliases = ["latest", f"step-{step}"]
+        epoch = self._validations.last
+        if epoch is not None and epoch["step"] == step:  # the weights that epoch validated
+            metadata.update({k: epoch[k] for k in ("epoch", "val/acc", "val/loss")})
+            aliases += ["best"] if epoch["best"] else []
+        self._wandb.send_and_wait("artifact", (str(path), metadata, aliases))
 
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (it must hold `step` or `epoch`)."""
         self._metrics.write(json.dumps(row, default=_histogram_json) + "\n")
         self._logged = True
+        self._validations.add(row)
         if self._wandb is not None:
             histograms = {
                 k: (v.counts, v.edges) for k, v in row.items() if isinstance(v, Histogram)
@@ -270,6 +283,34 @@ class Tracker:
 
     def _write_summary(self) -> None:
         write_json_atomically(self._summary, self.run_dir / "summary.json")
+
+
+class Validations:
+    """The epochs' validation results as they are logged, for a checkpoint's W&B artifact: which
+    epoch's weights it holds, their val metrics, and whether they are the best so far."""
+
+    def __init__(self) -> None:
+        self.best_acc: float | None = None
+        self.last: dict[str, Any] | None = None  # the last epoch's, with `best`
+
+    def add(self, row: dict[str, Any]) -> None:
+        if "epoch" not in row or "val/acc" not in row:
+            return
+        best = self.best_acc is None or row["val/acc"] > self.best_acc
+        if best:
+            self.best_acc = row["val/acc"]
+        keys = ("epoch", "step", "val/acc", "val/loss")
+        self.last = {**{k: row.get(k) for k in keys}, "best": best}
+
+    @classmethod
+    def read(cls, metrics: Path) -> Validations:
+        """The epochs already in `metrics` (a resumed run's; none for a new run)."""
+        found = cls()
+        if metrics.is_file() and metrics.stat().st_size:
+            for line in metrics.read_text().splitlines():
+                with contextlib.suppress(ValueError):  # a cut-off line holds no epoch
+                    found.add(json.loads(line))
+        return found
 
 
 class NullTracker:

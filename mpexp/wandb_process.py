@@ -230,10 +230,10 @@ def _carry_out(wandb: Any, run: Any, kind: str, payload: Any) -> None:
     elif kind == "summary":
         run.summary.update(payload)
     elif kind == "artifact":
-        path, step = payload
-        artifact = wandb.Artifact(f"checkpoint-{run.id}", type="model")
+        path, metadata, aliases = payload
+        artifact = wandb.Artifact(f"checkpoint-{run.id}", type="model", metadata=metadata)
         artifact.add_file(path)  # copied now: the run may delete its older checkpoints
-        run.log_artifact(artifact, aliases=["latest", f"step-{step}"])
+        run.log_artifact(artifact, aliases=aliases)
 
 
 def _not_taken(kind: str, payload: Any, err: BaseException) -> str:

@@ -122,6 +122,49 @@ def test_checkpoints_go_to_wandb_as_artifacts_only_when_asked(tmp_path, monkeypa
             assert "step-32" in models[-1]["aliases"] and "latest" in models[-1]["aliases"]
 
 
+def offline_tracker(run_dir: Path, wandb_id: str | None = None) -> Tracker:
+    """A Tracker whose W&B run is offline in run_dir (continuing `wandb_id`'s when given)."""
+    wandb_cfg = OmegaConf.create(
+        {"mode": "offline", "project": "mpexp-test", "entity": None, "tags": [], "init_timeout": 90}
+    )
+    return Tracker(RunContext(run_dir, wandb_id=wandb_id), {}, wandb_cfg)
+
+
+def test_checkpoint_artifacts_say_what_they_hold_and_which_is_best(tmp_path):
+    """Each epoch's checkpoint carries its epoch, step, val metrics and precision; `best` goes to
+    the best val/acc epoch's so far, also across a resume; a mid-epoch one has no val metrics."""
+    checkpoint = tmp_path / "step.pt"
+    checkpoint.write_bytes(b"weights")
+
+    def epochs(tracker: Tracker, accs: dict[int, float]) -> None:
+        tracker.record_ran({"precision": "bf16", "loss_scaling": "none"})
+        for epoch, acc in accs.items():
+            tracker.log({"step": 10 * epoch - 5, "train/loss": 1.0})
+            tracker.log_checkpoint(checkpoint, 10 * epoch - 5)  # trainer.checkpoint_every_steps
+            tracker.log({"epoch": epoch, "step": 10 * epoch, "val/acc": acc, "val/loss": 1 - acc})
+            tracker.log_checkpoint(checkpoint, 10 * epoch)
+        tracker.close()
+
+    first = offline_tracker(tmp_path)
+    epochs(first, {1: 0.5, 2: 0.9, 3: 0.7})
+    epochs(offline_tracker(tmp_path, wandb_id=first.wandb_id), {4: 0.8, 5: 0.95})  # resumed
+
+    logged = []
+    for wandb_dir in sorted((tmp_path / "wandb").glob("offline-run-*")):
+        logged += [r["artifact"] for r in leet_records(wandb_dir) if r["type"] == "artifact"]
+    at_epoch_end = [a for a in logged if json.loads(a["metadata"]).get("epoch")]
+    assert [json.loads(a["metadata"]) for a in at_epoch_end][:2] == [
+        {"step": 10, "precision": "bf16", "epoch": 1, "val/acc": 0.5, "val/loss": 0.5},
+        {"step": 20, "precision": "bf16", "epoch": 2, "val/acc": 0.9, "val/loss": 1 - 0.9},
+    ]
+    best = [json.loads(a["metadata"])["epoch"] for a in at_epoch_end if "best" in a["aliases"]]
+    assert best == [1, 2, 5]  # not 3 (0.7), nor 4 (0.8 after a resume, below epoch 2's 0.9)
+    assert all({"latest", f"step-{json.loads(a['metadata'])['step']}"} <= set(a["aliases"])
+               for a in logged)  # fmt: skip
+    mid_epoch = [json.loads(a["metadata"]) for a in logged if a not in at_epoch_end]
+    assert mid_epoch[0] == {"step": 5, "precision": "bf16"} and len(mid_epoch) == 5
+
+
 def test_the_training_process_never_imports_wandb(tmp_path):
     """wandb's import and start (over a second of work) run in the W&B process, on another core,
     not in the training process, where they held up its start and first epoch."""
