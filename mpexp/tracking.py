@@ -14,6 +14,8 @@ Metric names are a contract read by dashboards and the report:
              final_scale: the scale after the last update, the one a next step would use. In W&B,
              `ran` is the run's config (not its summary), and val/acc and val/loss are summarised
              as their best epoch's (`.max`, `.min`) and their last (`.last`)
+  yours      `mpexp.log(values)` from the user's own code: `step` and the values, plotted in W&B
+             against `step`
 W&B is optional at every point: if it cannot start or stops accepting data, training goes on with
 the local files and one warning.
 """
@@ -28,6 +30,7 @@ import os
 import secrets
 import string
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -130,6 +133,8 @@ class Tracker:
         self._wandb: WandbProcess | None = None
         self._log_lines: LogLines | None = None
         self._logged = False  # any metrics row yet
+        self.step = 0  # the step being trained, set by the loop: where `mpexp.log` logs
+        self._own_keys: set[str] = set()  # keys that mpexp.log has defined in W&B
         # a resumed run's earlier epochs count towards the `best` checkpoint
         self._validations = Validations.read(self.run_dir / "metrics.jsonl")
         if self.wandb_mode != "disabled":
@@ -145,6 +150,7 @@ class Tracker:
             else:
                 self._log_lines = LogLines(self._wandb)
                 logging.getLogger().addHandler(self._log_lines)
+        _take_user_logs(self)
 
     def _wandb_start(self, run: RunContext, config: dict, wandb_cfg: Any) -> dict[str, Any]:
         """What the W&B process needs to start the run (mpexp/wandb_process.py's `init`)."""
@@ -237,6 +243,15 @@ class Tracker:
             plain = {k: v for k, v in row.items() if k not in histograms}
             self._wandb.send("log", (plain, histograms))
 
+    def log_own(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        """`mpexp.log`: the user's values as a row at `step` (default: the step being trained)."""
+        row = {"step": self.step if step is None else step, **_checked(values)}
+        new = [key for key in values if key not in self._own_keys]
+        if new and self._wandb is not None:  # W&B plots them against `step`, as the step rows
+            self._wandb.send("metrics", [(key, {"step_metric": "step"}) for key in new])
+        self._own_keys.update(new)
+        self.log(row)
+
     def update_summary(self, values: dict[str, Any]) -> None:
         self._summary.update(values)
         self._write_summary()
@@ -248,6 +263,7 @@ class Tracker:
             self._wandb.send("summary", flat)
 
     def close(self, status: str = "finished", error: str | None = None) -> None:
+        _take_user_logs(None, self)
         try:
             ended = {"status": status, "ended_at": _now(), **({"error": error} if error else {})}
             self.update_summary(ended)
@@ -320,9 +336,14 @@ class NullTracker:
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
+        self.step = 0
+        _take_user_logs(self)
 
     def log(self, row: dict[str, Any]) -> None:
         pass
+
+    def log_own(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        _checked(values)  # the same mistakes fail on every rank
 
     def update_summary(self, values: dict[str, Any]) -> None:
         pass
@@ -337,7 +358,56 @@ class NullTracker:
         pass
 
     def close(self, status: str = "finished", error: str | None = None) -> None:
-        pass
+        _take_user_logs(None, self)
+
+
+# The run that `mpexp.log` logs into, and the process it belongs to: a process forked from it (a
+# DataLoader worker) holds a copy whose files and W&B pipe are not its own.
+_user_logs: tuple[Tracker | NullTracker, int] | None = None
+
+
+def _take_user_logs(tracker: Tracker | NullTracker | None, closing: Any = None) -> None:
+    """Make `tracker` the one `mpexp.log` logs into; None (from `closing`): no run any more."""
+    global _user_logs
+    if tracker is not None:
+        _user_logs = (tracker, os.getpid())
+    elif _user_logs is not None and _user_logs[0] is closing:
+        _user_logs = None
+
+
+def log_values(values: Mapping[str, Any], step: int | None = None) -> None:
+    """`mpexp.log`: values of your own into the run that is training, `mpexp.log({"my/v": 0.5})`.
+
+    For code of yours that mpexp runs (a model, dataset, loss scaler or schedule): the values go
+    into the run's metrics.jsonl as a row `{"step": ..., **values}` and into its W&B run, plotted
+    against `step`. `step` defaults to the training step in progress (0 before the first). Values
+    are numbers, booleans, strings or `mpexp.tracking.Histogram`s; a tensor must be turned into a
+    number first (`.item()`, which waits for the device: do it no more often than you need). Does
+    nothing outside a run, in processes other than the run's (DataLoader workers), and on ranks
+    other than 0 of a distributed run, which write no metrics.
+    """
+    if _user_logs is None or _user_logs[1] != os.getpid():
+        return
+    _user_logs[0].log_own(values, step)
+
+
+def _checked(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`values` as mpexp.log takes them, or a TypeError naming the key and the fix."""
+    if not isinstance(values, Mapping):
+        raise TypeError(f"mpexp.log takes a dict of values, not {type(values).__name__}.")
+    for key, value in values.items():
+        if not isinstance(key, str) or key in ("step", "epoch"):
+            raise TypeError(
+                f"mpexp.log: {key!r} cannot be a key (step and epoch are mpexp's own); name "
+                "values with strings such as 'my/value', and pass the step as step=..."
+            )
+        if not isinstance(value, bool | int | float | str | Histogram):
+            raise TypeError(
+                f"mpexp.log: the value of {key!r} is a {type(value).__name__}; pass a number "
+                "(a tensor's .item(), which waits for the device), a bool, a string or a "
+                "mpexp.tracking.Histogram."
+            )
+    return values
 
 
 def write_json_atomically(value: Any, path: Path) -> None:

@@ -13,8 +13,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+import torch
 from omegaconf import OmegaConf
 
+import mpexp
+from mpexp.models.simplecnn import SimpleCNN
 from mpexp.runner import train
 from mpexp.tracking import RunContext, Tracker
 from mpexp.wandb_process import WandbProcess
@@ -163,6 +167,58 @@ def test_checkpoint_artifacts_say_what_they_hold_and_which_is_best(tmp_path):
                for a in logged)  # fmt: skip
     mid_epoch = [json.loads(a["metadata"]) for a in logged if a not in at_epoch_end]
     assert mid_epoch[0] == {"step": 5, "precision": "bf16"} and len(mid_epoch) == 5
+
+
+class SelfLoggingCNN(SimpleCNN):
+    """A user's model that logs a value of its own at every training step, through mpexp.log."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forwards = 0
+
+    def forward(self, x):
+        if self.training and x.device.type != "meta":  # not the FLOP count's pass
+            self.forwards += 1
+            mpexp.log({"user/forwards": self.forwards, "user/note": "ok"})
+        return super().forward(x)
+
+
+def test_users_own_values_reach_metrics_and_the_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    model = "model._target_=tests.test_wandb.SelfLoggingCNN"
+    train(make_cfg(*TINY, model, "wandb.mode=offline"), RunContext(tmp_path))
+
+    local = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    own = [r for r in local if "user/forwards" in r]
+    # one row per training step, at that step (one forward pass each), in metrics.jsonl ...
+    assert [(r["step"], r["user/forwards"]) for r in own] == [(s, s) for s in range(1, 33)]
+    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    records = leet_records(wandb_dir)
+    # ... and in the same W&B run, plotted against `step`
+    logged = [r for r in history(records) if "user/forwards" in r]
+    assert [(r["step"], r["user/forwards"], r["user/note"]) for r in logged] == [
+        (s, s, "ok") for s in range(1, 33)
+    ]
+    axes = {r["metric"].get("name"): r["metric"].get("step_metric")
+            for r in records if r["type"] == "metric"}  # fmt: skip
+    assert axes["user/forwards"] == axes["user/note"] == "step"
+
+    mpexp.log({"user/after": 1.0})  # no run any more: nothing happens
+    assert "user/after" not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_own_values_that_cannot_be_logged_are_named(tmp_path):
+    tracker = offline_tracker(tmp_path)
+    try:
+        with pytest.raises(TypeError, match="the value of 'my/x' is a Tensor; pass a number"):
+            mpexp.log({"my/x": torch.ones(())})
+        with pytest.raises(TypeError, match="'step' cannot be a key"):
+            mpexp.log({"step": 3})
+        mpexp.log({"my/x": 0.5}, step=7)
+    finally:
+        tracker.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 7, "my/x": 0.5}]
 
 
 def test_the_training_process_never_imports_wandb(tmp_path):
