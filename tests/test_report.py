@@ -213,6 +213,27 @@ def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, tmp_p
     ]
 
 
+def test_the_report_is_one_wandb_run_per_folder_and_holds_report_md(
+    precision_sweep, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sweep, _ = precision_sweep
+    for _ in range(2):  # the report written again, as after a sweep and once more by hand
+        assert report.main([str(sweep), "--out", str(tmp_path)]) == 0
+    # one report run, updated: its id comes from the folder; the older offline copy is replaced
+    (wandb_dir,) = (tmp_path / "wandb-report" / "wandb").glob("offline-run-*")
+    sync = capsys.readouterr().out.splitlines()[-1]
+    assert sync.count("wandb-report") == 1 and sync.endswith(f"{wandb_dir}`")
+    records = leet_records(wandb_dir)
+    (run,) = [r["run"] for r in records if r["type"] == "run"]
+    assert wandb_dir.name.endswith(run["run_id"]) and run["job_type"] == "report"
+
+    artifacts = [r["artifact"] for r in records if r["type"] == "artifact"]
+    (files,) = [a for a in artifacts if a["type"] == "report"]
+    names = {c["path"] for c in files["manifest"]["contents"]}
+    assert names == {"report.md", *(p.name for p in tmp_path.glob("*.png"))} and len(names) > 4
+
+
 def test_failed_run_is_named_and_the_rest_reported(sweep_with_a_failure):
     sweep, result = sweep_with_a_failure
     assert "optimizer.lr=-1.0 must be positive" in result.stderr
