@@ -365,6 +365,10 @@ def test_hparams_search_preset_runs_optunas_trials_and_names_the_best_learning_r
         "hydra.sweeper.n_trials=2", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    console = result.stdout + result.stderr
+    # Optuna's set-up chatter (alembic's plugin lines, its study announcement) stays off it
+    assert "setup plugin" not in console and "A new study created" not in console
+    assert "Study name: lr_search" in console  # Hydra's sweeper still says what it searches
     sweep = sweep_dir(tmp_path)
     trials = [json.loads((sweep / str(n) / "summary.json").read_text()) for n in range(2)]
     lrs = [OmegaConf.load(sweep / str(n) / ".hydra" / "config.yaml").optimizer.lr for n in range(2)]
