@@ -148,9 +148,14 @@ class DatasetConfig:
     num_workers: int = 2
 
 
+# Where downloaded datasets live: one folder per user, not a `data/` in every folder a run starts
+# from; MPEXP_DATA_DIR moves it (a shared or faster disk), dataset.root=... overrides both
+DATA_ROOT = "${oc.env:MPEXP_DATA_DIR,'~/.cache/mpexp/data'}"
+
+
 @dataclass
 class TorchvisionDatasetConfig(DatasetConfig):
-    root: str = "data"
+    root: str = DATA_ROOT
     download: bool = True
 
 

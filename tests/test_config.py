@@ -54,6 +54,16 @@ def test_help_lists_the_groups_a_user_chooses_from_and_no_schema(tmp_path):
     assert "precision: bf16, fp16, fp32, fp8, tf32" in section
 
 
+def test_datasets_live_in_one_folder_per_user_not_where_the_run_starts(monkeypatch):
+    monkeypatch.delenv("MPEXP_DATA_DIR", raising=False)
+    for option in ("mnist", "fashion_mnist", "cifar10"):
+        assert make_cfg(f"dataset={option}").dataset.root == "~/.cache/mpexp/data"
+    monkeypatch.setenv("MPEXP_DATA_DIR", "/srv/datasets")
+    assert make_cfg("dataset=mnist").dataset.root == "/srv/datasets"
+    assert make_cfg("dataset=mnist", "dataset.root=here").dataset.root == "here"  # still wins
+    assert OmegaConf.structured(TorchvisionDatasetConfig).root == "/srv/datasets"  # your own
+
+
 def test_defaults_are_the_world4ai_experiment():
     cfg = make_cfg()
     assert cfg.dataset._target_.endswith("MNISTData") and cfg.model._target_.endswith("DeepCNN")
