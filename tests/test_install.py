@@ -77,6 +77,15 @@ def test_the_wheel_ships_the_configs_and_runs_from_any_folder(installed, tmp_pat
     assert (tmp_path / "cmp" / "report.md").is_file()
 
 
+def test_the_wheel_offers_the_extras_the_readme_names(installed):
+    target, _ = installed
+    (metadata,) = target.glob("mpexp-*.dist-info/METADATA")
+    text = metadata.read_text()
+    for extra in ("fp8", "slurm", "optuna", "joblib", "dev"):
+        assert f"Provides-Extra: {extra}" in text
+    assert 'Requires-Dist: hydra-joblib-launcher>=1.2; extra == "joblib"' in text
+
+
 def test_messages_name_the_command_the_user_ran(installed, tmp_path):
     _, env = installed
     commands = {"mpexp-train": ["mpexp-train"],
