@@ -312,9 +312,10 @@ class Validations:
     def add(self, row: dict[str, Any]) -> None:
         if "epoch" not in row or "val/acc" not in row:
             return
-        best = self.best_acc is None or row["val/acc"] > self.best_acc
+        acc = row["val/acc"]
+        best = acc == acc and (self.best_acc is None or acc > self.best_acc)  # a NaN never is
         if best:
-            self.best_acc = row["val/acc"]
+            self.best_acc = acc
         keys = ("epoch", "step", "val/acc", "val/loss")
         self.last = {**{k: row.get(k) for k in keys}, "best": best}
 

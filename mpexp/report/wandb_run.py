@@ -75,7 +75,7 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
         wb.finish()
         if mode == "offline":  # the report written before is this one's older copy
             for older in (wandb_dir / "wandb").glob(f"offline-run-*-{run_id}"):
-                if older != report_run:
+                if older.resolve() != report_run.resolve():
                     shutil.rmtree(older, ignore_errors=True)
     except Exception as err:  # the report on disk stands without W&B
         log.warning("The report table was not logged to W&B (%s); report.md has it.", err)
