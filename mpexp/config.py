@@ -1,7 +1,7 @@
 """The typed schema behind conf/'s YAML: what each key is, so that Hydra checks it while composing.
 
 People edit YAML; these dataclasses sit behind it (through `defaults:` entries naming
-`/schema/<group>/<kind>`), so a wrong type (`trainer.epochs=abc`) or a value outside a closed
+`/<group>_<kind>_schema`), so a wrong type (`trainer.epochs=abc`) or a value outside a closed
 choice (`trainer.device=gpu`) is refused by Hydra itself, before a run directory exists. Hydra's `+`
 prefix can still add keys a schema does not have; `unknown_keys` finds those. Range and cross-field
 checks (a positive learning rate, a batch larger than the accumulation count) live in
@@ -151,9 +151,14 @@ class DatasetConfig:
     num_workers: int = 2
 
 
+# Where downloaded datasets live: one folder per user, not a `data/` in every folder a run starts
+# from; MPEXP_DATA_DIR moves it (a shared or faster disk), dataset.root=... overrides both
+DATA_ROOT = "${oc.env:MPEXP_DATA_DIR,'~/.cache/mpexp/data'}"
+
+
 @dataclass
 class TorchvisionDatasetConfig(DatasetConfig):
-    root: str = "data"
+    root: str = DATA_ROOT
     download: bool = True
 
 
@@ -304,12 +309,16 @@ SCHEMAS: dict[str, dict[str, type]] = {
 
 
 def register() -> None:
-    """Put the schemas into Hydra's ConfigStore, where conf/'s `defaults:` entries find them."""
+    """Put the schemas into Hydra's ConfigStore, where conf/'s `defaults:` entries find them.
+
+    At the top level, as `<group>_<kind>_schema`, not in a config group of their own: `--help`
+    and tab completion list every group, and these are no options a run chooses.
+    """
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
-            store.store(group=f"schema/{group}", name=name, node=schema)
+            store.store(name=f"{group}_{name}_schema", node=schema)
 
 
 def config_dir() -> Path:

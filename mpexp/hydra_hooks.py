@@ -10,6 +10,8 @@ under this config; a rejected resume so leaves the run's `.hydra/` record as it 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -100,6 +102,7 @@ class RunChecks(Callback):
         _exit_on_user_error(lambda: check_writable(run_dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        quiet_sweeper_logs(config)
         # the values a sweep varies are checked per job; unknown keys fail every job alike
         _exit_on_user_error(lambda: check_schema(_task(config)))
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -108,6 +111,19 @@ class RunChecks(Callback):
             for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
                 _exit_on_user_error(lambda job=job: refuse_if_taken(job, key="hydra.sweep.dir"))
         _exit_on_user_error(lambda: check_writable(sweep_dir))
+
+
+def quiet_sweeper_logs(config: DictConfig) -> None:
+    """Keep the set-up chatter of Optuna's sweeper off a sweep's console: Optuna imports alembic,
+    whose seven `setup plugin ...` lines come through Hydra's INFO logging, and announces its
+    in-memory study, which Hydra's sweeper names again on the next line. Warnings still show.
+    Called before Hydra builds the sweeper, which imports optuna."""
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    if "optuna" in str(OmegaConf.select(config, "hydra.sweeper._target_", default="")):
+        with contextlib.suppress(ImportError):  # Hydra says so itself when it builds the sweeper
+            import optuna
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 def _task(config: DictConfig) -> DictConfig:

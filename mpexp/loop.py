@@ -517,6 +517,7 @@ class Fit:
         )
         for batch, (images, labels) in enumerate(batches, start=done + 1):
             step += 1
+            self.tracker.step = step  # where the user's own mpexp.log() calls log
             self.stepper.step(step, images, labels)
             bar.update()
             flush = step % self.trainer.log_every == 0

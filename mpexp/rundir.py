@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
 from mpexp.errors import OutputError
@@ -39,9 +40,16 @@ class RunDirTaken(OutputError):
     """The run directory belongs to another run: nothing may be written into it."""
 
 
+def train_command() -> list[str]:
+    """The training command as the user typed it: `mpexp-train` (the installed script), or
+    `python -m mpexp.train`."""
+    installed = Path(sys.argv[0]).name == "mpexp-train"
+    return ["mpexp-train"] if installed else ["python", "-m", "mpexp.train"]
+
+
 def rerun_command(overrides: list[str]) -> str:
     """The command line that runs the same configuration again, as a user would type it."""
-    return shlex.join(["python", "-m", "mpexp.train", *overrides])
+    return shlex.join([*train_command(), *overrides])
 
 
 def resume_command(overrides: list[str], target: str | Path) -> str:

@@ -11,7 +11,11 @@ Metric names are a contract read by dashboards and the report:
   diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/diagnostics.py); they
              share `step` with the step rows, so readers tell rows apart by their other keys
   summary    the final epoch's metrics, amp/skipped_steps, and under `ran` what ran, with
-             final_scale: the scale after the last update, the one a next step would use
+             final_scale: the scale after the last update, the one a next step would use. In W&B,
+             `ran` is the run's config (not its summary), and val/acc and val/loss are summarised
+             as their best epoch's (`.max`, `.min`) and their last (`.last`)
+  yours      `mpexp.log(values)` from the user's own code: `step` and the values, plotted in W&B
+             against `step`
 metrics.jsonl deleted (or replaced) while the run trains is written again, whole, from the file the
 tracker holds open. W&B is optional at every point: if it cannot start or stops accepting data,
 training goes on with the local files and one warning.
@@ -19,6 +23,7 @@ training goes on with the local files and one warning.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import netrc
@@ -28,6 +33,7 @@ import shutil
 import string
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,7 +47,9 @@ log = logging.getLogger(__name__)
 
 STEP_METRICS = ("train/loss", "amp/*", "lr", "diag/*")
 EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
-BEST_OF = {"val/acc": "max", "val/loss": "min"}  # W&B summarises these as the best epoch's
+# W&B summarises these as the best epoch's and the last: the report and Optuna's sweeper use the
+# last (the run's result), a dashboard's "best" the other
+SUMMARIES = {"val/acc": "max,last", "val/loss": "min,last"}
 CHECK_FILE_EVERY_S = 1.0  # how often logging rows looks whether metrics.jsonl is still there
 
 
@@ -133,6 +141,10 @@ class Tracker:
         self._wandb: WandbProcess | None = None
         self._log_lines: LogLines | None = None
         self._logged = False  # any metrics row yet
+        self.step = 0  # the step being trained, set by the loop: where `mpexp.log` logs
+        self._own_keys: set[str] = set()  # keys that mpexp.log has defined in W&B
+        # a resumed run's earlier epochs count towards the `best` checkpoint
+        self._validations = Validations.read(self.run_dir / "metrics.jsonl")
         if self.wandb_mode != "disabled":
             self._wandb_id = run.wandb_id or new_wandb_id()
             try:
@@ -146,15 +158,15 @@ class Tracker:
             else:
                 self._log_lines = LogLines(self._wandb)
                 logging.getLogger().addHandler(self._log_lines)
+        _take_user_logs(self)
 
     def _wandb_start(self, run: RunContext, config: dict, wandb_cfg: Any) -> dict[str, Any]:
         """What the W&B process needs to start the run (mpexp/wandb_process.py's `init`)."""
         metrics = [("step", {}), ("epoch", {})]
         metrics += [(pattern, {"step_metric": "step"}) for pattern in STEP_METRICS]
         metrics += [(pattern, {"step_metric": "epoch"}) for pattern in EPOCH_METRICS]
-        # the run's summary holds the best of these, not whatever the last epoch gave
-        metrics += [(name, {"step_metric": "epoch", "summary": best})
-                    for name, best in BEST_OF.items()]  # fmt: skip
+        metrics += [(name, {"step_metric": "epoch", "summary": kinds})
+                    for name, kinds in SUMMARIES.items()]  # fmt: skip
         return {
             "init": {
                 "project": wandb_cfg.project,
@@ -214,9 +226,18 @@ class Tracker:
         return os.fstat(self._metrics.fileno()).st_size
 
     def log_checkpoint(self, path: Path, step: int) -> None:
-        """Upload a checkpoint as a W&B artifact of the run (wandb.log_checkpoints=true)."""
-        if self._wandb is not None:
-            self._wandb.send_and_wait("artifact", (str(path), step))
+        """Upload a checkpoint as a W&B artifact of the run (wandb.log_checkpoints=true), with
+        aliases `latest`, `step-<N>` and, on the best val/acc epoch so far, `best`; its metadata
+        holds the step, the precision and, at an epoch's end, the epoch and its val metrics."""
+        if self._wandb is None:
+            return
+        metadata = {"step": step, "precision": self._summary.get("ran", {}).get("precision")}
+        aliases = ["latest", f"step-{step}"]
+        epoch = self._validations.last
+        if epoch is not None and epoch["step"] == step:  # the weights that epoch validated
+            metadata.update({k: epoch[k] for k in ("epoch", "val/acc", "val/loss")})
+            aliases += ["best"] if epoch["best"] else []
+        self._wandb.send_and_wait("artifact", (str(path), metadata, aliases))
 
     def log(self, row: dict[str, Any]) -> None:
         """One metrics row (it must hold `step` or `epoch`)."""
@@ -224,6 +245,7 @@ class Tracker:
             self._keep_metrics_file()
         self._metrics.write(json.dumps(row, default=_histogram_json) + "\n")
         self._logged = True
+        self._validations.add(row)
         if self._wandb is not None:
             histograms = {
                 k: (v.counts, v.edges) for k, v in row.items() if isinstance(v, Histogram)
@@ -232,14 +254,27 @@ class Tracker:
             plain = {k: v for k, v in row.items() if k not in histograms}
             self._wandb.send("log", (plain, histograms))
 
+    def log_own(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        """`mpexp.log`: the user's values as a row at `step` (default: the step being trained)."""
+        row = {"step": self.step if step is None else step, **_checked(values)}
+        new = [key for key in values if key not in self._own_keys]
+        if new and self._wandb is not None:  # W&B plots them against `step`, as the step rows
+            self._wandb.send("metrics", [(key, {"step_metric": "step"}) for key in new])
+        self._own_keys.update(new)
+        self.log(row)
+
     def update_summary(self, values: dict[str, Any]) -> None:
         self._summary.update(values)
         self._write_summary()
         if self._wandb is not None:
-            flat = {k: v for k, v in flatten(values).items() if k not in BEST_OF}
+            if "ran" in values:  # what ran is the run's config in W&B, kept in one place there
+                self._wandb.send("config", {"ran": values["ran"]})
+            results = {k: v for k, v in values.items() if k != "ran"}
+            flat = {k: v for k, v in flatten(results).items() if k not in SUMMARIES}
             self._wandb.send("summary", flat)
 
     def close(self, status: str = "finished", error: str | None = None) -> None:
+        _take_user_logs(None, self)
         try:
             ended = {"status": status, "ended_at": _now(), **({"error": error} if error else {})}
             self.update_summary(ended)
@@ -315,6 +350,35 @@ class Tracker:
         )
 
 
+class Validations:
+    """The epochs' validation results as they are logged, for a checkpoint's W&B artifact: which
+    epoch's weights it holds, their val metrics, and whether they are the best so far."""
+
+    def __init__(self) -> None:
+        self.best_acc: float | None = None
+        self.last: dict[str, Any] | None = None  # the last epoch's, with `best`
+
+    def add(self, row: dict[str, Any]) -> None:
+        if "epoch" not in row or "val/acc" not in row:
+            return
+        acc = row["val/acc"]
+        best = acc == acc and (self.best_acc is None or acc > self.best_acc)  # a NaN never is
+        if best:
+            self.best_acc = acc
+        keys = ("epoch", "step", "val/acc", "val/loss")
+        self.last = {**{k: row.get(k) for k in keys}, "best": best}
+
+    @classmethod
+    def read(cls, metrics: Path) -> Validations:
+        """The epochs already in `metrics` (a resumed run's; none for a new run)."""
+        found = cls()
+        if metrics.is_file() and metrics.stat().st_size:
+            for line in metrics.read_text().splitlines():
+                with contextlib.suppress(ValueError):  # a cut-off line holds no epoch
+                    found.add(json.loads(line))
+        return found
+
+
 class NullTracker:
     """The sink of ranks > 0 in a distributed run: rank 0 alone writes metrics and the W&B run."""
 
@@ -322,9 +386,14 @@ class NullTracker:
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
+        self.step = 0
+        _take_user_logs(self)
 
     def log(self, row: dict[str, Any]) -> None:
         pass
+
+    def log_own(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        _checked(values)  # the same mistakes fail on every rank
 
     def update_summary(self, values: dict[str, Any]) -> None:
         pass
@@ -339,7 +408,56 @@ class NullTracker:
         pass
 
     def close(self, status: str = "finished", error: str | None = None) -> None:
-        pass
+        _take_user_logs(None, self)
+
+
+# The run that `mpexp.log` logs into, and the process it belongs to: a process forked from it (a
+# DataLoader worker) holds a copy whose files and W&B pipe are not its own.
+_user_logs: tuple[Tracker | NullTracker, int] | None = None
+
+
+def _take_user_logs(tracker: Tracker | NullTracker | None, closing: Any = None) -> None:
+    """Make `tracker` the one `mpexp.log` logs into; None (from `closing`): no run any more."""
+    global _user_logs
+    if tracker is not None:
+        _user_logs = (tracker, os.getpid())
+    elif _user_logs is not None and _user_logs[0] is closing:
+        _user_logs = None
+
+
+def log_values(values: Mapping[str, Any], step: int | None = None) -> None:
+    """`mpexp.log`: values of your own into the run that is training, `mpexp.log({"my/v": 0.5})`.
+
+    For code of yours that mpexp runs (a model, dataset, loss scaler or schedule): the values go
+    into the run's metrics.jsonl as a row `{"step": ..., **values}` and into its W&B run, plotted
+    against `step`. `step` defaults to the training step in progress (0 before the first). Values
+    are numbers, booleans, strings or `mpexp.tracking.Histogram`s; a tensor must be turned into a
+    number first (`.item()`, which waits for the device: do it no more often than you need). Does
+    nothing outside a run, in processes other than the run's (DataLoader workers), and on ranks
+    other than 0 of a distributed run, which write no metrics.
+    """
+    if _user_logs is None or _user_logs[1] != os.getpid():
+        return
+    _user_logs[0].log_own(values, step)
+
+
+def _checked(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`values` as mpexp.log takes them, or a TypeError naming the key and the fix."""
+    if not isinstance(values, Mapping):
+        raise TypeError(f"mpexp.log takes a dict of values, not {type(values).__name__}.")
+    for key, value in values.items():
+        if not isinstance(key, str) or key in ("step", "epoch"):
+            raise TypeError(
+                f"mpexp.log: {key!r} cannot be a key (step and epoch are mpexp's own); name "
+                "values with strings such as 'my/value', and pass the step as step=..."
+            )
+        if not isinstance(value, bool | int | float | str | Histogram):
+            raise TypeError(
+                f"mpexp.log: the value of {key!r} is a {type(value).__name__}; pass a number "
+                "(a tensor's .item(), which waits for the device), a bool, a string or a "
+                "mpexp.tracking.Histogram."
+            )
+    return values
 
 
 def write_json_atomically(value: Any, path: Path) -> None:

@@ -4,6 +4,7 @@ that depend on each other. Run before any work starts; each names the key and th
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,6 +12,7 @@ from omegaconf import DictConfig
 
 from mpexp.config import TrainConfig, unknown_keys
 from mpexp.errors import ConfigError
+from mpexp.rundir import train_command
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 MAX_SEED = 2**32 - 1
@@ -44,7 +46,7 @@ def check_schema(cfg: DictConfig) -> None:
     if unknown:
         raise ConfigError(
             f"Unknown config key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}. "
-            "`python -m mpexp.train --cfg job` lists every key."
+            f"`{shlex.join([*train_command(), '--cfg', 'job'])}` lists every key."
         )
 
 

@@ -8,11 +8,12 @@ while the training process imports TorchDynamo and builds its optimizer, work th
 busy.
 
 The training process (`WandbProcess`) writes messages to this process's stdin, a JSON line
-`[kind, payload]` each, in order: `init` first, then any of `log`, `config`, `tags`, `summary`,
-`artifact` and `line` (a log line, for the W&B run's Logs tab), and `finish` last. This process
-answers the same way on its stdout: `started` (with the W&B run's directory) or `failed`, any
-`warning`, `took` (a checkpoint is copied) and `finished`. Input that ends without `finish` (the
-training process was killed) finishes the W&B run as failed, so that what was logged is kept.
+`[kind, payload]` each, in order: `init` first, then any of `log`, `metrics` (more metric
+definitions), `config`, `tags`, `summary`, `artifact` and `line` (a log line, for the W&B run's
+Logs tab), and `finish` last. This process answers the same way on its stdout: `started` (with
+the W&B run's directory) or `failed`, any `warning`, `took` (a checkpoint is copied) and
+`finished`. Input that ends without `finish` (the training process was killed) finishes the W&B
+run as failed, so that what was logged is kept.
 
 The file imports only the standard library (and wandb, once asked to start) and runs by its path,
 so that it starts wherever the training process runs: installed, from a checkout, or from a script
@@ -221,6 +222,9 @@ def _carry_out(wandb: Any, run: Any, kind: str, payload: Any) -> None:
         row.update({key: wandb.Histogram(np_histogram=(counts, edges))
                     for key, (counts, edges) in histograms.items()})  # fmt: skip
         run.log(row)
+    elif kind == "metrics":
+        for name, options in payload:
+            run.define_metric(name, **options)
     elif kind == "line":
         print(payload, flush=True)  # to nowhere but W&B's capture of this console
     elif kind == "config":
@@ -230,10 +234,10 @@ def _carry_out(wandb: Any, run: Any, kind: str, payload: Any) -> None:
     elif kind == "summary":
         run.summary.update(payload)
     elif kind == "artifact":
-        path, step = payload
-        artifact = wandb.Artifact(f"checkpoint-{run.id}", type="model")
+        path, metadata, aliases = payload
+        artifact = wandb.Artifact(f"checkpoint-{run.id}", type="model", metadata=metadata)
         artifact.add_file(path)  # copied now: the run may delete its older checkpoints
-        run.log_artifact(artifact, aliases=["latest", f"step-{step}"])
+        run.log_artifact(artifact, aliases=aliases)
 
 
 def _not_taken(kind: str, payload: Any, err: BaseException) -> str:

@@ -20,7 +20,7 @@ from mpexp.data.base import InMemoryData
 from mpexp.precision import setup_precision
 from mpexp.runner import build
 from mpexp.scaling import build_scaler
-from tests.conftest import CONF, CPU, make_cfg
+from tests.conftest import CONF, CPU, make_cfg, run_cli
 
 GROUPS = ["dataset", "model", "precision", "loss_scaling", "optimizer", "scheduler", "experiment"]
 
@@ -63,6 +63,24 @@ def test_groups_hold_the_documented_options():
         "quickstart",
         "world4ai",
     ]
+
+
+def test_help_lists_the_groups_a_user_chooses_from_and_no_schema(tmp_path):
+    result = run_cli("mpexp.train", "--help", cwd=tmp_path)
+    section = result.stdout.split("== Configuration groups ==", 1)[1].split("== Config ==")[0]
+    listed = [line.split(":")[0] for line in section.splitlines()[2:] if ":" in line]
+    assert listed == sorted(GROUPS)  # not the schemas behind them (schema/dataset, ...)
+    assert "precision: bf16, fp16, fp32, fp8, tf32" in section
+
+
+def test_datasets_live_in_one_folder_per_user_not_where_the_run_starts(monkeypatch):
+    monkeypatch.delenv("MPEXP_DATA_DIR", raising=False)
+    for option in ("mnist", "fashion_mnist", "cifar10"):
+        assert make_cfg(f"dataset={option}").dataset.root == "~/.cache/mpexp/data"
+    monkeypatch.setenv("MPEXP_DATA_DIR", "/srv/datasets")
+    assert make_cfg("dataset=mnist").dataset.root == "/srv/datasets"
+    assert make_cfg("dataset=mnist", "dataset.root=here").dataset.root == "here"  # still wins
+    assert OmegaConf.structured(TorchvisionDatasetConfig).root == "/srv/datasets"  # your own
 
 
 def test_defaults_are_the_world4ai_experiment():

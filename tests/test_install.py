@@ -77,6 +77,26 @@ def test_the_wheel_ships_the_configs_and_runs_from_any_folder(installed, tmp_pat
     assert (tmp_path / "cmp" / "report.md").is_file()
 
 
+def test_the_wheel_offers_the_extras_the_readme_names(installed):
+    target, _ = installed
+    (metadata,) = target.glob("mpexp-*.dist-info/METADATA")
+    text = metadata.read_text()
+    for extra in ("fp8", "slurm", "optuna", "joblib", "dev"):
+        assert f"Provides-Extra: {extra}" in text
+    assert 'Requires-Dist: hydra-joblib-launcher>=1.2; extra == "joblib"' in text
+
+
+def test_messages_name_the_command_the_user_ran(installed, tmp_path):
+    _, env = installed
+    commands = {"mpexp-train": ["mpexp-train"],
+                "python -m mpexp.train": [sys.executable, "-m", "mpexp.train"]}  # fmt: skip
+    for named, command in commands.items():
+        result = subprocess.run([*command, "+trainer.epoch=3"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert result.returncode != 0
+        assert f"`{named} --cfg job` lists every key." in result.stderr, result.stderr
+
+
 def test_bash_completion_of_the_console_script(installed, tmp_path):
     _, env = installed
     script = run(["mpexp-train", "-sc", "install=bash"], tmp_path, env).stdout

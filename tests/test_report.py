@@ -17,7 +17,7 @@ from mpexp.runner import train
 from mpexp.tracking import RunContext
 from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
-from tests.test_wandb import leet_records
+from tests.test_wandb import final_run, final_summary, leet_records
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PRECISIONS = ["fp32", "tf32", "fp16", "bf16"]
@@ -106,7 +106,10 @@ def test_tables_hold_the_numbers_in_the_runs_metrics(precision_sweep):
     runs = read_table(sweep / "report.md", "Runs")
     jobs = sorted(p for p in sweep.iterdir() if p.name.isdigit())
     assert [row["configuration"] for row in accuracy] == [f"precision={p}" for p in PRECISIONS]
-    assert [row["configuration"] for row in speed] == [f"precision={p}" for p in PRECISIONS]
+    emulated = [json.loads((job / "summary.json").read_text())["ran"]["emulated"] for job in jobs]
+    assert [row["configuration"] for row in speed] == [  # † marks an emulated 16-bit precision
+        f"precision={p}{' †' if e else ''}" for p, e in zip(PRECISIONS, emulated, strict=True)
+    ]
     assert [row["run"] for row in runs] == [f"{i} precision={p}" for i, p in enumerate(PRECISIONS)]
 
     def numbers(job: Path) -> dict:
@@ -170,16 +173,14 @@ def test_wandb_runs_hold_what_ran_and_plot_against_epoch_and_step(precision_swee
     assert axes["train/loss"] == axes["amp/*"] == "step"
     assert axes["val/*"] == axes["perf/*"] == axes["mem/*"] == "epoch"
 
-    final = {}
-    for r in records:
-        if r["type"] == "summary":
-            final.update(r["summary"]["update"])
+    ran = final_run(records)["config"]["ran"]
     local = json.loads((fp16_job / "summary.json").read_text())
     for key in ("device", "device_name", "torch_version", "autocast_dtype", "tf32_matmul",
                 "tf32_cudnn", "loss_scaling", "final_scale"):  # fmt: skip
-        assert final[f"ran/{key}"] == local["ran"][key], key
-    assert final["ran/autocast_dtype"] == "float16" and final["ran/loss_scaling"] == "dynamic"
-    assert final["val/acc"] == {"max": max(e["val/acc"] for e in read_metrics(fp16_job)[1])}
+        assert ran[key] == local["ran"][key], key
+    assert ran["autocast_dtype"] == "float16" and ran["loss_scaling"] == "dynamic"
+    accs = [e["val/acc"] for e in read_metrics(fp16_job)[1]]
+    assert final_summary(records)["val/acc"] == {"max": max(accs), "last": accs[-1]}
 
 
 def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, tmp_path, monkeypatch):
@@ -213,6 +214,27 @@ def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, tmp_p
     assert [r["run"].rsplit("/", 1)[1] for r in runs] == [
         f"{i} precision={p}" for i, p in enumerate(PRECISIONS)
     ]
+
+
+def test_the_report_is_one_wandb_run_per_folder_and_holds_report_md(
+    precision_sweep, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sweep, _ = precision_sweep
+    for _ in range(2):  # the report written again, as after a sweep and once more by hand
+        assert report.main([str(sweep), "--out", str(tmp_path)]) == 0
+    # one report run, updated: its id comes from the folder; the older offline copy is replaced
+    (wandb_dir,) = (tmp_path / "wandb-report" / "wandb").glob("offline-run-*")
+    sync = capsys.readouterr().out.splitlines()[-1]
+    assert sync.count("wandb-report") == 1 and sync.endswith(f"{wandb_dir}`")
+    records = leet_records(wandb_dir)
+    (run,) = [r["run"] for r in records if r["type"] == "run"]
+    assert wandb_dir.name.endswith(run["run_id"]) and run["job_type"] == "report"
+
+    artifacts = [r["artifact"] for r in records if r["type"] == "artifact"]
+    (files,) = [a for a in artifacts if a["type"] == "report"]
+    names = {c["path"] for c in files["manifest"]["contents"]}
+    assert names == {"report.md", *(p.name for p in tmp_path.glob("*.png"))} and len(names) > 4
 
 
 def test_failed_run_is_named_and_the_rest_reported(sweep_with_a_failure):
@@ -364,6 +386,10 @@ def test_hparams_search_preset_runs_optunas_trials_and_names_the_best_learning_r
         "hydra.sweeper.n_trials=2", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    console = result.stdout + result.stderr
+    # Optuna's set-up chatter (alembic's plugin lines, its study announcement) stays off it
+    assert "setup plugin" not in console and "A new study created" not in console
+    assert "Study name: lr_search" in console  # Hydra's sweeper still says what it searches
     sweep = sweep_dir(tmp_path)
     trials = [json.loads((sweep / str(n) / "summary.json").read_text()) for n in range(2)]
     lrs = [OmegaConf.load(sweep / str(n) / ".hydra" / "config.yaml").optimizer.lr for n in range(2)]

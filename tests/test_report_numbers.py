@@ -199,6 +199,21 @@ def test_speedup_with_its_interval(tmp_path):
     assert runs[3]["TFLOP/s"] == "2"  # the median epoch's 2.0 / 1.0
 
 
+def test_emulated_precisions_are_marked_in_the_speed_table(tmp_path):
+    make_run(tmp_path, "0", "fp32", 0, [0.9] * 4, [5.0, 1.0, 1.0, 1.0])
+    bf16 = make_run(tmp_path, "1", "bf16", 0, [0.9] * 4, [5.0, 2.0, 2.0, 2.0])
+    summary = json.loads((bf16 / "summary.json").read_text())
+    summary["ran"]["emulated"] = True  # as precision.py records bf16 on a CPU without it
+    (bf16 / "summary.json").write_text(json.dumps(summary))
+
+    report.main([str(tmp_path), "--wandb", "disabled"])
+    fp32_row, bf16_row = read_table(tmp_path / "report.md", "Speed")
+    assert fp32_row["configuration"] == "precision=fp32"  # ran natively: no mark
+    assert bf16_row["configuration"] == "precision=bf16 †" and bf16_row["speedup"] == "0.50x"
+    speed = (tmp_path / "report.md").read_text().split("## Speed", 1)[1]
+    assert "† Emulated: the device could not run this precision at its native speed" in speed
+
+
 def test_gpu_memory_is_compared_after_the_first_epoch(tmp_path):
     """The first epoch's CUDA peak holds cuDNN's autotuning workspaces (on an H100, DeepCNN in
     fp32: 4628 MiB in epoch 1, 1120 MiB after), which would make fp16's saving look 6x, not 1.5x."""

@@ -13,8 +13,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+import torch
 from omegaconf import OmegaConf
 
+import mpexp
+from mpexp.models.simplecnn import SimpleCNN
 from mpexp.runner import train
 from mpexp.tracking import RunContext, Tracker
 from mpexp.wandb_process import WandbProcess
@@ -76,6 +80,38 @@ def test_offline_run_holds_loss_scale_and_epoch_time(tmp_path, monkeypatch):
     assert {"precision=fp16", "loss_scaling=dynamic"} <= set(run_record["tags"])
 
 
+def final_summary(records: list[dict]) -> dict:
+    """The W&B run's summary at the end: every summary update merged, W&B's own keys left out."""
+    summary = {}
+    for r in records:
+        if r["type"] == "summary":
+            summary.update(r["summary"]["update"])
+    return {k: v for k, v in summary.items() if not k.startswith("_")}
+
+
+def epoch_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "epoch" in r]
+
+
+def test_summary_holds_best_and_last_and_what_ran_only_in_the_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(make_cfg(*TINY, "trainer.epochs=3", "wandb.mode=offline"), RunContext(tmp_path))
+    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    records = leet_records(wandb_dir)
+
+    epochs = epoch_rows(tmp_path)
+    summary = final_summary(records)
+    accs, losses = [e["val/acc"] for e in epochs], [e["val/loss"] for e in epochs]
+    # the last epoch's value, which the report and Optuna's sweeper use, beside the best
+    assert summary["val/acc"] == {"max": max(accs), "last": accs[-1]}
+    assert summary["val/loss"] == {"min": min(losses), "last": losses[-1]}
+    # what ran is in the config, complete (the final scale, counted FLOPs), not in the summary
+    assert not [k for k in summary if k.startswith("ran")]
+    local = json.loads((tmp_path / "summary.json").read_text())
+    assert final_run(records)["config"]["ran"] == local["ran"]
+
+
 def test_checkpoints_go_to_wandb_as_artifacts_only_when_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     for asked in (False, True):
@@ -88,6 +124,101 @@ def test_checkpoints_go_to_wandb_as_artifacts_only_when_asked(tmp_path, monkeypa
         assert len(models) == (2 if asked else 0)  # one checkpoint per epoch
         if asked:
             assert "step-32" in models[-1]["aliases"] and "latest" in models[-1]["aliases"]
+
+
+def offline_tracker(run_dir: Path, wandb_id: str | None = None) -> Tracker:
+    """A Tracker whose W&B run is offline in run_dir (continuing `wandb_id`'s when given)."""
+    wandb_cfg = OmegaConf.create(
+        {"mode": "offline", "project": "mpexp-test", "entity": None, "tags": [], "init_timeout": 90}
+    )
+    return Tracker(RunContext(run_dir, wandb_id=wandb_id), {}, wandb_cfg)
+
+
+def test_checkpoint_artifacts_say_what_they_hold_and_which_is_best(tmp_path):
+    """Each epoch's checkpoint carries its epoch, step, val metrics and precision; `best` goes to
+    the best val/acc epoch's so far, also across a resume; a mid-epoch one has no val metrics."""
+    checkpoint = tmp_path / "step.pt"
+    checkpoint.write_bytes(b"weights")
+
+    def epochs(tracker: Tracker, accs: dict[int, float]) -> None:
+        tracker.record_ran({"precision": "bf16", "loss_scaling": "none"})
+        for epoch, acc in accs.items():
+            tracker.log({"step": 10 * epoch - 5, "train/loss": 1.0})
+            tracker.log_checkpoint(checkpoint, 10 * epoch - 5)  # trainer.checkpoint_every_steps
+            tracker.log({"epoch": epoch, "step": 10 * epoch, "val/acc": acc, "val/loss": 1 - acc})
+            tracker.log_checkpoint(checkpoint, 10 * epoch)
+        tracker.close()
+
+    first = offline_tracker(tmp_path)
+    epochs(first, {1: 0.5, 2: 0.9, 3: 0.7})
+    epochs(offline_tracker(tmp_path, wandb_id=first.wandb_id), {4: 0.8, 5: 0.95})  # resumed
+
+    logged = []
+    for wandb_dir in sorted((tmp_path / "wandb").glob("offline-run-*")):
+        logged += [r["artifact"] for r in leet_records(wandb_dir) if r["type"] == "artifact"]
+    at_epoch_end = [a for a in logged if json.loads(a["metadata"]).get("epoch")]
+    assert [json.loads(a["metadata"]) for a in at_epoch_end][:2] == [
+        {"step": 10, "precision": "bf16", "epoch": 1, "val/acc": 0.5, "val/loss": 0.5},
+        {"step": 20, "precision": "bf16", "epoch": 2, "val/acc": 0.9, "val/loss": 1 - 0.9},
+    ]
+    best = [json.loads(a["metadata"])["epoch"] for a in at_epoch_end if "best" in a["aliases"]]
+    assert best == [1, 2, 5]  # not 3 (0.7), nor 4 (0.8 after a resume, below epoch 2's 0.9)
+    assert all({"latest", f"step-{json.loads(a['metadata'])['step']}"} <= set(a["aliases"])
+               for a in logged)  # fmt: skip
+    mid_epoch = [json.loads(a["metadata"]) for a in logged if a not in at_epoch_end]
+    assert mid_epoch[0] == {"step": 5, "precision": "bf16"} and len(mid_epoch) == 5
+
+
+class SelfLoggingCNN(SimpleCNN):
+    """A user's model that logs a value of its own at every training step, through mpexp.log."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forwards = 0
+
+    def forward(self, x):
+        if self.training and x.device.type != "meta":  # not the FLOP count's pass
+            self.forwards += 1
+            mpexp.log({"user/forwards": self.forwards, "user/note": "ok"})
+        return super().forward(x)
+
+
+def test_users_own_values_reach_metrics_and_the_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    model = "model._target_=tests.test_wandb.SelfLoggingCNN"
+    train(make_cfg(*TINY, model, "wandb.mode=offline"), RunContext(tmp_path))
+
+    local = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    own = [r for r in local if "user/forwards" in r]
+    # one row per training step, at that step (one forward pass each), in metrics.jsonl ...
+    assert [(r["step"], r["user/forwards"]) for r in own] == [(s, s) for s in range(1, 33)]
+    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    records = leet_records(wandb_dir)
+    # ... and in the same W&B run, plotted against `step`
+    logged = [r for r in history(records) if "user/forwards" in r]
+    assert [(r["step"], r["user/forwards"], r["user/note"]) for r in logged] == [
+        (s, s, "ok") for s in range(1, 33)
+    ]
+    axes = {r["metric"].get("name"): r["metric"].get("step_metric")
+            for r in records if r["type"] == "metric"}  # fmt: skip
+    assert axes["user/forwards"] == axes["user/note"] == "step"
+
+    mpexp.log({"user/after": 1.0})  # no run any more: nothing happens
+    assert "user/after" not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_own_values_that_cannot_be_logged_are_named(tmp_path):
+    tracker = offline_tracker(tmp_path)
+    try:
+        with pytest.raises(TypeError, match="the value of 'my/x' is a Tensor; pass a number"):
+            mpexp.log({"my/x": torch.ones(())})
+        with pytest.raises(TypeError, match="'step' cannot be a key"):
+            mpexp.log({"step": 3})
+        mpexp.log({"my/x": 0.5}, step=7)
+    finally:
+        tracker.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 7, "my/x": 0.5}]
 
 
 def test_the_training_process_never_imports_wandb(tmp_path):

@@ -258,10 +258,18 @@ def _fp8_section(report: Report) -> list[str]:
     return lines
 
 
+EMULATED_MARK = "†"
+
+
+def _emulated(config: Config) -> bool:
+    """Whether a run of the configuration ran its precision emulated (precision.py records it)."""
+    return any(r.run.ran.get("emulated") for r in config.rows)
+
+
 def _speed_section(report: Report) -> list[str]:
     def cells(c: Config) -> list[str]:
         return [
-            c.label,
+            f"{c.label} {EMULATED_MARK}" if _emulated(c) else c.label,
             str(c.n),
             _estimate(c.epoch_time_s, ".3f"),
             _ratio(c.speedup),
@@ -279,7 +287,17 @@ def _speed_section(report: Report) -> list[str]:
                "time to target (s)", "speedup at target", "samples/s", "TFLOP/s", "MFU (%)",
                "peak memory (MiB)", "memory vs fp32"]  # fmt: skip
     lines = ["## Speed", "", *_table(headers, report.configs, cells), ""]
-    notes = [
+    notes = []
+    if any(_emulated(c) for c in report.configs):
+        notes.append(
+            f"{EMULATED_MARK} Emulated: the device could not run this precision at its native "
+            "speed, so PyTorch (or torchao, for fp8) emulated it: a CPU without instructions for "
+            "the 16-bit format (AVX-512 BF16 or AMX for bf16, AVX-512 FP16 or AMX-FP16 for fp16), "
+            "fp16 convolutions on any CPU (their backward pass takes a slow generic path), fp8 on "
+            "any CPU. The numerics are real; the epoch times and speedups measure the emulation, "
+            "not the format (`ran.emulated` in the run's summary.json)."
+        )
+    notes += [
         "Epoch time: each run's median over its timed epochs (those after the first, which pays "
         "one-off warm-up), then the mean over seeds ± its 95 % interval. Speedup: the fp32 "
         "reference's mean epoch time over this configuration's, with a 95 % interval (Welch, on "

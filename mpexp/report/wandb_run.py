@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import shlex
+import shutil
 from pathlib import Path
 
 from mpexp.report.table import Report, run_values
@@ -20,6 +22,10 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
     or offline into `<out dir>/wandb-report/wandb` for a later `wandb sync` with the rest. Not
     `<out dir>/wandb`: a report on one run is written into that run's folder, whose `wandb/` (and
     its `latest-run` link) belong to the training run.
+
+    report.md and its plots go with it as an artifact (type `report`). There is one report run
+    per output folder: its id comes from the folder, so a report written again updates that run
+    (online) or replaces its offline copy, instead of adding a second `report` run to the group.
     """
     targets = [r.run.summary.get("wandb") for r in report.rows if r.run.summary.get("wandb")]
     if mode == "auto":
@@ -34,7 +40,10 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
 
         wandb_dir = report.out_dir / "wandb-report"
         wandb_dir.mkdir(parents=True, exist_ok=True)
+        run_id = report_run_id(report.out_dir)
         wb = wandb.init(
+            id=run_id,
+            resume="allow",
             project=where.get("project"),
             entity=where.get("entity"),
             group=where.get("group"),
@@ -58,8 +67,16 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
         wb.summary.update(
             {"report/worse": len(report.worse), "report/not_reported": len(report.not_reported)}
         )
+        files = wandb.Artifact(run_id, type="report")
+        for path in [report.path, *report.plots.values()]:
+            files.add_file(str(path))
+        wb.log_artifact(files)
         report_run = Path(wb.dir).parent  # wb.dir is the run's files/ folder
         wb.finish()
+        if mode == "offline":  # the report written before is this one's older copy
+            for older in (wandb_dir / "wandb").glob(f"offline-run-*-{run_id}"):
+                if older.resolve() != report_run.resolve():
+                    shutil.rmtree(older, ignore_errors=True)
     except Exception as err:  # the report on disk stands without W&B
         log.warning("The report table was not logged to W&B (%s); report.md has it.", err)
         return
@@ -69,6 +86,11 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
         offline = [p for r in report.rows for p in _offline_runs(r.run)]
         paths = " ".join(shlex.quote(str(p)) for p in [*offline, report_run])
         print(f"W&B runs kept offline: upload them with `wandb sync {paths}`")
+
+
+def report_run_id(out_dir: Path) -> str:
+    """The W&B id of the report on `out_dir`: the same for every report written there."""
+    return "report-" + hashlib.sha256(str(out_dir.resolve()).encode()).hexdigest()[:12]
 
 
 def _table(wandb, rows: list[dict]):
