@@ -215,14 +215,21 @@ def test_submitit_local_sweep_runs_ddp_inside_each_job(tmp_path, monkeypatch):
         assert (sweep / job / "train.log").read_text().count("Epoch: 1,") == 1
 
 
+class Indexed(SyntheticData):
+    """The synthetic set with each training sample labelled by its index, so that a shard can be
+    read back."""
+
+    def load(self):
+        (images, labels), val, classes = super().load()
+        return (images, torch.arange(len(labels))), val, classes
+
+
 @pytest.mark.parametrize(("loader", "world"), [("device", 3), ("dataloader", 3), ("device", 1)])
 def test_ranks_share_each_epoch_without_overlap(loader, world):
     def shard_batches(rank):
-        data = SyntheticData(train_size=100, val_size=8, batch_size=5, loader=loader, seed=0)
+        data = Indexed(train_size=100, val_size=8, batch_size=5, loader=loader, seed=0)
         data.setup(torch.device("cpu"))
         data.shard(rank, world)
-        # label each sample by its index so the shard can be read back
-        data.train = (data.train[0], torch.arange(100))
         batches = data.train_batches(epoch=2, seed=7, device=torch.device("cpu"))
         return data, [labels.tolist() for _, labels in batches]
 
@@ -236,10 +243,9 @@ def test_ranks_share_each_epoch_without_overlap(loader, world):
 
 def test_device_and_dataloader_shards_are_the_same_samples():
     def shard(loader):
-        data = SyntheticData(train_size=64, val_size=8, batch_size=4, loader=loader, seed=0)
+        data = Indexed(train_size=64, val_size=8, batch_size=4, loader=loader, seed=0)
         data.setup(torch.device("cpu"))
         data.shard(1, 2)
-        data.train = (data.train[0], torch.arange(64))
         return [labels.tolist() for _, labels in data.train_batches(3, 42, torch.device("cpu"))]
 
     assert shard("device") == shard("dataloader")
