@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import struct
@@ -362,8 +363,33 @@ def test_a_damaged_cifar_batch_is_named(tmp_path):
     folder = tmp_path / "cifar-10-batches-py"
     folder.mkdir()
     (folder / "data_batch_1").write_bytes(b"\x80\x04\x95 not a whole pickle")
-    with pytest.raises(DataError, match=r"data_batch_1 cannot be read as a CIFAR batch"):
+    with pytest.raises(DataError, match=r"data_batch_1 is not the file CIFAR-10 publishes"):
         CIFAR10Data(root=str(tmp_path), download=False, batch_size=8).setup(torch.device("cpu"))
+
+
+class _OpensAFile:
+    """A pickle that, once loaded, creates `marker`: any code could run in its place."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_a_cifar_batch_that_fails_its_checksum_is_never_unpickled(tmp_path):
+    folder = tmp_path / "data" / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    marker = tmp_path / "code-ran"
+    (folder / "data_batch_1").write_bytes(pickle.dumps(_OpensAFile(marker)))
+    result = run_cli(
+        "mpexp.train", "dataset=cifar10", f"dataset.root={tmp_path / 'data'}",
+        "dataset.download=false", "model=simplecnn_small", "wandb.mode=disabled", cwd=tmp_path,
+    )  # fmt: skip
+    output = one_line_failure(result)
+    assert not marker.exists()
+    assert f"{folder / 'data_batch_1'} is not the file CIFAR-10 publishes" in output
+    assert "dataset.download=true" in output and "cifar-10-python.tar.gz" in output
 
 
 def test_a_failed_download_says_why_and_leaves_no_empty_folders(tmp_path, monkeypatch):
