@@ -103,8 +103,8 @@ def load_into(path: Path, model, optimizer) -> None:
     state = {"model": model_state, "optimizer": optimizer_state}
     # DCP reads the folder's `.metadata` with pickle, and torch has no weights-only reader for
     # it: a sharded checkpoint is trusted as one the user's own FSDP run wrote (trainer.resume
-    # names it, and load() has compared it with its SHA256SUMS). The other files load with
-    # weights_only=True.
+    # names it; load() has compared it with its SHA256SUMS where it has one). The other files
+    # load with weights_only=True.
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
