@@ -10,6 +10,7 @@ under this config; a rejected resume so leaves the run's `.hydra/` record as it 
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -21,7 +22,14 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from mpexp.errors import OutputError, UserError
-from mpexp.rundir import AUTO, check_not_locked, refuse_if_taken, run_dir_of
+from mpexp.rundir import (
+    AUTO,
+    RunLock,
+    SweepLock,
+    check_not_locked,
+    refuse_if_taken,
+    run_dir_of,
+)
 from mpexp.validate import check_schema, validate
 
 T = TypeVar("T")
@@ -59,7 +67,15 @@ def check_writable(directory: str | Path) -> None:
 
 
 class RunChecks(Callback):
-    """Checks that need the whole config, made before Hydra sets up the run directory."""
+    """Checks that need the whole config, made before Hydra sets up the run directory.
+
+    They also claim the directory: a single run locks its run dir, a sweep its sweep dir, before
+    Hydra writes `.hydra/` there, and holds it until it ends. A second process aimed at the same
+    folder is refused before it writes anything, so a folder's `.hydra/` is always its run's.
+    """
+
+    def __init__(self) -> None:
+        self._lock: RunLock | None = None
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         task = _task(config)
@@ -70,20 +86,33 @@ class RunChecks(Callback):
             from mpexp import checkpoint  # torch: only a resume needs it before the run starts
 
             resume = _exit_on_user_error(lambda: checkpoint.open_resume(task, run_dir, mmap=True))
+        _exit_on_user_error(lambda: check_writable(run_dir))
+        if int(os.environ.get("RANK", "0")) == 0:  # ranks > 0 write nothing (mpexp/distributed.py)
+            self._lock = _exit_on_user_error(lambda: RunLock(run_dir).acquire())
         if resume is None and task.trainer.resume != AUTO:
             _exit_on_user_error(lambda: refuse_if_taken(run_dir))
-        else:  # the run may still be going on in another process
-            _exit_on_user_error(lambda: check_not_locked(run_dir))
-        _exit_on_user_error(lambda: check_writable(run_dir))
+
+    def on_run_end(self, config: DictConfig, **kwargs) -> None:
+        self._release()
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         # the values a sweep varies are checked per job; unknown keys fail every job alike
         _exit_on_user_error(lambda: check_schema(_task(config)))
         sweep_dir = Path(config.hydra.sweep.dir)
-        if sweep_dir.is_dir():  # a sweep dir given again: its jobs' folders would be reused
-            for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
-                _exit_on_user_error(lambda job=job: refuse_if_taken(job, key="hydra.sweep.dir"))
         _exit_on_user_error(lambda: check_writable(sweep_dir))
+        self._lock = _exit_on_user_error(lambda: SweepLock(sweep_dir).acquire())
+        # a sweep dir given again: its jobs' folders would be reused
+        for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
+            _exit_on_user_error(lambda job=job: refuse_if_taken(job, key="hydra.sweep.dir"))
+            _exit_on_user_error(lambda job=job: check_not_locked(job))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        self._release()  # the last callback to end (Hydra ends them in reverse): after the report
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 def _task(config: DictConfig) -> DictConfig:

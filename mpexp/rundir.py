@@ -112,40 +112,79 @@ def refuse_if_taken(run_dir: Path, restart: bool = False, key: str = "hydra.run.
         )
 
 
+# the directories this process holds locked: directory -> [its lock file, how many hold it]
+_HELD: dict[Path, list] = {}
+
+
 class RunLock:
-    """An exclusive lock on a run directory for as long as this process trains in it."""
+    """An exclusive lock on a run directory for as long as this process works in it.
+
+    The process that holds it may take it again: Hydra's callback claims a run directory before
+    Hydra writes `.hydra/` into it (mpexp/hydra_hooks.py), and the run takes it again to train.
+    """
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK_FILE
-        self._file = None
+        self.directory = Path(run_dir).resolve()  # one key per folder, however it is written
+        self.path = self.directory / LOCK_FILE
+        self._holding = False
 
-    def __enter__(self) -> RunLock:
+    def acquire(self) -> RunLock:
         if fcntl is None:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = self.path.open("a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        held = _HELD.get(self.directory)
+        if held is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            handle = self.path.open("a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                handle.close()
+                raise RunDirTaken(self.refusal(holder)) from None
             handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            handle.close()
-            raise RunDirTaken(
-                f"Another process (pid {holder}) is training in {self.path.parent}; two runs in "
-                "one directory would overwrite each other's results. Wait for it to end (or stop "
-                "it), then resume with trainer.resume, or start a new run elsewhere."
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        self._file = handle
+            handle.truncate()
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+            held = _HELD[self.directory] = [handle, 0]
+        held[1] += 1
+        self._holding = True
         return self
 
+    def release(self) -> None:
+        if not self._holding:
+            return
+        self._holding = False
+        held = _HELD[self.directory]
+        held[1] -= 1
+        if held[1] == 0:
+            del _HELD[self.directory]
+            held[0].close()  # closing releases the lock
+
+    def refusal(self, holder: str) -> str:
+        return (
+            f"Another process (pid {holder}) is training in {self.directory}; two runs in one "
+            "directory would overwrite each other's results. Wait for it to end (or stop it), "
+            "then resume with trainer.resume, or start a new run elsewhere."
+        )
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
     def __exit__(self, *exc) -> None:
-        if self._file is not None:
-            self._file.close()  # closing releases the lock
-            self._file = None
+        self.release()
+
+
+class SweepLock(RunLock):
+    """The lock a sweep holds on its `hydra.sweep.dir` while its jobs run: a second sweep into the
+    same folder would have its jobs write `.hydra/` into the folders of the first one's."""
+
+    def refusal(self, holder: str) -> str:
+        return (
+            f"Another sweep (pid {holder}) is running into {self.directory}; its jobs' folders "
+            "would be shared by this sweep's. Wait for it to end, or give this sweep another "
+            "hydra.sweep.dir (leave it out and each sweep gets a fresh one)."
+        )
 
 
 def check_not_locked(run_dir: Path) -> None:

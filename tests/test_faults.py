@@ -8,6 +8,7 @@
 | two runs started in the same second | nothing: two directories | both runs |
 | new run in a dir holding a run | one line naming trainer.resume, exit 2 | the old run |
 | second process on a live run's dir | one line naming the pid, exit 2 | the live run |
+| second sweep into a live sweep's dir | one line naming the pid, exit 2 | the live sweep |
 | checkpoint write fails (full disk) | one line: last good checkpoint, resume | that one |
 | stop signal that no run answers (--cfg) | one line, 128+sig | - |
 | stop signal as the run starts, data loads | one line, status interrupted, 128+sig | - |
@@ -47,7 +48,7 @@ from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.distributed import start_world
 from mpexp.errors import ConfigError, DataError
-from mpexp.rundir import checkpoint_files
+from mpexp.rundir import RunLock, SweepLock, checkpoint_files
 from mpexp.runner import stop_if_asked, train
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.tracking import RunContext
@@ -185,6 +186,29 @@ def test_a_second_process_on_a_live_runs_directory_is_refused(tmp_path):
         live.send_signal(signal.SIGTERM)
         live.communicate(timeout=120)
     assert status(run_dir) == "interrupted"
+
+
+def test_a_second_sweep_into_a_live_sweeps_folder_is_refused_before_it_writes(tmp_path):
+    # a live sweep holds its sweep dir from its start: two sweeps started together into one
+    # hydra.sweep.dir would otherwise both pass the check for runs already there, and the one
+    # that lost a job folder's lock would have rewritten that folder's .hydra/ record
+    sweep = tmp_path / "sweep"
+    with SweepLock(sweep):
+        result = run_cli("mpexp.train", "-m", *ARGS, "trainer.epochs=1", "trainer.seed=5,6",
+                         f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+        output = one_line_failure(result)
+        assert f"Another sweep (pid {os.getpid()}) is running into {sweep}" in output
+        assert sorted(p.name for p in sweep.iterdir()) == [".lock"]  # nothing of its own
+
+
+def test_a_run_into_a_live_runs_folder_writes_no_hydra_record(tmp_path):
+    run_dir = tmp_path / "run"
+    with RunLock(run_dir):  # a run started a moment earlier, still importing torch
+        result = run_cli("mpexp.train", *ARGS, "trainer.epochs=1", f"hydra.run.dir={run_dir}",
+                         cwd=tmp_path)  # fmt: skip
+        output = one_line_failure(result)
+        assert f"Another process (pid {os.getpid()}) is training in {run_dir}" in output
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
 
 
 # --- exits that keep the status true ------------------------------------------------------------

@@ -37,8 +37,9 @@ def make_run(
     (path / ".hydra").mkdir(parents=True)
     overrides = [f"precision={precision}", f"trainer.seed={seed}"]
     choices = {"precision": precision, "loss_scaling": loss_scaling, "model": "m", "dataset": "d"}
+    cfg = {"trainer": {"seed": seed, "epochs": len(accs)}}
     files = {
-        "config.yaml": {"trainer": {"seed": seed, "epochs": len(accs)}},
+        "config.yaml": cfg,
         "overrides.yaml": overrides,
         "hydra.yaml": {"hydra": {"runtime": {"choices": choices}}},
     }
@@ -46,7 +47,10 @@ def make_run(
         (path / ".hydra" / file).write_text(yaml.safe_dump(content))
     summary = {
         "status": "finished",
+        "config": cfg,
+        "overrides": overrides,
         "ran": {
+            "choices": choices,
             "precision": precision,
             "effective_precision": precision,
             "loss_scaling": loss_scaling,
@@ -149,6 +153,25 @@ def test_other_seeds_are_compared_unpaired_with_welchs_interval(tmp_path):
     assert fp16.d_val_acc_pts.value == pytest.approx(-6.0)
     assert fp16.d_val_acc_pts.half_width == pytest.approx(T2 * math.sqrt(5 / 3))
     assert fp16.parity == "too wide"
+
+
+def test_each_run_is_reported_with_its_own_config_whatever_hydra_wrote_there(tmp_path):
+    # two sweeps started together into one hydra.sweep.dir: Hydra of the sweep whose job was
+    # refused the folder (another run held it) had rewritten the folder's .hydra/ before that
+    final_only(tmp_path, "fp32", [0.90, 0.92], seeds=(5, 6))
+    hydra = tmp_path / "0" / ".hydra"
+    (hydra / "overrides.yaml").write_text(yaml.safe_dump(["precision=fp16", "trainer.seed=0"]))
+    (hydra / "config.yaml").write_text(yaml.safe_dump({"trainer": {"seed": 0, "epochs": 9}}))
+    (hydra / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": {}}}}))
+
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    runs = read_table(tmp_path / "report.md", "Runs")
+    assert [(r["run"], r["seed"], r["val acc (%)"]) for r in runs] == [
+        ("0 trainer.seed=5", "5", "90.00"),
+        ("1 trainer.seed=6", "6", "92.00"),
+    ]
+    (fp32,) = read_table(tmp_path / "report.md", "Accuracy against fp32")
+    assert (fp32["precision"], fp32["n"]) == ("fp32", "2")
 
 
 def test_single_seed_runs_say_so(tmp_path, capsys):
