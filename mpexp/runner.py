@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from mpexp import __version__, config, flops, performance
 from mpexp.checkpoint import Checkpointer, open_resume
 from mpexp.data.base import DataInfo, InMemoryData
+from mpexp.data.checks import warn_nonfinite
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError
 from mpexp.loop import Fit, Parts
@@ -115,6 +116,11 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
 
     data: InMemoryData = build(cfg.dataset)
     info = data.setup(device)
+    if world.is_main:  # the same data on every rank: one warning
+        warn_nonfinite(
+            {"training": data.train[0], "validation": data.val[0]},
+            f"dataset={run.choices.get('dataset') or cfg.dataset._target_}",
+        )
     data.memory_format = performance.memory_format(cfg.trainer.channels_last)
     data.shard(world.rank, world.size)
     model = build_model(cfg.model, info, run.choices.get("model")).to(device)

@@ -17,6 +17,7 @@
 | a run with no step per epoch | one line, exit 2, before training | - |
 | every step skipped | a warning per epoch, status failed | the metrics |
 | truncated / corrupt / mislabelled data | one line naming the file and the fault | - |
+| NaN or inf in the images | one warning at setup naming the split | the run |
 | impossible config values | one line naming the key | - |
 | resume of a finished run | one line saying how to train on | the run |
 | a checkpoint with flipped bytes | one line: corrupt; another one if kept | the run |
@@ -28,6 +29,8 @@ in the report in tests/test_report.py.
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import pickle
 import re
@@ -46,6 +49,7 @@ import mpexp.train
 from mpexp import checkpoint
 from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
+from mpexp.data.synthetic import SyntheticData
 from mpexp.distributed import start_world
 from mpexp.errors import ConfigError, DataError
 from mpexp.rundir import RunLock, SweepLock, checkpoint_files
@@ -414,6 +418,28 @@ def test_a_cifar_batch_that_fails_its_checksum_is_never_unpickled(tmp_path):
     assert not marker.exists()
     assert f"{folder / 'data_batch_1'} is not the file CIFAR-10 publishes" in output
     assert "dataset.download=true" in output and "cifar-10-python.tar.gz" in output
+
+
+class NaNInValidation(SyntheticData):
+    """The synthetic set with NaN in its first three validation images."""
+
+    def load(self):
+        train, (images, labels), classes = super().load()
+        images[:3, 0, 0, 0] = float("nan")
+        return train, (images, labels), classes
+
+
+def test_nan_in_the_validation_images_is_warned_about_once_at_setup(tmp_path, caplog):
+    cfg = make_cfg(*ARGS, "trainer.epochs=1", f"dataset._target_={__name__}.NaNInValidation")
+    with caplog.at_level(logging.WARNING):
+        summary = train(cfg, RunContext(tmp_path))
+    warnings = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
+    assert warnings == [
+        f"The validation set of dataset={__name__}.NaNInValidation holds 3 images with "
+        "non-finite values (NaN or inf), the first at position 0: the run's val/loss will be "
+        "NaN. Fix or drop those images."
+    ]
+    assert math.isnan(summary["val/loss"])
 
 
 def test_a_failed_download_says_why_and_leaves_no_empty_folders(tmp_path, monkeypatch):

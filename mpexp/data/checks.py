@@ -4,6 +4,7 @@ wrong with it instead of surfacing as a shape error, or an index error an epoch 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import struct
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import torch
 
 from mpexp.errors import DataError
+
+log = logging.getLogger(__name__)
 
 REPLACE = (
     "Replace it with an intact copy, or delete it and let the dataset download it again "
@@ -77,6 +80,28 @@ def check_labels(labels: torch.Tensor, num_classes: int, source: str) -> None:
             f"{source} holds the label {int(labels[i])} at position {i:,}, but the dataset has "
             f"{num_classes} classes (0 to {num_classes - 1}). {REPLACE}"
         )
+
+
+def warn_nonfinite(splits: dict[str, torch.Tensor], source: str) -> None:
+    """Warn once per split whose float images hold NaN or inf: a validation set with them ends
+    with a NaN val/loss (the report marks such a run diverged), a training set with them makes
+    NaN losses. One check at setup (a device sync per split), none per step."""
+    for split, images in splits.items():
+        if not images.is_floating_point():
+            continue  # uint8 images are finite by their type
+        bad = (~torch.isfinite(images)).flatten(1).any(dim=1).nonzero().flatten()
+        if len(bad):
+            log.warning(
+                "The %s set of %s holds %d images with non-finite values (NaN or inf), the "
+                "first at position %d: %s. Fix or drop those images.",
+                split,
+                source,
+                len(bad),
+                int(bad[0]),
+                "the run's val/loss will be NaN"
+                if split == "validation"
+                else "steps that take them will have NaN losses (trainer.on_nonfinite_loss)",
+            )
 
 
 def check_cifar_batches(cls, folder: Path) -> None:
