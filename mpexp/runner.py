@@ -103,13 +103,6 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     if world.is_main and resume is None:
         refuse_if_taken(run.run_dir, restart=cfg.trainer.resume == AUTO)
     stop_if_asked(stop, world, run, "as the run started")  # e.g. while torch was imported
-    if resume is not None:
-        if world.is_main:
-            resume.rewind()
-        at = resume.position
-        log.info(
-            "Resuming %s: epoch %d, batch %d, step %d", resume.path, at.epoch, at.batch, at.step
-        )
     device = world.device
     seed_everything(cfg.trainer.seed)
     precision = setup_precision(cfg.precision, device)
@@ -146,6 +139,16 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip_nonfinite)
     world.prepare_scaler(scaler)
     validate_run_length(cfg, data.steps_per_epoch(), data.train_size // world.size)
+    if resume is not None:
+        # the last check a resume can fail comes before the run's files change: a refused resume
+        # leaves its run as it was
+        resume.check_fits(model)
+        if world.is_main:
+            resume.rewind()
+        at = resume.position
+        log.info(
+            "Resuming %s: epoch %d, batch %d, step %d", resume.path, at.epoch, at.batch, at.step
+        )
     # W&B starts here, in a process of its own (mpexp/wandb_process.py): its second or more of
     # start-up runs on another core while this one imports TorchDynamo (the optimizer's first
     # use, or the FLOP count's) and training begins

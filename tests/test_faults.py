@@ -21,6 +21,7 @@
 | impossible config values | one line naming the key | - |
 | resume of a finished run | one line saying how to train on | the run |
 | a checkpoint with flipped bytes | one line: corrupt; another one if kept | the run |
+| a checkpoint missing a part, or not fitting the model | one line, exit 2 | the run, every file |
 
 Checkpoint writes that die halfway, kills and resumes are in tests/test_resume.py; crashed runs
 in the report in tests/test_report.py.
@@ -518,6 +519,43 @@ def test_resuming_a_finished_run_says_how_to_train_on_and_changes_nothing(
     output = one_line_failure(result)
     assert said in output and "To train on, give more epochs: trainer.epochs=4" in output
     assert snapshot(finished_run) == before  # no rows, no W&B segment, no .hydra rewrite
+
+
+def rewrite_checkpoint(path: Path, change) -> None:
+    """Change a checkpoint's state and write its checksum anew: a file that passes the checksum
+    but is not what the run saved (edited by hand, written by another program)."""
+    state = torch.load(path, weights_only=True)
+    change(state)
+    torch.save(state, path)
+    checkpoint.checksum_file(path).write_text(f"{checkpoint.sha256_of(path)}  {path.name}\n")
+
+
+def _narrower_first_conv(state: dict) -> None:
+    key = next(k for k, v in state["model"].items() if v.ndim == 4)
+    state["model"][key] = state["model"][key][:3].clone()
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda state: state.pop("config"), "is not a complete mpexp checkpoint: it lacks config"),
+        (lambda state: state.pop("scaler"), "is not a complete mpexp checkpoint: it lacks scaler"),
+        (_narrower_first_conv, "does not fit the run's model: conv1.weight is (3, 1, 3, 3) in the "
+         "checkpoint, (8, 1, 3, 3) in the model"),
+    ],
+    ids=["no config", "no scaler", "a weight of another shape"],
+)  # fmt: skip
+def test_a_refused_resume_leaves_the_run_as_it_was(finished_run, change, said):
+    _, newest = checkpoint_files(finished_run)
+    rewrite_checkpoint(newest, change)
+    before = snapshot(finished_run)
+    result = run_cli("mpexp.train", *ARGS, "trainer.keep_checkpoints=2", "wandb.mode=offline",
+                     "trainer.epochs=3", f"trainer.resume={finished_run}",
+                     cwd=finished_run.parent)  # fmt: skip
+    output = one_line_failure(result)
+    assert f"trainer.resume: {newest} {said}" in output
+    assert result.returncode == 2
+    assert snapshot(finished_run) == before  # status, rows, checkpoints, .hydra/, train.log
 
 
 def test_a_checkpoint_with_flipped_bytes_is_called_corrupt(finished_run):
