@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 from dataclasses import asdict, dataclass
@@ -37,6 +38,7 @@ from mpexp.rundir import (
     SUBDIR,
     checkpoint_files,
     checkpoint_step,
+    leftover_files,
     resume_command,
     run_dir_of,
 )
@@ -109,7 +111,10 @@ def write_atomically(state: dict, path: Path) -> None:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        sums_tmp.write_text(f"{sha256_of(tmp)}  {path.name}\n")
+        with open(sums_tmp, "w") as f:  # on disk before the rename, or a crash leaves it empty
+            f.write(f"{sha256_of(tmp)}  {path.name}\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(sums_tmp, sums)
         os.replace(tmp, path)
     except BaseException:
@@ -210,7 +215,9 @@ class Checkpointer:
             }
             if self.world.is_main:
                 self.directory.mkdir(parents=True, exist_ok=True)
-                for stale in self.directory.glob("*.tmp"):  # left behind by a crash mid-write
+                # a crash's leftovers (half-written files, lone checksums) first: space a full
+                # disk may need for this write
+                for stale in leftover_files(self.run_dir):
                     remove_checkpoint(stale)
             if self.sharded:
                 state["sharded"] = True
@@ -375,11 +382,13 @@ def _shape(value) -> tuple | None:
 
 
 def remove_checkpoint(path: Path) -> None:
+    """A checkpoint with its checksum, or a leftover of one (mpexp.rundir.leftover_files)."""
     if path.is_dir():
         shutil.rmtree(path)
         return
     path.unlink()
-    checksum_file(path).unlink(missing_ok=True)
+    if path.suffix != ".sha256":
+        checksum_file(path).unlink(missing_ok=True)
 
 
 def find_checkpoint(target: str | Path) -> Path:
@@ -443,8 +452,14 @@ def verify(path: Path) -> None:
     if not sums.is_file():
         log.warning("%s has no checksum beside it (%s): it is not verified.", path, sums.name)
         return
-    expected = sums.read_text().split()[0]
-    if sha256_of(path) != expected:
+    expected = sums.read_text(errors="replace").split()[:1]
+    if not (expected and re.fullmatch(r"[0-9a-f]{64}", expected[0])):
+        # e.g. empty after a power loss: the checkpoint is loaded and checked as one without
+        log.warning(
+            "%s holds no SHA-256 (it is empty or damaged): %s is not verified.", sums.name, path
+        )
+        return
+    if sha256_of(path) != expected[0]:
         raise ResumeRefused(
             f"trainer.resume: {path} is corrupt: its SHA-256 does not match the one written with "
             f"it ({sums.name}), so the file changed after it was saved.\n{_other(path)}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -49,20 +50,40 @@ def resume_command(overrides: list[str], target: str | Path) -> str:
     return rerun_command([*kept, f"trainer.resume={target}"])
 
 
+# the names mpexp gives checkpoints (a file, or a sharded run's folder), what a write that a crash
+# cut short leaves, and a checkpoint file's checksum; any other file in checkpoints/ is not mpexp's
+CHECKPOINT_NAME = re.compile(r"step-(\d+)(\.pt)?")
+CUT_SHORT_NAME = re.compile(r"step-\d+(\.pt\.tmp|\.pt\.tmp\.sha256|\.tmp)")
+CHECKSUM_NAME = re.compile(r"step-\d+\.pt\.sha256")
+
+
 def checkpoint_files(run_dir: str | Path) -> list[Path]:
     """A run's complete checkpoints, oldest first: `step-<N>.pt` files, and the `step-<N>/`
-    folders of sharded (FSDP) runs. Half-written `.tmp` ones are not among them."""
-    found = [
-        p
-        for p in (Path(run_dir) / SUBDIR).glob("step-*")
-        if (p.is_file() and p.suffix == ".pt") or (p.is_dir() and p.suffix != ".tmp")
-    ]
+    folders of sharded (FSDP) runs. Half-written `.tmp` ones, and files mpexp did not name, are
+    not among them."""
+    found = []
+    for path in (Path(run_dir) / SUBDIR).glob("step-*"):
+        name = CHECKPOINT_NAME.fullmatch(path.name)
+        if name and (path.is_file() if name[2] else path.is_dir()):
+            found.append(path)
     return sorted(found, key=checkpoint_step)
+
+
+def leftover_files(run_dir: str | Path) -> list[Path]:
+    """What mpexp left in a run's checkpoints/ that is no checkpoint: a write that a crash cut
+    short (`.tmp` files and folders, their checksums), and a checksum whose checkpoint is gone
+    (a kill between writing the one and renaming the other into place)."""
+    return [
+        path
+        for path in (Path(run_dir) / SUBDIR).glob("step-*")
+        if CUT_SHORT_NAME.fullmatch(path.name)
+        or (CHECKSUM_NAME.fullmatch(path.name) and not path.with_suffix("").is_file())
+    ]
 
 
 def checkpoint_step(path: Path) -> int:
     """The step a checkpoint was written after, read from its name."""
-    return int(path.name.removeprefix("step-").removesuffix(".pt"))
+    return int(CHECKPOINT_NAME.fullmatch(path.name)[1])
 
 
 def run_dir_of(checkpoint: str | Path) -> Path:

@@ -83,11 +83,15 @@ def corrupt_files(path: Path) -> list[str] | None:
     if not sums.is_file():
         return None
     bad = []
-    for line in sums.read_text().splitlines():
-        digest, name = line.split(maxsplit=1)
-        file = path / name.strip()
+    for number, line in enumerate(sums.read_text(errors="replace").splitlines(), start=1):
+        parts = line.split(maxsplit=1)
+        if len(parts) != 2:  # a damaged list cannot vouch for the files
+            bad.append(f"{SUMS} (line {number})")
+            continue
+        digest, name = parts[0], parts[1].strip()
+        file = path / name
         if not file.is_file() or sha256_of(file) != digest:
-            bad.append(name.strip())
+            bad.append(name)
     return bad
 
 
