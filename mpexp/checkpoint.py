@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 from dataclasses import asdict, dataclass
@@ -31,12 +32,13 @@ from omegaconf import DictConfig
 
 from mpexp import sharded_checkpoint
 from mpexp.config import to_dict
-from mpexp.errors import ConfigError, OutputError
+from mpexp.errors import OutputError, ResumeRefused
 from mpexp.rundir import (
     AUTO,
     SUBDIR,
     checkpoint_files,
     checkpoint_step,
+    leftover_files,
     resume_command,
     run_dir_of,
 )
@@ -64,6 +66,13 @@ RESUMABLE_KEYS = frozenset(
         "wandb.init_timeout",
     }
 )
+
+
+# what every checkpoint holds (Checkpointer.save), and what a single-file one adds to it
+STATE_KEYS = ("position", "scaler", "schedule", "log", "metrics_bytes", "wandb_id", "config",
+              "overrides")  # fmt: skip
+FILE_KEYS = ("model", "optimizer", "rng")
+POSITION = ("epoch", "batch", "step")
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,10 @@ def write_atomically(state: dict, path: Path) -> None:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        sums_tmp.write_text(f"{sha256_of(tmp)}  {path.name}\n")
+        with open(sums_tmp, "w") as f:  # on disk before the rename, or a crash leaves it empty
+            f.write(f"{sha256_of(tmp)}  {path.name}\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(sums_tmp, sums)
         os.replace(tmp, path)
     except BaseException:
@@ -203,7 +215,9 @@ class Checkpointer:
             }
             if self.world.is_main:
                 self.directory.mkdir(parents=True, exist_ok=True)
-                for stale in self.directory.glob("*.tmp"):  # left behind by a crash mid-write
+                # a crash's leftovers (half-written files, lone checksums) first: space a full
+                # disk may need for this write
+                for stale in leftover_files(self.run_dir):
                     remove_checkpoint(stale)
             if self.sharded:
                 state["sharded"] = True
@@ -286,6 +300,29 @@ class Resume:
     def log_state(self) -> dict:
         return self.state["log"]
 
+    def check_fits(self, model) -> None:
+        """Refuse a checkpoint whose weights do not fit `model` (names and shapes), before the
+        run changes anything; a sharded checkpoint is checked by torch.distributed.checkpoint as
+        it loads."""
+        if self.state.get("sharded"):
+            return
+        saved, now = self.state["model"], model.state_dict()
+        odd = sorted(saved.keys() ^ now.keys())
+        if odd:
+            where = "the checkpoint" if odd[0] in saved else "the model"
+            problem = f"{odd[0]} is only in {where} ({len(odd)} names differ)"
+        else:
+            shapes = ((k, _shape(saved[k]), _shape(now[k])) for k in now)
+            problem = next(
+                (f"{k} is {a} in the checkpoint, {b} in the model" for k, a, b in shapes if a != b),
+                None,
+            )
+        if problem is not None:
+            raise ResumeRefused(
+                f"trainer.resume: {self.path} does not fit the run's model: {problem}.\n"
+                f"{_other(self.path)}"
+            )
+
     def rewind(self) -> None:
         """Forget what the run wrote after this checkpoint: later metrics rows and checkpoints."""
         metrics, size = self.run_dir / "metrics.jsonl", self.state["metrics_bytes"]
@@ -339,12 +376,19 @@ class Resume:
         return self.position_on(world.size)
 
 
+def _shape(value) -> tuple | None:
+    shape = getattr(value, "shape", None)  # a module's extra state need not be a tensor
+    return None if shape is None else tuple(shape)
+
+
 def remove_checkpoint(path: Path) -> None:
+    """A checkpoint with its checksum, or a leftover of one (mpexp.rundir.leftover_files)."""
     if path.is_dir():
         shutil.rmtree(path)
         return
     path.unlink()
-    checksum_file(path).unlink(missing_ok=True)
+    if path.suffix != ".sha256":
+        checksum_file(path).unlink(missing_ok=True)
 
 
 def find_checkpoint(target: str | Path) -> Path:
@@ -357,7 +401,7 @@ def find_checkpoint(target: str | Path) -> Path:
         where = (
             f"no checkpoint in {path / SUBDIR}" if path.is_dir() else "no such file or directory"
         )
-        raise ConfigError(
+        raise ResumeRefused(
             f"trainer.resume={target}: {where}.\nGive a run directory (the one holding "
             f"metrics.jsonl) or a checkpoint file in its {SUBDIR}/ folder."
         )
@@ -365,7 +409,8 @@ def find_checkpoint(target: str | Path) -> Path:
 
 
 def load(path: Path, mmap: bool = False) -> dict:
-    """A checkpoint's state on the CPU, its checksum verified; a damaged file is a ConfigError."""
+    """A checkpoint's state on the CPU, its checksum verified and its parts all there; a damaged
+    or incomplete one is refused."""
     verify(path)
     try:
         if path.is_dir():
@@ -373,11 +418,22 @@ def load(path: Path, mmap: bool = False) -> dict:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:
-        raise ConfigError(
+        raise ResumeRefused(
             f"trainer.resume: {path} cannot be read as a checkpoint ({err}).\n{_other(path)}"
         ) from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ConfigError(f"trainer.resume: {path} is not an mpexp checkpoint (format {FORMAT}).")
+        raise ResumeRefused(f"trainer.resume: {path} is not an mpexp checkpoint (format {FORMAT}).")
+    parts = STATE_KEYS if state.get("sharded") else (*STATE_KEYS, *FILE_KEYS)
+    missing = [key for key in parts if key not in state]
+    position = state.get("position")
+    if not missing and not (isinstance(position, dict) and position.keys() == {*POSITION}):
+        missing = [f"a whole position ({', '.join(POSITION)})"]
+    if missing:
+        what = ", ".join(missing)
+        raise ResumeRefused(
+            f"trainer.resume: {path} is not a complete mpexp checkpoint: it lacks {what}.\n"
+            f"{_other(path)}"
+        )
     return state
 
 
@@ -387,7 +443,7 @@ def verify(path: Path) -> None:
     if path.is_dir():
         bad = sharded_checkpoint.corrupt_files(path)
         if bad:
-            raise ConfigError(
+            raise ResumeRefused(
                 f"trainer.resume: {path} is corrupt: {', '.join(bad)} no longer match the "
                 f"checksums written with them ({sharded_checkpoint.SUMS}).\n{_other(path)}"
             )
@@ -396,9 +452,15 @@ def verify(path: Path) -> None:
     if not sums.is_file():
         log.warning("%s has no checksum beside it (%s): it is not verified.", path, sums.name)
         return
-    expected = sums.read_text().split()[0]
-    if sha256_of(path) != expected:
-        raise ConfigError(
+    expected = sums.read_text(errors="replace").split()[:1]
+    if not (expected and re.fullmatch(r"[0-9a-f]{64}", expected[0])):
+        # e.g. empty after a power loss: the checkpoint is loaded and checked as one without
+        log.warning(
+            "%s holds no SHA-256 (it is empty or damaged): %s is not verified.", sums.name, path
+        )
+        return
+    if sha256_of(path) != expected[0]:
+        raise ResumeRefused(
             f"trainer.resume: {path} is corrupt: its SHA-256 does not match the one written with "
             f"it ({sums.name}), so the file changed after it was saved.\n{_other(path)}"
         )
@@ -432,7 +494,7 @@ def check_not_finished(state: dict, cfg: DictConfig, target: str | Path) -> None
         if wanted == done
         else f"has trained {done} epochs, more than trainer.epochs={wanted} asks for"
     )
-    raise ConfigError(
+    raise ResumeRefused(
         f"trainer.resume={target}: the run {what}; there is nothing to resume and nothing was "
         f"changed. To train on, {longer}."
     )
@@ -465,7 +527,7 @@ def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
     if len(changed) > 8:
         lines.append(f"  ... and {len(changed) - 8} more")
     may_change = ", ".join(sorted(RESUMABLE_KEYS - {"trainer.resume"}))
-    raise ConfigError(
+    raise ResumeRefused(
         f"trainer.resume={target}: this config differs from the run's, so training on would not "
         "continue that run:\n" + "\n".join(lines) + "\nResume with the run's own overrides:\n  "
         f"{resume_command(state['overrides'], target)}\n(only {may_change} may change on resume)"

@@ -15,6 +15,12 @@ class ConfigError(UserError):
     """A config value that cannot work; raised before training starts."""
 
 
+class ResumeRefused(ConfigError):
+    """`trainer.resume` cannot continue its run: a missing, damaged or foreign checkpoint, or a
+    config that differs from the run's. Raised before anything of the run is changed, and the
+    run's files are left as they were (its status too: the run did not fail, the resume did)."""
+
+
 class DataError(UserError):
     """A dataset that cannot be found or read."""
 

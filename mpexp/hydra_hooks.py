@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -24,7 +25,15 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from mpexp.errors import OutputError, UserError
-from mpexp.rundir import AUTO, check_not_locked, refuse_if_taken, run_dir_of
+from mpexp.rundir import (
+    AUTO,
+    LOCK_FILE,
+    RunLock,
+    SweepLock,
+    check_not_locked,
+    refuse_if_taken,
+    run_dir_of,
+)
 from mpexp.validate import check_schema, validate
 
 T = TypeVar("T")
@@ -83,7 +92,15 @@ def _unusable(path: Path, err: OSError) -> OutputError:
 
 
 class RunChecks(Callback):
-    """Checks that need the whole config, made before Hydra sets up the run directory."""
+    """Checks that need the whole config, made before Hydra sets up the run directory.
+
+    They also claim the directory: a single run locks its run dir, a sweep its sweep dir, before
+    Hydra writes `.hydra/` there, and holds it until it ends. A second process aimed at the same
+    folder is refused before it writes anything, so a folder's `.hydra/` is always its run's.
+    """
+
+    def __init__(self) -> None:
+        self._lock: RunLock | None = None
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         task = _task(config)
@@ -95,11 +112,19 @@ class RunChecks(Callback):
             from mpexp import checkpoint  # torch: only a resume needs it before the run starts
 
             resume = _exit_on_user_error(lambda: checkpoint.open_resume(task, run_dir, mmap=True))
-        if resume is None and task.trainer.resume != AUTO:
-            _exit_on_user_error(lambda: refuse_if_taken(run_dir))
-        else:  # the run may still be going on in another process
-            _exit_on_user_error(lambda: check_not_locked(run_dir))
         _exit_on_user_error(lambda: check_writable(run_dir))
+        main = int(os.environ.get("RANK", "0")) == 0  # ranks > 0 write nothing (distributed.py)
+        continues = resume is not None or task.trainer.resume == AUTO
+        if main and continues:  # taken before the lock writes its pid
+            log_file = run_dir / f"{config.hydra.job.name}.log"  # Hydra's job log, train.log
+            _RECORDS[run_dir.resolve()] = RunRecord(run_dir, log_file)
+        if main:
+            self._lock = _exit_on_user_error(lambda: RunLock(run_dir).acquire())
+        if not continues:
+            _exit_on_user_error(lambda: refuse_if_taken(run_dir))
+
+    def on_run_end(self, config: DictConfig, **kwargs) -> None:
+        self._release()
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         quiet_sweeper_logs(config)
@@ -107,10 +132,55 @@ class RunChecks(Callback):
         _exit_on_user_error(lambda: check_schema(_task(config)))
         sweep_dir = Path(config.hydra.sweep.dir)
         _exit_on_user_error(lambda: check_reachable(sweep_dir))
-        if sweep_dir.is_dir():  # a sweep dir given again: its jobs' folders would be reused
-            for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
-                _exit_on_user_error(lambda job=job: refuse_if_taken(job, key="hydra.sweep.dir"))
         _exit_on_user_error(lambda: check_writable(sweep_dir))
+        self._lock = _exit_on_user_error(lambda: SweepLock(sweep_dir).acquire())
+        # a sweep dir given again: its jobs' folders would be reused
+        for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
+            _exit_on_user_error(lambda job=job: refuse_if_taken(job, key="hydra.sweep.dir"))
+            _exit_on_user_error(lambda job=job: check_not_locked(job))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        self._release()  # the last callback to end (Hydra ends them in reverse): after the report
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+
+class RunRecord:
+    """What a job's start writes into the run directory it continues before mpexp's last check of
+    the resume (Hydra's `.hydra/` and job log, the lock's pid), as it was: a resume refused after
+    that puts it back, and leaves the run as it was."""
+
+    def __init__(self, run_dir: Path, log_file: Path):
+        self.hydra, self.lock, self.log_file = run_dir / ".hydra", run_dir / LOCK_FILE, log_file
+        self.files = {p: p.read_bytes() for p in [*self.hydra.glob("*"), self.lock] if p.is_file()}
+        self.log_size = log_file.stat().st_size if log_file.is_file() else None
+
+    def put_back(self) -> None:
+        for path in [*self.hydra.glob("*"), self.lock]:
+            if path not in self.files:
+                path.unlink(missing_ok=True)
+        if self.hydra.is_dir() and not any(self.hydra.iterdir()):
+            self.hydra.rmdir()
+        for path, content in self.files.items():
+            path.write_bytes(content)
+        if self.log_size is None:
+            self.log_file.unlink(missing_ok=True)
+        elif self.log_file.is_file():
+            with self.log_file.open("r+b") as f:
+                f.truncate(self.log_size)
+
+
+_RECORDS: dict[Path, RunRecord] = {}  # run dirs that a resume continues in this process
+
+
+def put_back_run_record(run_dir: Path) -> None:
+    """Undo what the job's start wrote into `run_dir` when a resume of it was refused."""
+    record = _RECORDS.pop(Path(run_dir).resolve(), None)
+    if record is not None:
+        record.put_back()
 
 
 def quiet_sweeper_logs(config: DictConfig) -> None:
@@ -160,8 +230,12 @@ def swept_keys(multirun_yaml: Path) -> set[str]:
 
 def _exit_on_user_error(check: Callable[[], T]) -> T:
     # Hydra turns a callback's exceptions into warnings and carries on; SystemExit gets through.
+    # A check that fails for a reason of its own must stop the run too, with its traceback.
     try:
         return check()
     except UserError as err:
         sys.stderr.write(f"{err}\n")
         raise SystemExit(2) from None
+    except Exception:
+        traceback.print_exc()
+        raise SystemExit(1) from None

@@ -69,20 +69,40 @@ def hydra_quoted(value: str) -> str:
     return "'" + re.sub(r"(\\*)\$\{", lambda m: 2 * m.group(1) + "\\${", escaped) + "'"
 
 
+# the names mpexp gives checkpoints (a file, or a sharded run's folder), what a write that a crash
+# cut short leaves, and a checkpoint file's checksum; any other file in checkpoints/ is not mpexp's
+CHECKPOINT_NAME = re.compile(r"step-(\d+)(\.pt)?")
+CUT_SHORT_NAME = re.compile(r"step-\d+(\.pt\.tmp|\.pt\.tmp\.sha256|\.tmp)")
+CHECKSUM_NAME = re.compile(r"step-\d+\.pt\.sha256")
+
+
 def checkpoint_files(run_dir: str | Path) -> list[Path]:
     """A run's complete checkpoints, oldest first: `step-<N>.pt` files, and the `step-<N>/`
-    folders of sharded (FSDP) runs. Half-written `.tmp` ones are not among them."""
-    found = [
-        p
-        for p in (Path(run_dir) / SUBDIR).glob("step-*")
-        if (p.is_file() and p.suffix == ".pt") or (p.is_dir() and p.suffix != ".tmp")
-    ]
+    folders of sharded (FSDP) runs. Half-written `.tmp` ones, and files mpexp did not name, are
+    not among them."""
+    found = []
+    for path in (Path(run_dir) / SUBDIR).glob("step-*"):
+        name = CHECKPOINT_NAME.fullmatch(path.name)
+        if name and (path.is_file() if name[2] else path.is_dir()):
+            found.append(path)
     return sorted(found, key=checkpoint_step)
+
+
+def leftover_files(run_dir: str | Path) -> list[Path]:
+    """What mpexp left in a run's checkpoints/ that is no checkpoint: a write that a crash cut
+    short (`.tmp` files and folders, their checksums), and a checksum whose checkpoint is gone
+    (a kill between writing the one and renaming the other into place)."""
+    return [
+        path
+        for path in (Path(run_dir) / SUBDIR).glob("step-*")
+        if CUT_SHORT_NAME.fullmatch(path.name)
+        or (CHECKSUM_NAME.fullmatch(path.name) and not path.with_suffix("").is_file())
+    ]
 
 
 def checkpoint_step(path: Path) -> int:
     """The step a checkpoint was written after, read from its name."""
-    return int(path.name.removeprefix("step-").removesuffix(".pt"))
+    return int(CHECKPOINT_NAME.fullmatch(path.name)[1])
 
 
 def run_dir_of(checkpoint: str | Path) -> Path:
@@ -133,40 +153,79 @@ def refuse_if_taken(run_dir: Path, restart: bool = False, key: str = "hydra.run.
         )
 
 
+# the directories this process holds locked: directory -> [its lock file, how many hold it]
+_HELD: dict[Path, list] = {}
+
+
 class RunLock:
-    """An exclusive lock on a run directory for as long as this process trains in it."""
+    """An exclusive lock on a run directory for as long as this process works in it.
+
+    The process that holds it may take it again: Hydra's callback claims a run directory before
+    Hydra writes `.hydra/` into it (mpexp/hydra_hooks.py), and the run takes it again to train.
+    """
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK_FILE
-        self._file = None
+        self.directory = Path(run_dir).resolve()  # one key per folder, however it is written
+        self.path = self.directory / LOCK_FILE
+        self._holding = False
 
-    def __enter__(self) -> RunLock:
+    def acquire(self) -> RunLock:
         if fcntl is None:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = self.path.open("a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        held = _HELD.get(self.directory)
+        if held is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            handle = self.path.open("a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                handle.close()
+                raise RunDirTaken(self.refusal(holder)) from None
             handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            handle.close()
-            raise RunDirTaken(
-                f"Another process (pid {holder}) is training in {self.path.parent}; two runs in "
-                "one directory would overwrite each other's results. Wait for it to end (or stop "
-                "it), then resume with trainer.resume, or start a new run elsewhere."
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        self._file = handle
+            handle.truncate()
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+            held = _HELD[self.directory] = [handle, 0]
+        held[1] += 1
+        self._holding = True
         return self
 
+    def release(self) -> None:
+        if not self._holding:
+            return
+        self._holding = False
+        held = _HELD[self.directory]
+        held[1] -= 1
+        if held[1] == 0:
+            del _HELD[self.directory]
+            held[0].close()  # closing releases the lock
+
+    def refusal(self, holder: str) -> str:
+        return (
+            f"Another process (pid {holder}) is training in {self.directory}; two runs in one "
+            "directory would overwrite each other's results. Wait for it to end (or stop it), "
+            "then resume with trainer.resume, or start a new run elsewhere."
+        )
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
     def __exit__(self, *exc) -> None:
-        if self._file is not None:
-            self._file.close()  # closing releases the lock
-            self._file = None
+        self.release()
+
+
+class SweepLock(RunLock):
+    """The lock a sweep holds on its `hydra.sweep.dir` while its jobs run: a second sweep into the
+    same folder would have its jobs write `.hydra/` into the folders of the first one's."""
+
+    def refusal(self, holder: str) -> str:
+        return (
+            f"Another sweep (pid {holder}) is running into {self.directory}; its jobs' folders "
+            "would be shared by this sweep's. Wait for it to end, or give this sweep another "
+            "hydra.sweep.dir (leave it out and each sweep gets a fresh one)."
+        )
 
 
 def check_not_locked(run_dir: Path) -> None:

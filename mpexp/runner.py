@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from mpexp import __version__, config, flops, performance
 from mpexp.checkpoint import Checkpointer, open_resume
 from mpexp.data.base import DataInfo, InMemoryData
+from mpexp.data.checks import warn_nonfinite
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError
 from mpexp.loop import Fit, Parts
@@ -102,13 +103,6 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     if world.is_main and resume is None:
         refuse_if_taken(run.run_dir, restart=cfg.trainer.resume == AUTO)
     stop_if_asked(stop, world, run, "as the run started")  # e.g. while torch was imported
-    if resume is not None:
-        if world.is_main:
-            resume.rewind()
-        at = resume.position
-        log.info(
-            "Resuming %s: epoch %d, batch %d, step %d", resume.path, at.epoch, at.batch, at.step
-        )
     device = world.device
     seed_everything(cfg.trainer.seed)
     precision = setup_precision(cfg.precision, device)
@@ -116,6 +110,11 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     speed = performance.plan_speed(cfg, device)
     data: InMemoryData = build(cfg.dataset)
     info = data.setup(device, speed.memory_format())
+    if world.is_main:  # the same data on every rank: one warning
+        warn_nonfinite(
+            {"training": data.train[0], "validation": data.val[0]},
+            f"dataset={run.choices.get('dataset') or cfg.dataset._target_}",
+        )
     data.shard(world.rank, world.size)
     model = build_model(cfg.model, info, run.choices.get("model")).to(device)
     parameters = sum(p.numel() for p in model.parameters())
@@ -140,6 +139,16 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip_nonfinite)
     world.prepare_scaler(scaler)
     validate_run_length(cfg, data.steps_per_epoch(), data.train_size // world.size)
+    if resume is not None:
+        # the last check a resume can fail comes before the run's files change: a refused resume
+        # leaves its run as it was
+        resume.check_fits(model)
+        if world.is_main:
+            resume.rewind()
+        at = resume.position
+        log.info(
+            "Resuming %s: epoch %d, batch %d, step %d", resume.path, at.epoch, at.batch, at.step
+        )
     # W&B starts here, in a process of its own (mpexp/wandb_process.py): its second or more of
     # start-up runs on another core while this one imports TorchDynamo (the optimizer's first
     # use, or the FLOP count's) and training begins

@@ -83,11 +83,15 @@ def corrupt_files(path: Path) -> list[str] | None:
     if not sums.is_file():
         return None
     bad = []
-    for line in sums.read_text().splitlines():
-        digest, name = line.split(maxsplit=1)
-        file = path / name.strip()
+    for number, line in enumerate(sums.read_text(errors="replace").splitlines(), start=1):
+        parts = line.split(maxsplit=1)
+        if len(parts) != 2:  # a damaged list cannot vouch for the files
+            bad.append(f"{SUMS} (line {number})")
+            continue
+        digest, name = parts[0], parts[1].strip()
+        file = path / name
         if not file.is_file() or sha256_of(file) != digest:
-            bad.append(name.strip())
+            bad.append(name)
     return bad
 
 
@@ -101,6 +105,10 @@ def load_into(path: Path, model, optimizer) -> None:
     dcp, get_state_dict, set_state_dict = _dcp()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
+    # DCP reads the folder's `.metadata` with pickle, and torch has no weights-only reader for
+    # it: a sharded checkpoint is trusted as one the user's own FSDP run wrote (trainer.resume
+    # names it; load() has compared it with its SHA256SUMS where it has one). The other files
+    # load with weights_only=True.
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]

@@ -11,7 +11,8 @@ Metric names are a contract read by dashboards and the report:
   diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/diagnostics.py); they
              share `step` with the step rows, so readers tell rows apart by their other keys
   summary    the final epoch's metrics, amp/skipped_steps, and under `ran` what ran, with
-             final_scale: the scale after the last update, the one a next step would use. In W&B,
+             final_scale: the scale after the last update, the one a next step would use;
+             summary.json also keeps the run's `config` and command-line `overrides`. In W&B,
              `ran` is the run's config (not its summary), and val/acc and val/loss are summarised
              as their best epoch's (`.max`, `.min`) and their last (`.last`)
   yours      `mpexp.log(values)` from the user's own code: `step` and the values, plotted in W&B
@@ -128,8 +129,15 @@ class Tracker:
         self._metrics = self._metrics_path.open("a+", buffering=1)
         self._checked_at = time.monotonic()
         self._restorable = True  # until a copy back has failed
-        # wall-clock start and end: the report warns when a sweep's jobs overlapped in time
-        self._summary: dict[str, Any] = {"status": "running", "started_at": _now()}
+        # wall-clock start and end: the report warns when a sweep's jobs overlapped in time. The
+        # config and overrides that ran, written by the process that writes the metrics: the
+        # report reads them here, not from `.hydra/`, which another process could have rewritten
+        self._summary: dict[str, Any] = {
+            "status": "running",
+            "started_at": _now(),
+            "config": config,
+            "overrides": list(run.overrides),
+        }
         self._write_summary()
         self._run, self._wandb_cfg = run, wandb_cfg
         self._init_timeout = wandb_cfg.get("init_timeout", 90)  # a config from Python may lack it

@@ -28,8 +28,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from mpexp import config
-from mpexp.errors import UserError
-from mpexp.hydra_hooks import register_resolvers, sweep_job_name
+from mpexp.errors import ResumeRefused, UserError
+from mpexp.hydra_hooks import put_back_run_record, register_resolvers, sweep_job_name
 from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
 from mpexp.stopping import Preempted, preemption_signal
 from mpexp.tracking import RunContext, record_end
@@ -79,12 +79,16 @@ def main(cfg: DictConfig) -> float:
         log.warning("Stopped at once by a second Ctrl-C. %s", last_checkpoint_note(run))
         raise SystemExit(128 + signal.SIGINT) from None
     except Exception as err:
-        # only rank 0 owns the run dir, and a dir taken by another run is not this run's to mark
-        if int(os.environ.get("RANK", "0")) == 0 and not isinstance(err, RunDirTaken):
+        # only rank 0 owns the run dir; a dir taken by another run is not this run's to mark,
+        # and a refused resume changed nothing of the run it would have continued
+        not_ours = isinstance(err, RunDirTaken | ResumeRefused)
+        if int(os.environ.get("RANK", "0")) == 0 and not not_ours:
             record_end(run.run_dir, "failed", err)  # summary.json: where a sweep's report looks
         if not isinstance(err, UserError):
             raise
         log.error("%s", err)  # also lands in the run's train.log
+        if isinstance(err, ResumeRefused):
+            put_back_run_record(run.run_dir)  # .hydra/, train.log and .lock as they were
         if HydraConfig.get().mode == RunMode.RUN:
             raise SystemExit(2) from None
         raise  # in a sweep the other jobs still run; Hydra reports this one at the end

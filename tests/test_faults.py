@@ -8,6 +8,7 @@
 | two runs started in the same second | nothing: two directories | both runs |
 | new run in a dir holding a run | one line naming trainer.resume, exit 2 | the old run |
 | second process on a live run's dir | one line naming the pid, exit 2 | the live run |
+| second sweep into a live sweep's dir | one line naming the pid, exit 2 | the live sweep |
 | checkpoint write fails (full disk) | one line: last good checkpoint, resume | that one |
 | stop signal that no run answers (--cfg) | one line, 128+sig | - |
 | stop signal as the run starts, data loads | one line, status interrupted, 128+sig | - |
@@ -20,9 +21,11 @@
 | truncated / corrupt / mislabelled / empty data | one line naming the file and the fault | - |
 | a synthetic set larger than memory | one line with the sizes that fit | - |
 | metrics.jsonl deleted while the run trains | one warning; the file written again | every row |
+| NaN or inf in the images | one warning at setup naming the split | the run |
 | impossible config values | one line naming the key | - |
 | resume of a finished run | one line saying how to train on | the run |
 | a checkpoint with flipped bytes | one line: corrupt; another one if kept | the run |
+| a checkpoint missing a part, or not fitting the model | one line, exit 2 | the run, every file |
 
 Checkpoint writes that die halfway, kills and resumes are in tests/test_resume.py; crashed runs
 in the report in tests/test_report.py.
@@ -32,7 +35,10 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
+import math
 import os
+import pickle
 import pty
 import re
 import select
@@ -56,7 +62,7 @@ from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.data.synthetic import SyntheticData
 from mpexp.distributed import start_world
 from mpexp.errors import ConfigError, DataError
-from mpexp.rundir import checkpoint_files
+from mpexp.rundir import RunLock, SweepLock, checkpoint_files
 from mpexp.runner import stop_if_asked, train
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.tracking import RunContext, Tracker
@@ -230,6 +236,29 @@ def test_a_second_process_on_a_live_runs_directory_is_refused(tmp_path):
         live.send_signal(signal.SIGTERM)
         live.communicate(timeout=120)
     assert status(run_dir) == "interrupted"
+
+
+def test_a_second_sweep_into_a_live_sweeps_folder_is_refused_before_it_writes(tmp_path):
+    # a live sweep holds its sweep dir from its start: two sweeps started together into one
+    # hydra.sweep.dir would otherwise both pass the check for runs already there, and the one
+    # that lost a job folder's lock would have rewritten that folder's .hydra/ record
+    sweep = tmp_path / "sweep"
+    with SweepLock(sweep):
+        result = run_cli("mpexp.train", "-m", *ARGS, "trainer.epochs=1", "trainer.seed=5,6",
+                         f"hydra.sweep.dir={sweep}", cwd=tmp_path)  # fmt: skip
+        output = one_line_failure(result)
+        assert f"Another sweep (pid {os.getpid()}) is running into {sweep}" in output
+        assert sorted(p.name for p in sweep.iterdir()) == [".lock"]  # nothing of its own
+
+
+def test_a_run_into_a_live_runs_folder_writes_no_hydra_record(tmp_path):
+    run_dir = tmp_path / "run"
+    with RunLock(run_dir):  # a run started a moment earlier, still importing torch
+        result = run_cli("mpexp.train", *ARGS, "trainer.epochs=1", f"hydra.run.dir={run_dir}",
+                         cwd=tmp_path)  # fmt: skip
+        output = one_line_failure(result)
+        assert f"Another process (pid {os.getpid()}) is training in {run_dir}" in output
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
 
 
 # --- exits that keep the status true ------------------------------------------------------------
@@ -516,8 +545,55 @@ def test_a_damaged_cifar_batch_is_named(tmp_path):
     folder = tmp_path / "cifar-10-batches-py"
     folder.mkdir()
     (folder / "data_batch_1").write_bytes(b"\x80\x04\x95 not a whole pickle")
-    with pytest.raises(DataError, match=r"data_batch_1 cannot be read as a CIFAR batch"):
+    with pytest.raises(DataError, match=r"data_batch_1 is not the file CIFAR-10 publishes"):
         CIFAR10Data(root=str(tmp_path), download=False, batch_size=8).setup(torch.device("cpu"))
+
+
+class _OpensAFile:
+    """A pickle that, once loaded, creates `marker`: any code could run in its place."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_a_cifar_batch_that_fails_its_checksum_is_never_unpickled(tmp_path):
+    folder = tmp_path / "data" / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    marker = tmp_path / "code-ran"
+    (folder / "data_batch_1").write_bytes(pickle.dumps(_OpensAFile(marker)))
+    result = run_cli(
+        "mpexp.train", "dataset=cifar10", f"dataset.root={tmp_path / 'data'}",
+        "dataset.download=false", "model=simplecnn_small", "wandb.mode=disabled", cwd=tmp_path,
+    )  # fmt: skip
+    output = one_line_failure(result)
+    assert not marker.exists()
+    assert f"{folder / 'data_batch_1'} is not the file CIFAR-10 publishes" in output
+    assert "dataset.download=true" in output and "cifar-10-python.tar.gz" in output
+
+
+class NaNInValidation(SyntheticData):
+    """The synthetic set with NaN in its first three validation images."""
+
+    def load(self):
+        train, (images, labels), classes = super().load()
+        images[:3, 0, 0, 0] = float("nan")
+        return train, (images, labels), classes
+
+
+def test_nan_in_the_validation_images_is_warned_about_once_at_setup(tmp_path, caplog):
+    cfg = make_cfg(*ARGS, "trainer.epochs=1", f"dataset._target_={__name__}.NaNInValidation")
+    with caplog.at_level(logging.WARNING):
+        summary = train(cfg, RunContext(tmp_path))
+    warnings = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
+    assert warnings == [
+        f"The validation set of dataset={__name__}.NaNInValidation holds 3 images with "
+        "non-finite values (NaN or inf), the first at position 0: the run's val/loss will be "
+        "NaN. Fix or drop those images."
+    ]
+    assert math.isnan(summary["val/loss"])
 
 
 def test_a_failed_download_says_why_and_leaves_no_empty_folders(tmp_path, monkeypatch):
@@ -596,6 +672,43 @@ def test_resuming_a_finished_run_says_how_to_train_on_and_changes_nothing(
     output = one_line_failure(result)
     assert said in output and "To train on, give more epochs: trainer.epochs=4" in output
     assert snapshot(finished_run) == before  # no rows, no W&B segment, no .hydra rewrite
+
+
+def rewrite_checkpoint(path: Path, change) -> None:
+    """Change a checkpoint's state and write its checksum anew: a file that passes the checksum
+    but is not what the run saved (edited by hand, written by another program)."""
+    state = torch.load(path, weights_only=True)
+    change(state)
+    torch.save(state, path)
+    checkpoint.checksum_file(path).write_text(f"{checkpoint.sha256_of(path)}  {path.name}\n")
+
+
+def _narrower_first_conv(state: dict) -> None:
+    key = next(k for k, v in state["model"].items() if v.ndim == 4)
+    state["model"][key] = state["model"][key][:3].clone()
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda state: state.pop("config"), "is not a complete mpexp checkpoint: it lacks config"),
+        (lambda state: state.pop("scaler"), "is not a complete mpexp checkpoint: it lacks scaler"),
+        (_narrower_first_conv, "does not fit the run's model: conv1.weight is (3, 1, 3, 3) in the "
+         "checkpoint, (8, 1, 3, 3) in the model"),
+    ],
+    ids=["no config", "no scaler", "a weight of another shape"],
+)  # fmt: skip
+def test_a_refused_resume_leaves_the_run_as_it_was(finished_run, change, said):
+    _, newest = checkpoint_files(finished_run)
+    rewrite_checkpoint(newest, change)
+    before = snapshot(finished_run)
+    result = run_cli("mpexp.train", *ARGS, "trainer.keep_checkpoints=2", "wandb.mode=offline",
+                     "trainer.epochs=3", f"trainer.resume={finished_run}",
+                     cwd=finished_run.parent)  # fmt: skip
+    output = one_line_failure(result)
+    assert f"trainer.resume: {newest} {said}" in output
+    assert result.returncode == 2
+    assert snapshot(finished_run) == before  # status, rows, checkpoints, .hydra/, train.log
 
 
 def test_a_checkpoint_with_flipped_bytes_is_called_corrupt(finished_run):

@@ -14,7 +14,7 @@ from mpexp.report import cli as report
 from mpexp.report.table import build_report
 from tests.test_report import read_table
 
-T2, T4 = 4.303, 2.776
+T1, T2, T4 = 12.706, 4.303, 2.776
 
 
 def make_run(
@@ -37,8 +37,9 @@ def make_run(
     (path / ".hydra").mkdir(parents=True)
     overrides = [f"precision={precision}", f"trainer.seed={seed}"]
     choices = {"precision": precision, "loss_scaling": loss_scaling, "model": "m", "dataset": "d"}
+    cfg = {"trainer": {"seed": seed, "epochs": len(accs)}}
     files = {
-        "config.yaml": {"trainer": {"seed": seed, "epochs": len(accs)}},
+        "config.yaml": cfg,
         "overrides.yaml": overrides,
         "hydra.yaml": {"hydra": {"runtime": {"choices": choices}}},
     }
@@ -46,7 +47,10 @@ def make_run(
         (path / ".hydra" / file).write_text(yaml.safe_dump(content))
     summary = {
         "status": "finished",
+        "config": cfg,
+        "overrides": overrides,
         "ran": {
+            "choices": choices,
             "precision": precision,
             "effective_precision": precision,
             "loss_scaling": loss_scaling,
@@ -149,6 +153,59 @@ def test_other_seeds_are_compared_unpaired_with_welchs_interval(tmp_path):
     assert fp16.d_val_acc_pts.value == pytest.approx(-6.0)
     assert fp16.d_val_acc_pts.half_width == pytest.approx(T2 * math.sqrt(5 / 3))
     assert fp16.parity == "too wide"
+
+
+def test_each_run_is_reported_with_its_own_config_whatever_hydra_wrote_there(tmp_path):
+    # two sweeps started together into one hydra.sweep.dir: Hydra of the sweep whose job was
+    # refused the folder (another run held it) had rewritten the folder's .hydra/ before that
+    final_only(tmp_path, "fp32", [0.90, 0.92], seeds=(5, 6))
+    hydra = tmp_path / "0" / ".hydra"
+    (hydra / "overrides.yaml").write_text(yaml.safe_dump(["precision=fp16", "trainer.seed=0"]))
+    (hydra / "config.yaml").write_text(yaml.safe_dump({"trainer": {"seed": 0, "epochs": 9}}))
+    (hydra / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": {}}}}))
+
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    runs = read_table(tmp_path / "report.md", "Runs")
+    assert [(r["run"], r["seed"], r["val acc (%)"]) for r in runs] == [
+        ("0 trainer.seed=5", "5", "90.00"),
+        ("1 trainer.seed=6", "6", "92.00"),
+    ]
+    (fp32,) = read_table(tmp_path / "report.md", "Accuracy against fp32")
+    assert (fp32["precision"], fp32["n"]) == ("fp32", "2")
+
+
+def test_a_diverged_run_is_marked_and_the_others_compared_as_usual(tmp_path, capsys):
+    final_only(tmp_path, "fp32", [0.90, 0.92, 0.94])
+    final_only(tmp_path, "fp16", [0.91, 0.93], seeds=(0, 1), first=3)
+    make_run(tmp_path, "5", "fp16", 2, [0.1, 0.1], [2.0, 1.0], val_loss=math.nan)
+    for seed, folder in enumerate("678"):  # every seed of bf16 diverged
+        make_run(tmp_path, folder, "bf16", seed, [0.1, math.nan], [2.0, 1.0], val_loss=math.inf)
+
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "diverged (final val loss or accuracy not finite): 5 precision=fp16,trainer.seed=2, 6"
+        in out
+    )
+    fp32, fp16, bf16 = read_table(tmp_path / "report.md", "Accuracy against fp32")
+    # fp16 from its two finite seeds, unpaired with fp32's three: Welch's interval as usual
+    d = config(build_report([tmp_path], 0.5), "fp16").d_val_acc_pts
+    assert d.value == pytest.approx(0.0) and d.half_width > 0
+    assert (fp16["n"], fp16["runs"]) == ("2 (+1 **diverged**)", "3, 4, 5")
+    assert fp16["val acc (%)"] == f"92.00 ± {T1:.2f}"  # sd sqrt(2) over sqrt(2) runs
+    assert fp16["parity"] == "inconclusive: interval too wide"
+    assert (bf16["n"], bf16["val acc (%)"], bf16["parity"]) == (
+        "0 (+3 **diverged**)",
+        "n/a",
+        "**diverged**",
+    )
+    assert fp32["parity"] == "fp32 reference"
+    runs = {r["run"]: r for r in read_table(tmp_path / "report.md", "Runs")}
+    assert runs["5 precision=fp16,trainer.seed=2 **(diverged)**"]["val loss"] == "nan"
+    text = (tmp_path / "report.md").read_text()
+    assert (
+        "**Diverged.** `5 precision=fp16,trainer.seed=2`, `6 precision=bf16,trainer.seed=0`" in text
+    )
 
 
 def test_single_seed_runs_say_so(tmp_path, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import signal
@@ -257,3 +258,40 @@ def test_a_cosine_run_cannot_be_resumed_with_more_epochs():
     saved = state("scheduler=cosine")
     with pytest.raises(ConfigError, match=r"trainer\.epochs"):
         check_config(saved, make_cfg(*TINY, "scheduler=cosine", "trainer.epochs=5"), "run")
+
+
+def test_files_in_checkpoints_that_mpexp_did_not_name_are_left_alone(tmp_path):
+    train(make_cfg(*ARGS, "trainer.epochs=1"), RunContext(tmp_path))
+    folder = tmp_path / "checkpoints"
+    (first,) = checkpoint_files(tmp_path)
+    theirs = {"step-best.pt": b"a user's best model", "notes.tmp": b"a note", "step-7": b"x"}
+    for name, content in theirs.items():
+        (folder / name).write_bytes(content)
+    # what a kill leaves between writing a checkpoint's checksum and renaming it into place,
+    # and a write cut short
+    lone = folder / "step-00000012.pt.sha256"
+    lone.write_text(checkpoint.checksum_file(first).read_text())
+    (folder / "step-00000012.pt.tmp").write_bytes(b"half a checkpoint")
+
+    # a resume reads the checkpoints, and the resumed run writes and prunes them
+    train(make_cfg(*ARGS, f"trainer.resume={tmp_path}"), RunContext(tmp_path))
+    assert status(tmp_path) == "finished"
+    assert [p.name for p in checkpoint_files(tmp_path)] == ["step-00000016.pt"]
+    assert {p.name for p in folder.iterdir()} == {
+        *theirs, "step-00000016.pt", "step-00000016.pt.sha256"
+    }  # fmt: skip
+    assert {name: (folder / name).read_bytes() for name in theirs} == theirs
+
+
+def test_an_empty_checksum_beside_a_checkpoint_is_warned_about(tmp_path, caplog):
+    # a power loss after the rename of a checksum not yet on disk leaves it empty
+    train(make_cfg(*ARGS, "trainer.epochs=1"), RunContext(tmp_path))
+    (saved,) = checkpoint_files(tmp_path)
+    checkpoint.checksum_file(saved).write_text("")
+    with caplog.at_level(logging.WARNING):
+        train(make_cfg(*ARGS, f"trainer.resume={tmp_path}"), RunContext(tmp_path))
+    assert (
+        f"step-00000008.pt.sha256 holds no SHA-256 (it is empty or damaged): {saved} is not "
+        "verified." in caplog.text
+    )
+    assert status(tmp_path) == "finished"

@@ -73,8 +73,10 @@ def _ratio(e: Estimate | None) -> str:
 
 
 VERDICTS = {
+    "diverged": "**diverged**",
     "reference": "fp32 reference",
     "no reference": "no fp32 reference",
+    "reference diverged": "fp32 reference diverged",
     "single seed": "inconclusive: single seed",
     "within noise": "within noise",
     "too wide": "inconclusive: interval too wide",
@@ -106,7 +108,7 @@ def _precision(row: Row) -> str:
 
 
 def _time_to_target(config: Config) -> str:
-    if config.target is None:
+    if config.target is None or not config.rows:
         return "n/a"
     if config.reached == config.n:
         return _estimate(config.time_to_target, ".1f")
@@ -155,6 +157,13 @@ def _warnings(report: Report) -> list[str]:
             f"**Cut-off metrics.** {_names(cut)}: the last line of metrics.jsonl was cut off "
             "mid-write (a crash) and is left out."
         )
+    diverged = report.diverged
+    if diverged:
+        warnings.append(
+            f"**Diverged.** {_names(diverged)}: the final val loss or accuracy is not finite "
+            "(NaN or inf). They are marked in the tables and left out of their configurations' "
+            "means and comparisons, which the other runs make as usual."
+        )
     single = [c for c in report.configs if c.n == 1]
     if single:
         which = ", ".join(f"`{c.label}`" for c in single)
@@ -199,7 +208,7 @@ def _accuracy_section(report: Report) -> list[str]:
             c.first.loss_scaling,
             c.first.run.chosen("model"),
             c.first.run.chosen("dataset"),
-            str(c.n),
+            _n(c),
             _estimate(c.val_acc_pct, ".2f"),
             _estimate(c.d_val_acc_pts, "+.2f"),
             parity_text(c),
@@ -210,6 +219,12 @@ def _accuracy_section(report: Report) -> list[str]:
     headers = ["configuration", "runs", "precision", "loss scaling", "model", "dataset", "n",
                "val acc (%)", "Δ val acc (points)", "parity", "val loss", "Δ val loss"]  # fmt: skip
     return [*lines, *_table(headers, report.configs, cells), ""]
+
+
+def _n(config: Config) -> str:
+    """How many runs its numbers come from, and how many more diverged."""
+    diverged = len(config.diverged)
+    return f"{config.n} (+{diverged} **diverged**)" if diverged else str(config.n)
 
 
 def _fp8_section(report: Report) -> list[str]:
@@ -236,7 +251,7 @@ def _fp8_section(report: Report) -> list[str]:
             c.label,
             _precision(c.first),
             c.bf16_reference.label if c.bf16_reference else "none",
-            str(c.n),
+            _n(c),
             _estimate(c.val_acc_pct, ".2f"),
             _estimate(c.d_val_acc_vs_bf16_pts, "+.2f"),
             _verdict_text(c.parity_vs_bf16, c.d_val_acc_vs_bf16_pts, names),
@@ -270,7 +285,7 @@ def _speed_section(report: Report) -> list[str]:
     def cells(c: Config) -> list[str]:
         return [
             f"{c.label} {EMULATED_MARK}" if _emulated(c) else c.label,
-            str(c.n),
+            _n(c),
             _estimate(c.epoch_time_s, ".3f"),
             _ratio(c.speedup),
             _estimate(c.compile_s, ".1f"),
@@ -279,7 +294,7 @@ def _speed_section(report: Report) -> list[str]:
             _estimate(c.samples_per_s, ".0f"),
             _estimate(c.tflops, ".3g"),
             _estimate(c.mfu_pct, ".1f"),
-            f"{c.peak_mem_mib:.1f}",
+            _number(c.peak_mem_mib, ".1f"),
             _number(c.mem_ratio, ".2f") + ("x" if c.mem_ratio is not None else ""),
         ]
 
@@ -331,7 +346,9 @@ def _speed_section(report: Report) -> list[str]:
 def _targets(report: Report) -> str:
     if report.target_acc is not None:
         return f"Target: {100 * report.target_acc:.2f} % val accuracy (`--target-acc`)."
-    references = list(dict.fromkeys(c.reference for c in report.configs if c.reference))
+    references = list(
+        dict.fromkeys(c.reference for c in report.configs if c.reference and c.reference.rows)
+    )
     if not references:
         return "No target: no fp32 reference to take it from; set one with `--target-acc`."
     shown = [
@@ -359,7 +376,7 @@ def _runs_section(report: Report) -> list[str]:
             to_target = f"{reached:.1f}"
         spread = f"{v['epoch_time_min_s']:.3f} to {v['epoch_time_max_s']:.3f}"
         return [
-            v["run"],
+            f"{v['run']} **(diverged)**" if v["diverged"] else v["run"],
             str(v["seed"]),
             f"{v['val_acc_pct']:.2f}",
             f"{v['val_loss']:.4f}",
@@ -376,7 +393,7 @@ def _runs_section(report: Report) -> list[str]:
     headers = ["run", "seed", "val acc (%)", "val loss", "epoch time (s): median [min to max]",
                "timed epochs", "samples/s", "TFLOP/s", "MFU (%)", "time to target (s)",
                "peak memory (MiB)", "skipped steps"]  # fmt: skip
-    items = [(c, r) for c in report.configs for r in c.rows]
+    items = [(c, r) for c in report.configs for r in c.members]
     return ["## Runs", "", *_table(headers, items, cells), ""]
 
 

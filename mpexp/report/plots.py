@@ -47,7 +47,11 @@ def _legend_label(config: Config) -> str:
 
 def draw_all(configs: list[Config], out_dir: Path) -> dict[str, Path]:
     """Every plot that has something to show, by name: the loss-scale plot needs a scaled run,
-    the underflow plot a run with gradient statistics."""
+    the underflow plot a run with gradient statistics. Runs that diverged are not drawn: their
+    values are not finite."""
+    configs = [c for c in configs if c.rows]
+    if not configs:
+        return {}
     drawn = {
         "val_accuracy": val_accuracy(configs, out_dir / "val_accuracy.png"),
         "loss_curves": loss_curves(configs, out_dir / "loss_curves.png"),

@@ -114,6 +114,7 @@ def load_run(path: Path) -> Run:
         return run
     run.summary = summary
     run.status = str(summary.get("status", "unknown"))
+    _own_record(run)
 
     error = run.summary.get("error")
     if run.status == "failed" and not (path / "metrics.jsonl").exists():
@@ -142,6 +143,18 @@ def load_run(path: Path) -> Run:
     if run.problem and run.cut_off:
         run.problem += "; the last line of metrics.jsonl was cut off mid-write and is left out"
     return run
+
+
+def _own_record(run: Run) -> None:
+    """Take the config, overrides and choices from summary.json where the run recorded them: the
+    process that trained wrote it along with the metrics, while `.hydra/` is written by whichever
+    process Hydra started there last. Runs from before mpexp recorded them keep `.hydra/`'s."""
+    if isinstance(run.summary.get("config"), dict):
+        run.config = run.summary["config"]
+    if isinstance(run.summary.get("overrides"), list):
+        run.overrides = [str(o) for o in run.summary["overrides"]]
+    if isinstance(run.ran.get("choices"), dict):
+        run.choices = run.ran["choices"]
 
 
 def _read_yaml(path: Path) -> Any:

@@ -1,6 +1,7 @@
 """The report's numbers.
 
-- `Row`: one finished run, from its metrics.jsonl;
+- `Row`: one finished run, from its metrics.jsonl; a run whose final val loss or accuracy is not
+  finite (NaN, inf) diverged: it is shown, marked, and left out of its configuration's numbers;
 - `Config`: the runs that differ only in `trainer.seed`, as means with 95 % intervals over seeds,
   compared with their fp32 reference: the fp32 configuration with the same other overrides (in a
   precision x loss-scaling grid, the one without loss scaling); an fp8 configuration also with its
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -57,6 +59,11 @@ class Row:
     @property
     def seed(self) -> Any:
         return self.run.config.get("trainer", {}).get("seed")
+
+    @property
+    def diverged(self) -> bool:
+        """Its final val loss or accuracy is not finite: no number of it can be averaged."""
+        return not (math.isfinite(self.val_loss) and math.isfinite(self.val_acc))
 
     @property
     def precision(self) -> str:
@@ -136,10 +143,14 @@ def _in(override: str, groups: tuple[str, ...]) -> bool:
 
 @dataclass(eq=False)
 class Config:
-    """The runs that differ only in `trainer.seed`, and the fp32 configuration compared with."""
+    """The runs that differ only in `trainer.seed`, and the fp32 configuration compared with.
+
+    Its numbers come from the runs that did not diverge (`rows`); a configuration whose every run
+    diverged has none, and is compared with nothing.
+    """
 
     label: str
-    rows: list[Row]
+    members: list[Row]  # every run, in job order
     overrides: tuple[str, ...]  # sorted, without the seed
     tolerance: float
     reference: Config | None = None
@@ -147,8 +158,17 @@ class Config:
     bf16_reference: Config | None = None  # an fp8 configuration's bf16 counterpart
 
     @property
+    def rows(self) -> list[Row]:
+        """The runs its numbers come from: those that did not diverge."""
+        return [r for r in self.members if not r.diverged]
+
+    @property
+    def diverged(self) -> list[Row]:
+        return [r for r in self.members if r.diverged]
+
+    @property
     def first(self) -> Row:
-        return self.rows[0]
+        return self.members[0]
 
     @property
     def n(self) -> int:
@@ -168,7 +188,7 @@ class Config:
 
     def _mean_of(self, attribute: str, scale: float = 1.0) -> Estimate | None:
         values = self._each(attribute)
-        return None if None in values else mean([scale * v for v in values])
+        return None if not values or None in values else mean([scale * v for v in values])
 
     @property
     def val_acc_pct(self) -> Estimate:
@@ -200,8 +220,8 @@ class Config:
         return self._mean_of("mfu", 100)
 
     @property
-    def peak_mem_mib(self) -> float:
-        return statistics.fmean(self._each("peak_mem_mib"))
+    def peak_mem_mib(self) -> float | None:
+        return statistics.fmean(self._each("peak_mem_mib")) if self.rows else None
 
     @property
     def mem_kind(self) -> str:
@@ -214,7 +234,7 @@ class Config:
         both ran the same seeds (the same initial weights and data order on each side of a pair),
         else Welch's."""
         other = other or self.reference
-        if other is None:
+        if not self._comparable(other):
             return None
         if other is self:
             return Estimate(0.0)
@@ -227,6 +247,10 @@ class Config:
             [scale * v for v in other._each(attribute)],
         )
 
+    def _comparable(self, other: Config | None) -> bool:
+        """Both sides have runs that did not diverge."""
+        return other is not None and bool(self.rows) and bool(other.rows)
+
     @property
     def d_val_acc_pts(self) -> Estimate | None:
         return self._difference("val_acc", 100)
@@ -238,15 +262,23 @@ class Config:
     @property
     def parity(self) -> str:
         """How its final val accuracy compares with the fp32 reference's, at 95 %:
-        `reference`, `no reference`, `single seed` (no interval on one side), `within noise` (the
-        interval of the difference lies above -tolerance: not worse by more than the tolerance),
-        `worse` (it lies below -tolerance), `better` (above +tolerance), or `too wide` (it
-        straddles -tolerance: more seeds would tell)."""
-        if self.reference is None:
+        `diverged` (every run did), `reference`, `no reference`, `reference diverged`, `single
+        seed` (no interval on one side), `within noise` (the interval of the difference lies
+        above -tolerance: not worse by more than the tolerance), `worse` (it lies below
+        -tolerance), `better` (above +tolerance), or `too wide` (it straddles -tolerance: more
+        seeds would tell)."""
+        return self._parity(self.reference, self.d_val_acc_pts)
+
+    def _parity(self, reference: Config | None, diff: Estimate | None) -> str:
+        if not self.rows:
+            return "diverged"
+        if reference is None:
             return "no reference"
-        if self.is_reference:
+        if reference is self:
             return "reference"
-        return verdict(self.d_val_acc_pts, self.tolerance)
+        if not reference.rows:
+            return "reference diverged"
+        return verdict(diff, self.tolerance)
 
     @property
     def d_val_acc_vs_bf16_pts(self) -> Estimate | None:
@@ -261,21 +293,19 @@ class Config:
         reference` without one); None for the other precisions."""
         if self.first.precision != FP8:
             return None
-        if self.bf16_reference is None:
-            return "no reference"
-        return verdict(self.d_val_acc_vs_bf16_pts, self.tolerance)
+        return self._parity(self.bf16_reference, self.d_val_acc_vs_bf16_pts)
 
     @property
     def speedup_vs_bf16(self) -> Estimate | None:
         """The bf16 reference's mean epoch time over this fp8 configuration's."""
-        if self.bf16_reference is None:
+        if not self._comparable(self.bf16_reference):
             return None
         return ratio(self.bf16_reference._each("epoch_time_s"), self._each("epoch_time_s"))
 
     @property
     def speedup(self) -> Estimate | None:
         """The reference's mean epoch time over this one's."""
-        if self.reference is None:
+        if not self._comparable(self.reference):
             return None
         if self.is_reference:
             return Estimate(1.0)
@@ -289,7 +319,7 @@ class Config:
     def time_to_target(self) -> Estimate | None:
         """Mean over seeds, when every seed reached the target."""
         times = self.times_to_target
-        return None if self.target is None or None in times else mean(times)
+        return None if self.target is None or not times or None in times else mean(times)
 
     @property
     def reached(self) -> int:
@@ -307,7 +337,7 @@ class Config:
     @property
     def mem_ratio(self) -> float | None:
         # CUDA tensor memory and CPU process RSS measure different things: no ratio between them
-        if self.reference is None or self.reference.mem_kind != self.mem_kind:
+        if not self._comparable(self.reference) or self.reference.mem_kind != self.mem_kind:
             return None
         return self.peak_mem_mib / self.reference.peak_mem_mib
 
@@ -315,13 +345,14 @@ class Config:
         """The configuration as plain values: the W&B table's columns, what report.md formats."""
         values: dict[str, Any] = {
             "configuration": self.label,
-            "runs": ", ".join(r.folder for r in self.rows),
+            "runs": ", ".join(r.folder for r in self.members),
             "precision": self.first.precision,
             "effective_precision": self.first.effective_precision,
             "loss_scaling": self.first.loss_scaling,
             "model": self.first.run.chosen("model"),
             "dataset": self.first.run.chosen("dataset"),
             "n": self.n,
+            "diverged": len(self.diverged),
             "parity": self.parity,
             "bf16_reference": self.bf16_reference.label if self.bf16_reference else None,
             "parity_vs_bf16": self.parity_vs_bf16,
@@ -377,6 +408,7 @@ def run_values(row: Row, target: float | None) -> dict[str, Any]:
         "precision": row.precision,
         "effective_precision": row.effective_precision,
         "loss_scaling": row.loss_scaling,
+        "diverged": row.diverged,
         "val_acc_pct": 100 * row.val_acc,
         "val_loss": row.val_loss,
         "epoch_time_s": row.epoch_time_s,
@@ -432,7 +464,7 @@ def attach_references(configs: list[Config], target_acc: float | None) -> None:
     for config in configs:
         if target_acc is not None:
             config.target = target_acc
-        elif config.reference is not None:
+        elif config.reference is not None and config.reference.rows:
             config.target = config.reference.val_acc_pct.value / 100 - config.tolerance / 100
 
 
@@ -479,7 +511,12 @@ class Report:
 
     @property
     def rows(self) -> list[Row]:
-        return [r for c in self.configs for r in c.rows]
+        """Every reported run, diverged ones too."""
+        return [r for c in self.configs for r in c.members]
+
+    @property
+    def diverged(self) -> list[Row]:
+        return [r for c in self.configs for r in c.diverged]
 
     @property
     def worse(self) -> list[Config]:
@@ -514,6 +551,9 @@ class Report:
                 f"  below bf16 by more than {self.tolerance:g} points: {c.label} "
                 f"({d.value:+.2f} ± {d.half_width:.2f} points)"
             )
+        if self.diverged:
+            names = ", ".join(r.label for r in self.diverged)
+            lines.append(f"  diverged (final val loss or accuracy not finite): {names}")
         lines += [f"  not reported: {label}: {run.problem}" for label, run in self.not_reported]
         return lines
 

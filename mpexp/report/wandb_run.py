@@ -59,7 +59,7 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
             settings=wandb.Settings(init_timeout=90, silent=True),
         )
         configs = [c.values() for c in report.configs]
-        runs = [run_values(r, c.target) for c in report.configs for r in c.rows]
+        runs = [run_values(r, c.target) for c in report.configs for r in c.members]
         images = {f"report/{n}": wandb.Image(str(p)) for n, p in report.plots.items()}
         wb.log(
             {"report/table": _table(wandb, configs), "report/runs": _table(wandb, runs), **images}
