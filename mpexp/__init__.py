@@ -2,7 +2,15 @@
 
 __version__ = "0.1.0"
 
-# `mpexp.log({"my/value": 0.5})`: values of your own into the run that is training
-from mpexp.tracking import log_values as log
-
 __all__ = ["__version__", "log"]
+
+
+def __getattr__(name: str):
+    # `mpexp.log({"my/value": 0.5})`: values of your own into the run that is training. Imported
+    # on first use: `python -m mpexp.train` imports this package first, and catches stop signals
+    # before it imports Hydra (which mpexp.tracking does)
+    if name == "log":
+        from mpexp.tracking import log_values
+
+        return log_values
+    raise AttributeError(f"module 'mpexp' has no attribute {name!r}")

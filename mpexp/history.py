@@ -107,7 +107,9 @@ class StepHistory:
         distributed run."""
         self._ring = torch.zeros((capacity, self.WIDTH), device=device)
         self._position = torch.zeros((), dtype=torch.long, device=device)
+        self._row_numbers = torch.arange(capacity, device=device)
         self._device_at: int | None = 0  # what `_position` holds, as far as the host knows
+        self._captured = False  # whether a captured step writes into the ring
         self._meta: list[tuple[int, float]] = []
         self._rows = DeviceRows(_in_column(0, reduce_loss) if reduce_loss else None)
 
@@ -120,6 +122,11 @@ class StepHistory:
         scaler's update, `floor_hit` what the update decided. Eager: at the host's count."""
         row = len(self._meta) - 1
         if row >= len(self._ring):
+            if self._captured:  # a captured step writes into this ring: it must stay
+                raise RuntimeError(
+                    f"{row + 1} steps since the last flush, but the history ring holds "
+                    f"{len(self._ring)}: flush at least every {len(self._ring)} steps."
+                )
             grown = self._ring.new_zeros((2 * len(self._ring), self.WIDTH))
             grown[: len(self._ring)] = self._ring
             self._ring = grown
@@ -127,8 +134,12 @@ class StepHistory:
 
     def record_captured(self, before_update: torch.Tensor, floor_hit: torch.Tensor) -> None:
         """`record` for a step captured in a CUDA graph: at the position the device keeps."""
+        self._captured = True
         row = torch.cat((before_update, floor_hit.reshape(1))).unsqueeze(0)
-        self._ring.index_copy_(0, self._position, row)
+        # a select, not index_copy_: under deterministic algorithms indexing may take a path
+        # that checks its index on the host, which a capture cannot hold
+        here = (self._row_numbers == self._position).unsqueeze(1)
+        torch.where(here, row, self._ring, out=self._ring)
         self._position.add_(1)
 
     def before_replay(self) -> None:

@@ -219,6 +219,11 @@ class Stepper:
     def _forget_step(self) -> None:
         """Undo the host side of a step that did not finish (its device work never ran)."""
         self.scaler.reset_step()
+        # what GradScaler.step hands a fused optimizer and removes after its step: left over, a
+        # never-computed scale would multiply into the next step's
+        for name in ("grad_scale", "found_inf"):
+            if hasattr(self.optimizer, name):
+                delattr(self.optimizer, name)
         self.optimizer.zero_grad(set_to_none=True)
 
     @property

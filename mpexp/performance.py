@@ -137,7 +137,25 @@ def build_optimizer(
         fused = device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
         if device.type == "cuda" and not fused:
             log.info("Unfused optimizer: GradScaler reads the overflow flag on the host per step.")
-    return instantiate(cfg.optimizer, fused=bool(fused), **extra)(model.parameters())
+    optimizer = instantiate(cfg.optimizer, fused=bool(fused), **extra)(model.parameters())
+    if fused:
+        _zero_momentum(optimizer)
+    return optimizer
+
+
+def _zero_momentum(optimizer) -> None:
+    """Give fused SGD its momentum buffers before the first step.
+
+    Fused SGD makes them with `empty_like` at its first step and its kernel returns early on a
+    skipped step, so a first step skipped for an overflow (fp16 from a high initial scale) would
+    leave uninitialised memory as the momentum that the next step applies. Zeros give the same
+    numbers as torch's own first step (the buffer becomes the gradient) when dampening is 0."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        if group["momentum"] and not group["dampening"]:
+            for p in group["params"]:
+                optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
 
 
 def memory_format(channels_last: bool) -> torch.memory_format:

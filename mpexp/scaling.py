@@ -184,18 +184,21 @@ class LossScaler(torch.amp.GradScaler):
 
     def scale(self, outputs):
         if self._enabled and isinstance(outputs, torch.Tensor):
-            # every micro-batch's loss passes here: a non-finite one marks the whole step.
-            # x - x is exactly 0 for a finite x and NaN for inf or NaN: two operators (kernel
-            # launches, on a GPU) where isfinite().all() takes five
-            loss = outputs.detach()
-            if loss.dim():  # not a loss but a batch of them
-                bad = (loss - loss).ne(0).any().to(self._loss_bad.dtype)
-            else:
-                bad = torch.ne(loss - loss, 0, out=torch.empty_like(self._loss_bad))
-            if self._loss_bad is not self._all_finite:  # a later micro-batch of the step
-                bad = torch.maximum(self._loss_bad, bad)
-            self._loss_bad = bad
+            self._mark_nonfinite_loss(outputs)
         return super().scale(outputs)
+
+    def _mark_nonfinite_loss(self, outputs: torch.Tensor) -> None:
+        """Every micro-batch's loss passes here: a non-finite one marks the whole step."""
+        # x - x is exactly 0 for a finite x and NaN for inf or NaN: two operators (kernel
+        # launches, on a GPU) where isfinite().all() takes five
+        loss = outputs.detach()
+        if loss.dim():  # not a loss but a batch of them
+            bad = (loss - loss).ne(0).any().to(self._loss_bad.dtype)
+        else:
+            bad = torch.ne(loss - loss, 0, out=torch.empty_like(self._loss_bad))
+        if self._loss_bad is not self._all_finite:  # a later micro-batch of the step
+            bad = torch.maximum(self._loss_bad, bad)
+        self._loss_bad = bad
 
     def step(self, optimizer, *args, **kwargs):
         # GradScaler.step unscales (or, for a fused optimizer, only checks) if unscale_ has not
@@ -444,6 +447,23 @@ class NonfiniteGuard(StaticLossScaler):
 
     def continues_after_skip(self) -> bool:
         return self._continues
+
+    def scale(self, outputs):
+        # the loss's own check only: multiplying by 1 would be one more kernel for nothing
+        if not isinstance(outputs, torch.Tensor):
+            return super().scale(outputs)
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(outputs.device)
+        self._mark_nonfinite_loss(outputs)
+        return outputs
+
+    def update(self, new_scale=None) -> None:
+        # the scale stays 1: only the step's state is cleared (GradScaler's update would also
+        # write the scale again, one kernel per step)
+        if new_scale is not None:
+            super().update(new_scale)
+            return
+        self.reset_step()
 
     def describe(self) -> dict:
         return {"loss_scaling": "none", "nonfinite_guard": True}

@@ -43,21 +43,45 @@ class CudaGraph:
     def __init__(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
 
+    _side: torch.cuda.Stream | None = None  # the warm-up steps' stream, one for the process
+
     def capture(self, body: Callable[[], None]) -> None:
-        """Record `body`'s kernels; none of them runs until `replay`."""
-        with torch.cuda.graph(self._graph):
-            body()
+        """Record `body`'s kernels; none of them runs until `replay`.
+
+        A capture that fails raises the body's own error (not the "previous error during
+        capture" that ending an invalidated capture reports), and leaves the caller on the stream
+        it was on: torch.cuda.graph ends the capture before it leaves its stream, so an error
+        there would otherwise leave every later step on the capture stream."""
+        stream = torch.cuda.current_stream()
+        failure: list[BaseException] = []
+
+        def recorded() -> None:
+            try:
+                body()
+            except Exception as err:
+                failure.append(err)
+                raise
+
+        try:
+            with torch.cuda.graph(self._graph):
+                recorded()
+        except Exception as err:
+            torch.cuda.set_stream(stream)
+            torch.cuda.synchronize()
+            raise (failure[0] if failure else err) from None
 
     def replay(self) -> None:
         self._graph.replay()
 
-    @staticmethod
-    def warmup_stream() -> contextlib.AbstractContextManager:
+    @classmethod
+    def warmup_stream(cls) -> contextlib.AbstractContextManager:
         """Where warm-up steps run: a side stream, as PyTorch's capture recipe does, so that
-        what they initialise lazily is set up as the capture (also on a side stream) finds it."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        return _on_stream(side)
+        what they initialise lazily is set up as the capture (also on a side stream) finds it.
+        One stream for all of them: the allocator caches freed memory per stream."""
+        if cls._side is None:
+            cls._side = torch.cuda.Stream()
+        cls._side.wait_stream(torch.cuda.current_stream())
+        return _on_stream(cls._side)
 
 
 @contextlib.contextmanager

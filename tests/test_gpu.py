@@ -236,20 +236,24 @@ def test_a_step_replayed_from_a_cuda_graph_trains_exactly_as_the_eager_step(monk
 
 
 def test_replays_of_the_captured_step_never_wait_on_the_gpu():
-    """After the warm-up and the capture, a replayed step (batch gather included) in CUDA's
-    sync-debug mode set to error."""
+    """After the warm-up and the capture, replayed steps in CUDA's sync-debug mode set to error
+    (the history flushed between blocks of 4 steps, outside it, as a run flushes every
+    log_every steps)."""
     device = cuda()
     _, _, _, stepper = run_steps(["precision=fp16"], True, device=device)
     assert stepper.graph.captured
+    before = stepper.graph.replays
     images, labels = next(iter(batches(device=device)))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for step in range(100, 110):
-            stepper.step(step, images, labels)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert stepper.graph.replays >= 10
+    for block in range(3):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(4):
+                stepper.step(100 + 4 * block + step, images, labels)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        stepper.history.flush(wait=True)
+    assert stepper.graph.replays == before + 12
 
 
 def test_the_default_run_on_cuda_is_compiled_channels_last_and_captured(tmp_path):
@@ -278,6 +282,8 @@ def test_a_captured_run_logs_what_the_eager_run_logs_on_cuda(tmp_path):
         train(make_cfg(*base, f"trainer.cuda_graph={graph}"), RunContext(tmp_path / name))
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         runs[name] = [json.loads(line) for line in lines]
+    ran = json.loads((tmp_path / "graph" / "summary.json").read_text())["ran"]
+    assert ran["cuda_graph"] is True and ran["graph_replays"] > 0  # not two eager runs
     keys = ("step", "train/loss", "amp/scale", "amp/skipped_steps", "val/loss", "val/acc")
     steps = {n: [[r.get(k) for k in keys] for r in rows if "step" in r] for n, rows in runs.items()}
     assert steps["graph"] == steps["eager"]

@@ -426,3 +426,24 @@ def test_a_batch_of_losses_with_a_nan_marks_the_step(recwarn):
     scaler.scale(torch.tensor([1.0, float("nan")]))
     assert scaler._loss_bad.item() == 1
     assert not [w for w in recwarn if "resized" in str(w.message)]
+
+
+def test_fused_sgd_whose_first_step_is_skipped_applies_no_uninitialised_momentum(monkeypatch):
+    """Fused SGD makes its momentum with empty_like at its first step; a skipped first step (an
+    fp16 overflow) left that memory as the momentum. Here empty_like hands out NaN, as stale
+    memory may hold anything."""
+    from mpexp import performance
+    from tests.conftest import make_cfg
+
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: torch.full_like(t, torch.nan))
+    cfg = make_cfg("optimizer=sgd", "optimizer.fused=true", "optimizer.lr=0.1", "precision=fp16")
+    model = nn.Linear(4, 1, bias=False)
+    nn.init.ones_(model.weight)
+    scaler = build_scaler(cfg.loss_scaling, precision_of("fp16"), CPU)
+    optimizer = performance.build_optimizer(cfg, model, CPU, scaler)
+    for found_inf in (1.0, 0.0):  # skipped, then taken
+        model.weight.grad = torch.ones(1, 4)
+        optimizer.grad_scale, optimizer.found_inf = None, torch.tensor(found_inf)
+        optimizer.step()
+    # the one real step, from zero momentum: 1 - 0.1 * 1
+    assert torch.equal(model.weight.detach(), torch.full((1, 4), 0.9))
