@@ -17,9 +17,9 @@ from mpexp.config import (
     unknown_keys,
 )
 from mpexp.data.base import InMemoryData
-from mpexp.precision import setup_precision
-from mpexp.runner import build
-from mpexp.scaling import build_scaler
+from mpexp.precision.modes import setup_precision
+from mpexp.precision.scaling import build_scaler
+from mpexp.run.runner import build
 from tests.conftest import CONF, CPU, make_cfg, run_cli
 
 GROUPS = ["dataset", "model", "precision", "loss_scaling", "optimizer", "scheduler", "experiment"]

@@ -12,12 +12,12 @@ import torch
 import yaml
 from torch import nn
 
-from mpexp import precision as precision_module
 from mpexp.errors import ConfigError
-from mpexp.precision import convert_to_fp8, setup_precision
-from mpexp.runner import build, train
-from mpexp.scaling import build_scaler
-from mpexp.tracking import RunContext
+from mpexp.precision import modes as precision_module
+from mpexp.precision.modes import convert_to_fp8, setup_precision
+from mpexp.precision.scaling import build_scaler
+from mpexp.run.runner import build, train
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import (
     CONF,
     CPU,

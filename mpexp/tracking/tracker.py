@@ -7,8 +7,8 @@ Metric names are a contract read by dashboards and the report:
   per epoch  epoch, train/epoch_loss, val/loss, val/acc, perf/epoch_time_s, perf/samples_per_s
              (samples actually trained on: a last partial batch counts its size), perf/tflops,
              mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU); perf/mfu where the device's
-             peak is known (mpexp/flops.py)
-  diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/diagnostics.py); they
+             peak is known (mpexp/step/flops.py)
+  diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/step/diagnostics.py); they
              share `step` with the step rows, so readers tell rows apart by their other keys
   summary    the final epoch's metrics, amp/skipped_steps, and under `ran` what ran, with
              final_scale: the scale after the last update, the one a next step would use;
@@ -42,7 +42,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from mpexp.errors import UserError
-from mpexp.wandb_process import LogLines, WandbProcess
+from mpexp.tracking.wandb_process import LogLines, WandbProcess
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,8 @@ def resolve_wandb_mode(mode: str) -> str:
 class Tracker:
     """One run's metric sink.
 
-    W&B runs in a process of its own (mpexp/wandb_process.py), started with the tracker: its
-    import and start, a second or more of work, use another core while this process builds the
+    W&B runs in a process of its own (mpexp/tracking/wandb_process.py), started with the tracker:
+    its import and start, a second or more of work, use another core while this process builds the
     optimizer and begins training. Rows go to it through a queue, in order, whether or not it has
     started; only the end of the run waits for it.
 
@@ -169,7 +169,7 @@ class Tracker:
         _take_user_logs(self)
 
     def _wandb_start(self, run: RunContext, config: dict, wandb_cfg: Any) -> dict[str, Any]:
-        """What the W&B process needs to start the run (mpexp/wandb_process.py's `init`)."""
+        """What the W&B process needs to start the run (wandb_process.py's `init`)."""
         metrics = [("step", {}), ("epoch", {})]
         metrics += [(pattern, {"step_metric": "step"}) for pattern in STEP_METRICS]
         metrics += [(pattern, {"step_metric": "epoch"}) for pattern in EPOCH_METRICS]

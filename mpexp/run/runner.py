@@ -1,6 +1,7 @@
 """One training run from a composed config: `train(cfg, run)` builds what the config asks for
 (data, model, precision, loss scaler, optimizer, schedule, tracker, checkpoints) and hands it to
-the loop (mpexp/loop.py). mpexp.train's command line calls it; it can be called from Python too.
+the loop (mpexp/step/loop.py). mpexp.train's command line calls it; it can be called from Python
+too.
 """
 
 from __future__ import annotations
@@ -15,26 +16,27 @@ import torch
 from hydra.utils import get_object
 from omegaconf import DictConfig
 
-from mpexp import __version__, config, flops, performance
-from mpexp.checkpoint import Checkpointer, open_resume
+from mpexp import __version__, config
+from mpexp.checkpoints.checkpoint import Checkpointer, open_resume
 from mpexp.data.base import DataInfo, InMemoryData
 from mpexp.data.checks import warn_nonfinite
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError
-from mpexp.loop import Fit, Parts
-from mpexp.precision import (
+from mpexp.precision.modes import (
     check_fp16_convolutions_on_cpu,
     convert_to_fp8,
     run_in_float32,
     setup_precision,
 )
-from mpexp.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
-from mpexp.scaling import build_scaler
-from mpexp.schedules import build_schedule
-from mpexp.stopping import Preempted, StopSignals
+from mpexp.precision.scaling import build_scaler
+from mpexp.run.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
+from mpexp.run.stopping import Preempted, StopSignals
+from mpexp.run.validate import validate, validate_run_length
+from mpexp.step import flops, performance
+from mpexp.step.loop import Fit, Parts
+from mpexp.step.schedules import build_schedule
 from mpexp.system import device_name, resolve_device, seed_everything, set_deterministic
-from mpexp.tracking import NullTracker, RunContext, Tracker, error_text, record_end
-from mpexp.validate import validate, validate_run_length
+from mpexp.tracking.tracker import NullTracker, RunContext, Tracker, error_text, record_end
 
 log = logging.getLogger("mpexp")
 
@@ -149,8 +151,8 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         log.info(
             "Resuming %s: epoch %d, batch %d, step %d", resume.path, at.epoch, at.batch, at.step
         )
-    # W&B starts here, in a process of its own (mpexp/wandb_process.py): its second or more of
-    # start-up runs on another core while this one imports TorchDynamo (the optimizer's first
+    # W&B starts here, in a process of its own (mpexp/tracking/wandb_process.py): its second or more
+    # of start-up runs on another core while this one imports TorchDynamo (the optimizer's first
     # use, or the FLOP count's) and training begins
     tracker = (
         Tracker(run, config.to_dict(cfg), cfg.wandb) if world.is_main else NullTracker(run.run_dir)

@@ -31,7 +31,9 @@ except ImportError:  # pragma: no cover - not on the platforms mpexp runs on
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
-SUBDIR = "checkpoints"  # where a run's checkpoints are (mpexp/checkpoint.py writes them)
+SUBDIR = (
+    "checkpoints"  # where a run's checkpoints are (mpexp/checkpoints/checkpoint.py writes them)
+)
 RUN_FILES = ("metrics.jsonl", "summary.json", SUBDIR)
 AUTO = "auto"  # trainer.resume=auto: the run dir's newest checkpoint, if it has one
 
@@ -161,7 +163,7 @@ class RunLock:
     """An exclusive lock on a run directory for as long as this process works in it.
 
     The process that holds it may take it again: Hydra's callback claims a run directory before
-    Hydra writes `.hydra/` into it (mpexp/hydra_hooks.py), and the run takes it again to train.
+    Hydra writes `.hydra/` into it (mpexp/run/hydra_hooks.py), and the run takes it again to train.
     """
 
     def __init__(self, run_dir: Path):

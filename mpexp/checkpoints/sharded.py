@@ -65,7 +65,7 @@ def save(path: Path, common: dict, rng: dict, model, optimizer, rank: int) -> No
 
 
 def _write_sums(folder: Path) -> None:
-    from mpexp.checkpoint import sha256_of  # one checksum for both kinds of checkpoint
+    from mpexp.checkpoints.checkpoint import sha256_of  # one checksum for both kinds of checkpoint
 
     lines = [f"{sha256_of(f)}  {f.name}\n" for f in sorted(folder.iterdir()) if f.name != SUMS]
     with (folder / SUMS).open("w") as f:
@@ -77,7 +77,7 @@ def _write_sums(folder: Path) -> None:
 def corrupt_files(path: Path) -> list[str] | None:
     """The files of a checkpoint folder that no longer match their checksums (or are missing);
     None when the folder has no SHA256SUMS to check against."""
-    from mpexp.checkpoint import sha256_of
+    from mpexp.checkpoints.checkpoint import sha256_of
 
     sums = path / SUMS
     if not sums.is_file():
