@@ -15,7 +15,6 @@ the loop checks it once per step and stops at the step boundary with a checkpoin
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import random
@@ -31,6 +30,7 @@ import torch
 from omegaconf import DictConfig
 
 from mpexp.checkpoints import sharded
+from mpexp.checkpoints.checksums import sha256_of
 from mpexp.config import to_dict
 from mpexp.errors import OutputError, ResumeRefused
 from mpexp.run.rundir import (
@@ -87,14 +87,6 @@ class Position:
 def checksum_file(checkpoint: Path) -> Path:
     """Where a checkpoint's SHA-256 is kept, in `sha256sum` format (`sha256sum -c` checks it)."""
     return checkpoint.with_name(checkpoint.name + ".sha256")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_atomically(state: dict, path: Path) -> None:
