@@ -58,7 +58,8 @@ from mpexp import config  # noqa: E402
 from mpexp.data.mnist import MNISTData, write_mnist_files  # noqa: E402
 from mpexp.data.synthetic import SyntheticData  # noqa: E402
 from mpexp.models.deepcnn import DeepCNN  # noqa: E402
-from mpexp.precision.modes import convert_to_fp8, setup_precision  # noqa: E402
+from mpexp.precision.fp8 import convert_to_fp8  # noqa: E402
+from mpexp.precision.modes import setup_precision  # noqa: E402
 from mpexp.precision.scaling import build_scaler  # noqa: E402
 from mpexp.run.runner import build  # noqa: E402
 from mpexp.run.stopping import Preempted  # noqa: E402

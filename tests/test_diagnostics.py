@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mpexp.errors import NumericsError
-from mpexp.precision.modes import convert_to_fp8, setup_precision
+from mpexp.precision.fp8 import convert_to_fp8
+from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
 from mpexp.run.runner import train
 from mpexp.step.diagnostics import (

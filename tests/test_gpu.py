@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from mpexp.errors import ConfigError
-from mpexp.precision.modes import FP8_CAPABILITY, convert_to_fp8, setup_precision
+from mpexp.precision.fp8 import convert_to_fp8
+from mpexp.precision.fp8_support import FP8_CAPABILITY
+from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import DynamicLossScaler
 from mpexp.run.runner import train
 from mpexp.tracking.tracker import RunContext

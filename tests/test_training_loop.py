@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mpexp.data.synthetic import SyntheticData
 from mpexp.errors import ConfigError
 from mpexp.models.simplecnn import SimpleCNN
-from mpexp.precision.modes import run_in_float32
+from mpexp.precision.fp32_modules import run_in_float32
 from mpexp.precision.scaling import build_scaler
 from mpexp.run.runner import train
 from mpexp.step.diagnostics import Diagnostics

@@ -3,15 +3,14 @@
 A `precision` option (conf/precision/*.yaml) says what it does: `autocast` (float16, bfloat16 or
 null), `tf32` and `fp8` (torchao's float8 training of Linear layers, or null). It is applied once at
 setup and returned as a `Precision`; fp8's conversion of the model follows once the model is built
-(`convert_to_fp8`). The training loop only enters `precision.autocast()` and never re-decides
-anything.
+(`convert_to_fp8`, mpexp/precision/fp8.py). The training loop only enters `precision.autocast()`
+and never re-decides anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,20 +20,13 @@ import torch
 from torch import nn
 
 from mpexp.errors import ConfigError
+from mpexp.precision.cpu import cpu_has_native
+from mpexp.precision.fp8_support import check_fp8, torchao_version, warn_fp8_emulated_once
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 SHORT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-# fp8 matrix multiplication (torch._scaled_mm) needs fp8 tensor cores: compute capability 8.9
-# (Ada) or newer (Hopper 9.0, Blackwell 10.0)
-FP8_CAPABILITY = (8, 9)
-# both sizes of an fp8 matrix multiply must be multiples of 16 (torch._scaled_mm's rule); layers
-# that break it are left in bf16 on every device, so that CPU and GPU runs convert the same ones
-FP8_MULTIPLE = 16
-FP8_INSTALL = 'pip install "torchao>=0.18,<0.19"  (or the fp8 extra: pip install -e ".[fp8]")'
 
 
 def mode_name(autocast_dtype: torch.dtype | None, tf32: bool, fp8: bool = False) -> str:
@@ -59,7 +51,7 @@ class Fp8:
             "fp8_converted_count": len(self.converted),
             "fp8_converted": list(self.converted),
             "fp8_unconverted": dict(self.unconverted),
-            "fp8_backend": f"torchao {_torchao_version()}",
+            "fp8_backend": f"torchao {torchao_version()}",
         }
 
 
@@ -142,7 +134,7 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
     fp8 = Fp8(recipe=str(cfg["fp8"]["recipe"])) if cfg.get("fp8") is not None else None
     mode = mode_name(dtype, tf32, fp8 is not None)
     if fp8 is not None:
-        _check_fp8(dtype, device)
+        check_fp8(dtype, device)
     effective = mode
 
     if tf32 and not _tf32_capable(device):
@@ -162,7 +154,7 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
     if fp8 is not None:
         emulated = device.type == "cpu"
         if emulated:
-            _warn_fp8_emulated_once()
+            warn_fp8_emulated_once()
     else:
         emulated = dtype is not None and device.type == "cpu" and not cpu_has_native(dtype)
         if emulated:
@@ -176,50 +168,6 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
         emulated=emulated,
         fp8=fp8,
     )
-
-
-def _check_fp8(dtype: torch.dtype | None, device: torch.device) -> None:
-    """fp8 can run here, or a ConfigError says why not and what to do instead."""
-    if dtype is not torch.bfloat16:
-        raise ConfigError(
-            "precision.fp8 needs precision.autocast=bfloat16: the layers that fp8 does not "
-            "convert run under bf16 autocast, as torchao's float8 training expects. "
-            "precision=fp8 sets it."
-        )
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
-        major, minor = torch.cuda.get_device_capability(device)
-        raise ConfigError(
-            f"precision=fp8 needs a GPU with fp8 tensor cores (compute capability 8.9 or newer: "
-            f"Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} is {major}.{minor}.\n"
-            "Use precision=bf16 here, or trainer.device=cpu to see fp8's numerics emulated "
-            "(slowly)."
-        )
-    _import_torchao()
-
-
-def _import_torchao():
-    """torchao.float8, imported only when fp8 is asked for; without it, one readable error."""
-    # torch logs a deprecation notice about an enum torchao registers, once, at import: about
-    # the two libraries, not about this run
-    pytree_log = logging.getLogger("torch.utils._pytree")
-    level = pytree_log.level
-    pytree_log.setLevel(logging.ERROR)
-    try:
-        import torchao.float8
-    except ImportError as err:
-        raise ConfigError(
-            f"precision=fp8 needs torchao, which is not installed here ({err}).\n"
-            f"Install it with: {FP8_INSTALL}"
-        ) from None
-    finally:
-        pytree_log.setLevel(level)
-    return torchao.float8
-
-
-def _torchao_version() -> str:
-    import torchao
-
-    return torchao.__version__
 
 
 _warned_no_tf32: set[str] = set()
@@ -237,35 +185,6 @@ def _warn_no_tf32_once(device: torch.device, effective: str) -> None:
         where,
         effective,
     )
-
-
-_warned_fp8_emulated = False
-
-
-def _warn_fp8_emulated_once() -> None:
-    global _warned_fp8_emulated
-    if _warned_fp8_emulated:  # once per process, as the 16-bit warning
-        return
-    _warned_fp8_emulated = True
-    log.warning(
-        "precision=fp8 runs emulated on CPU (torchao's emulate mode): the numerics are real "
-        "(values cast to e4m3/e5m2 at torchao's scales, products summed in float32), the speed "
-        "is not: expect it slower than bf16 here. fp8's speed needs a CUDA GPU of compute "
-        "capability 8.9 or newer (Ada, Hopper). Recorded as emulated=true."
-    )
-
-
-def cpu_has_native(dtype: torch.dtype) -> bool:
-    """Whether this CPU computes `dtype` matrix work natively (oneDNN's own test: AVX-512 BF16 or
-    AMX for bfloat16, AVX-512 FP16 or AMX-FP16 for float16)."""
-    probe = {
-        torch.bfloat16: "_is_mkldnn_bf16_supported",
-        torch.float16: "_is_mkldnn_fp16_supported",
-    }[dtype]
-    try:
-        return bool(getattr(torch.ops.mkldnn, probe)())
-    except (AttributeError, RuntimeError):  # an older torch or a build without oneDNN
-        return False
 
 
 _warned_emulated: set[torch.dtype | str] = set()
@@ -327,136 +246,3 @@ def _tf32_capable(device: torch.device) -> bool:
 
 def _ampere_or_newer(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
-def convert_to_fp8(
-    model: nn.Module, precision: Precision, fp32_modules: list[str], compiled: bool
-) -> tuple[nn.Module, Precision]:
-    """Swap the model's Linear layers for torchao's fp8 ones, where fp8 can take them; return the
-    model and the Precision that records which were converted and why the others were not.
-
-    Called once the model is on its device and before DDP/FSDP wrap it or torch.compile traces it.
-    A Linear layer stays as it was (in bf16 under autocast) when its sizes are not multiples of 16
-    (a 10-class head), when precision.fp32_modules names it or a module around it, or when it sits
-    in an nn.MultiheadAttention, which uses its weight without calling it. Without fp8, the model
-    and precision come back unchanged.
-    """
-    if precision.fp8 is None:
-        return model, precision
-    float8 = _import_torchao()
-    config = float8.Float8LinearConfig.from_recipe_name(precision.fp8.recipe)
-    # on a CPU, torchao's emulation: the same casts and scales, the products summed in float32
-    config = dataclasses.replace(config, emulate=precision.emulated)
-    modules = dict(model.named_modules())
-    reasons: dict[str, str | None] = {}
-
-    def convertible(module: nn.Module, name: str) -> bool:
-        reasons[name] = _fp8_unconvertible(module, name, modules, fp32_modules)
-        return reasons[name] is None
-
-    model = float8.convert_to_float8_training(model, module_filter_fn=convertible, config=config)
-    converted = tuple(n for n, reason in reasons.items() if reason is None)
-    unconverted = {n: reason for n, reason in reasons.items() if reason is not None}
-    if not converted:
-        listed = "; ".join(f"{n or 'the model'}: {r}" for n, r in unconverted.items())
-        raise ConfigError(
-            "precision=fp8 has nothing to convert: fp8 computes nn.Linear layers whose sizes are "
-            f"multiples of {FP8_MULTIPLE}, and this model has none "
-            f"({listed or 'no Linear layer at all'}).\n"
-            "Use a model made of such layers (model=vit) or precision=bf16."
-        )
-    if precision.device_type == "cpu":
-        for name in converted:
-            model.get_submodule(name).register_forward_pre_hook(_to_cpu_autocast_dtype)
-    fp8 = dataclasses.replace(precision.fp8, converted=converted, unconverted=unconverted)
-    log.info(
-        "fp8 (%s%s): %d Linear layers converted; left as they were (in bf16 unless said): %s",
-        fp8.recipe,
-        ", emulated" if precision.emulated else "",
-        len(converted),
-        "; ".join(f"{n}: {r}" for n, r in unconverted.items()) or "none",
-    )
-    if precision.device_type == "cuda" and not compiled:
-        log.warning(
-            "precision=fp8 without trainer.compile=true: each cast to fp8 (an amax, a scale, a "
-            "cast, per operand of every converted layer) runs as kernels of its own, which eats "
-            "most of fp8's speedup; torchao's speedups are measured compiled."
-        )
-    return model, dataclasses.replace(precision, fp8=fp8)
-
-
-def _fp8_unconvertible(
-    module: nn.Module, name: str, modules: dict[str, nn.Module], fp32_modules: list[str]
-) -> str | None:
-    """Why fp8 leaves this Linear layer alone, or None when it converts it."""
-    if any(name == keep or name.startswith(keep + ".") for keep in fp32_modules):
-        return "in precision.fp32_modules: runs in float32"
-    parent = modules.get(name.rpartition(".")[0])
-    if isinstance(parent, nn.MultiheadAttention):
-        return "inside nn.MultiheadAttention, which uses the weight without calling the layer"
-    sizes = (module.in_features, module.out_features)
-    if any(size % FP8_MULTIPLE for size in sizes):
-        return (
-            f"{sizes[0]} inputs, {sizes[1]} outputs: fp8 matrix multiplication needs multiples "
-            f"of {FP8_MULTIPLE}"
-        )
-    return None
-
-
-def _to_cpu_autocast_dtype(module: nn.Module, args: tuple) -> tuple | None:
-    # torchao's fp8 layer casts its input to the autocast dtype itself on CUDA only (it reads
-    # CUDA's autocast state); doing the same under CPU autocast keeps emulated numerics those of
-    # the GPU: bf16 activations, scaled and cast to fp8
-    if torch.is_autocast_enabled("cpu"):
-        return (args[0].to(torch.get_autocast_dtype("cpu")), *args[1:])
-    return None
-
-
-def run_in_float32(model: nn.Module, names: list[str], precision: Precision) -> list[str]:
-    """Make the named submodules run outside autocast, in float32 (selective autocast).
-
-    The way "How to Use Mixed Precision Training in PyTorch" shows it, and the PyTorch blog post
-    advises for precision-sensitive regions: inside the module autocast is off and its floating
-    inputs are cast to float32, so it computes in float32 with its float32 weights.
-    """
-    if not names:
-        return []
-    modules = dict(model.named_modules())
-    unknown = [n for n in names if n not in modules or n == ""]
-    if unknown:
-        known = ", ".join(n for n in modules if n)
-        raise ConfigError(
-            f"precision.fp32_modules names {', '.join(map(repr, unknown))}, which the model does "
-            f"not have. Its submodules are: {known}."
-        )
-    if precision.autocast_dtype is None:
-        log.warning(
-            "precision.fp32_modules=%s has no effect under precision=%s: nothing runs under "
-            "autocast%s.",
-            list(names),
-            precision.mode,
-            " (and TF32 is a global switch that cannot be turned off per module)"
-            if precision.mode == "tf32"
-            else "",
-        )
-        return []
-    for name in names:
-        _forward_in_float32(modules[name], precision.device_type)
-    return list(names)
-
-
-def _forward_in_float32(module: nn.Module, device_type: str) -> None:
-    inner = module.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        with torch.autocast(device_type=device_type, enabled=False):
-            return inner(*map(_to_float32, args), **{k: _to_float32(v) for k, v in kwargs.items()})
-
-    module.forward = forward
-
-
-def _to_float32(value):
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.float()
-    return value

@@ -22,12 +22,9 @@ from mpexp.data.base import DataInfo, InMemoryData
 from mpexp.data.checks import warn_nonfinite
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError
-from mpexp.precision.modes import (
-    check_fp16_convolutions_on_cpu,
-    convert_to_fp8,
-    run_in_float32,
-    setup_precision,
-)
+from mpexp.precision.fp8 import convert_to_fp8
+from mpexp.precision.fp32_modules import run_in_float32
+from mpexp.precision.modes import check_fp16_convolutions_on_cpu, setup_precision
 from mpexp.precision.scaling import build_scaler
 from mpexp.run.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
 from mpexp.run.stopping import Preempted, StopSignals
