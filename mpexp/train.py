@@ -32,7 +32,8 @@ from mpexp.errors import ResumeRefused, UserError
 from mpexp.run.hydra_hooks import put_back_run_record, register_resolvers, sweep_job_name
 from mpexp.run.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
 from mpexp.run.stopping import Preempted, preemption_signal
-from mpexp.tracking.tracker import RunContext, record_end
+from mpexp.tracking.records import record_end
+from mpexp.tracking.tracker import RunContext
 
 log = logging.getLogger("mpexp")
 config.register()  # the schemas behind conf/ (mpexp/config.py)

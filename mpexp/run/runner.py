@@ -33,7 +33,8 @@ from mpexp.step import flops, performance
 from mpexp.step.loop import Fit, Parts
 from mpexp.step.schedules import build_schedule
 from mpexp.system import device_name, resolve_device, seed_everything, set_deterministic
-from mpexp.tracking.tracker import NullTracker, RunContext, Tracker, error_text, record_end
+from mpexp.tracking.records import error_text, record_end
+from mpexp.tracking.tracker import NullTracker, RunContext, Tracker
 
 log = logging.getLogger("mpexp")
 

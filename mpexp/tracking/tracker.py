@@ -27,11 +27,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import netrc
 import os
-import secrets
 import shutil
-import string
 import sys
 import time
 from collections.abc import Mapping
@@ -39,9 +36,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
-from mpexp.errors import UserError
+from mpexp.tracking.records import write_json_atomically
+from mpexp.tracking.wandb_mode import new_wandb_id, resolve_wandb_mode
 from mpexp.tracking.wandb_process import LogLines, WandbProcess
 
 log = logging.getLogger(__name__)
@@ -88,24 +85,6 @@ def wandb_tags(
     tags += [f"{group}={choices[group]}" for group in ("model", "dataset", "experiment")
              if choices.get(group)]  # fmt: skip
     return [*tags, *(t for t in extra if t not in tags)]
-
-
-def has_wandb_key() -> bool:
-    """True when W&B could log online: an API key in the environment or in ~/.netrc."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return netrc.netrc().authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def resolve_wandb_mode(mode: str) -> str:
-    """auto: online when a key is configured, else offline (WANDB_MODE in the environment wins)."""
-    if mode != "auto":
-        return mode
-    return os.environ.get("WANDB_MODE") or ("online" if has_wandb_key() else "offline")
 
 
 class Tracker:
@@ -466,49 +445,6 @@ def _checked(values: Mapping[str, Any]) -> Mapping[str, Any]:
                 "mpexp.tracking.Histogram."
             )
     return values
-
-
-def write_json_atomically(value: Any, path: Path) -> None:
-    """`path` holds the old JSON or all of the new, never half of it; no temporary file is left."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def error_text(error: BaseException) -> str:
-    """An error as a run's summary records it: a UserError's own message, else type and text."""
-    return str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
-
-
-def record_end(run_dir: Path, status: str, error: BaseException | None = None) -> None:
-    """Set a run's status in its summary.json (with the error), where a sweep's report looks.
-
-    Also covers runs that end before training starts (a bad value, bf16 on a GPU without it, a
-    stop signal), when no Tracker exists yet. Best effort: a run dir that cannot be written keeps
-    what it has.
-    """
-    path = Path(run_dir) / "summary.json"
-    try:
-        summary = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        summary = {}
-    summary["status"] = status
-    if error is not None:
-        summary["error"] = error_text(error)
-    try:
-        write_json_atomically(summary, path)
-    except OSError as err:
-        log.warning("Could not record the %s run in %s (%s).", status, path, err)
-
-
-def new_wandb_id() -> str:
-    """A fresh W&B run id: 8 characters of [a-z0-9], as W&B makes them."""
-    alphabet = string.ascii_lowercase + string.digits
-    return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 def _now() -> str:
