@@ -61,7 +61,7 @@ from mpexp.models.deepcnn import DeepCNN  # noqa: E402
 from mpexp.precision.fp8 import convert_to_fp8  # noqa: E402
 from mpexp.precision.modes import setup_precision  # noqa: E402
 from mpexp.precision.scaling import build_scaler  # noqa: E402
-from mpexp.run.runner import build  # noqa: E402
+from mpexp.run.build import build  # noqa: E402
 from mpexp.run.stopping import Preempted  # noqa: E402
 from mpexp.step import performance  # noqa: E402
 from mpexp.step.flops import device_peak_tflops, flops_per_sample  # noqa: E402

@@ -19,7 +19,7 @@ from mpexp.config import (
 from mpexp.data.base import InMemoryData
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
-from mpexp.run.runner import build
+from mpexp.run.build import build
 from tests.conftest import CONF, CPU, make_cfg, run_cli
 
 GROUPS = ["dataset", "model", "precision", "loss_scaling", "optimizer", "scheduler", "experiment"]

@@ -17,7 +17,8 @@ from mpexp.precision import fp8_support
 from mpexp.precision.fp8 import convert_to_fp8
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
-from mpexp.run.runner import build, train
+from mpexp.run.build import build
+from mpexp.run.runner import train
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import (
     CONF,
