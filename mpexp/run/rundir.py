@@ -23,6 +23,12 @@ from pathlib import Path
 
 from mpexp.errors import OutputError
 
+# fcntl.flock itself, not the filelock package (installed with torch, at no version mpexp sets):
+# the lock file holds the holder's pid, which the refusal names, and older filelock releases open
+# it with O_TRUNC, so that a refused contender erases it (filelock issue #591); where flock is
+# missing, newer releases fall back to a lock file's existence, which a killed process leaves
+# behind, while this lock must end with its process. The reentrant count for Hydra's callback and
+# the run (_HELD) would stay ours either way.
 try:  # POSIX; elsewhere runs are not locked
     import fcntl
 except ImportError:  # pragma: no cover - not on the platforms mpexp runs on
