@@ -10,7 +10,7 @@ def __getattr__(name: str):
     # on first use: `python -m mpexp.train` imports this package first, and catches stop signals
     # before it imports Hydra (which mpexp.tracking does)
     if name == "log":
-        from mpexp.tracking import log_values
+        from mpexp.tracking.tracker import log_values
 
         return log_values
     raise AttributeError(f"module 'mpexp' has no attribute {name!r}")

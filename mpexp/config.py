@@ -5,7 +5,7 @@ People edit YAML; these dataclasses sit behind it (through `defaults:` entries n
 choice (`trainer.device=gpu`) is refused by Hydra itself, before a run directory exists. Hydra's `+`
 prefix can still add keys a schema does not have; `unknown_keys` finds those. Range and cross-field
 checks (a positive learning rate, a batch larger than the accumulation count) live in
-`mpexp.validate`.
+`mpexp.run.validate`.
 
 A group option without a schema (a user's own model YAML, say) is composed as Hydra always does.
 """
@@ -90,10 +90,13 @@ class TrainerConfig:
     progress: Optional[bool] = None  # null: a bar on a terminal only
     strategy: Strategy = Strategy.single
     cudnn_benchmark: bool = True
-    # null: decided by the device (on for CUDA, off for a CPU), see mpexp.performance.plan_speed
+    # null: decided by the device (on for CUDA, off for a CPU), see
+    # mpexp.step.performance.plan_speed
     channels_last: Optional[bool] = None
     compile: Optional[bool] = None
-    compile_mode: str = "default"  # torch.compile's names contain '-': checked in mpexp.validate
+    compile_mode: str = (
+        "default"  # torch.compile's names contain '-': checked in mpexp.run.validate
+    )
     cuda_graph: Optional[bool] = None
     eager: bool = False  # compile and cuda_graph off where they are null
     deterministic: bool = False
@@ -103,7 +106,7 @@ class TrainerConfig:
     accumulate: int = 1
     clip_grad_norm: Optional[float] = None
     on_nonfinite_loss: NonfiniteLoss = NonfiniteLoss["raise"]
-    peak_tflops: Optional[float] = None  # null: from mpexp.flops.PEAK_TFLOPS by GPU name
+    peak_tflops: Optional[float] = None  # null: from mpexp.step.flops.PEAK_TFLOPS by GPU name
 
 
 @dataclass

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mpexp.errors import ConfigError
-from mpexp.precision import Precision
+from mpexp.precision.modes import Precision
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The training entrypoint: `python -m mpexp.train [group=option ...] [key=value ...]`, or
 `mpexp-train` once installed.
 
-A thin Hydra shell around `mpexp.runner.train(cfg, run)`. It imports torch only once a run
+A thin Hydra shell around `mpexp.run.runner.train(cfg, run)`. It imports torch only once a run
 starts (in `main`), so a config error, `--help`, `--cfg` and tab completion answer at once.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mpexp.stopping import INTERRUPTED_BEFORE_START, StopSignals, catch_from_start
+from mpexp.run.stopping import INTERRUPTED_BEFORE_START, StopSignals, catch_from_start
 
 # Run as the command (`python -m mpexp.train`, `mpexp-train`), a stop signal only asks to stop
 # from here on: Hydra's and OmegaConf's imports below take a noticeable fraction of a second.
@@ -29,10 +29,11 @@ from omegaconf import DictConfig
 
 from mpexp import config
 from mpexp.errors import ResumeRefused, UserError
-from mpexp.hydra_hooks import put_back_run_record, register_resolvers, sweep_job_name
-from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
-from mpexp.stopping import Preempted, preemption_signal
-from mpexp.tracking import RunContext, record_end
+from mpexp.run.hydra_hooks import put_back_run_record, register_resolvers, sweep_job_name
+from mpexp.run.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
+from mpexp.run.stopping import Preempted, preemption_signal
+from mpexp.tracking.records import record_end
+from mpexp.tracking.tracker import RunContext
 
 log = logging.getLogger("mpexp")
 config.register()  # the schemas behind conf/ (mpexp/config.py)
@@ -63,7 +64,7 @@ def run_context(cfg: DictConfig) -> RunContext:
 def main(cfg: DictConfig) -> float:
     run = run_context(cfg)
     try:
-        from mpexp.runner import train  # torch and the rest: only now that a run starts
+        from mpexp.run.runner import train  # torch and the rest: only now that a run starts
 
         return train(cfg, run)["val/acc"]  # under cli's StopSignals, when cli started it
     except Preempted as stopped:

@@ -12,9 +12,10 @@ In one process on one device, after a warm-up epoch, for each precision mode it 
 All loops use the same model, data (MNIST's on-disk format), batch size and precision switches.
 
 It also measures what a step pays so that a skipped step can leave BatchNorm's statistics as they
-were (mpexp/rollback.py): saving DeepCNN's 42 buffers and selecting them back, with multi-tensor
-ops as mpexp does and, for comparison, with a copy and a select per buffer. Operators dispatched
-(each at least one kernel launch on a GPU) and wall time per step, on the device benchmarked.
+were (mpexp/step/rollback.py): saving DeepCNN's 42 buffers and selecting them back, with
+multi-tensor ops as mpexp does and, for comparison, with a copy and a select per buffer. Operators
+dispatched (each at least one kernel launch on a GPU) and wall time per step, on the device
+benchmarked.
 
     python scripts/bench.py                       # CUDA: DeepCNN on MNIST-sized data
     python scripts/bench.py --device cpu          # a small model, under two minutes on 2 cores
@@ -53,16 +54,18 @@ from torchvision import transforms as T
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mpexp import config, performance  # noqa: E402
+from mpexp import config  # noqa: E402
 from mpexp.data.mnist import MNISTData, write_mnist_files  # noqa: E402
 from mpexp.data.synthetic import SyntheticData  # noqa: E402
-from mpexp.flops import device_peak_tflops, flops_per_sample  # noqa: E402
 from mpexp.models.deepcnn import DeepCNN  # noqa: E402
-from mpexp.precision import convert_to_fp8, setup_precision  # noqa: E402
-from mpexp.rollback import BufferRollback  # noqa: E402
-from mpexp.runner import build  # noqa: E402
-from mpexp.scaling import build_scaler  # noqa: E402
-from mpexp.stopping import Preempted  # noqa: E402
+from mpexp.precision.fp8 import convert_to_fp8  # noqa: E402
+from mpexp.precision.modes import setup_precision  # noqa: E402
+from mpexp.precision.scaling import build_scaler  # noqa: E402
+from mpexp.run.build import build  # noqa: E402
+from mpexp.run.stopping import Preempted  # noqa: E402
+from mpexp.step import performance  # noqa: E402
+from mpexp.step.flops import device_peak_tflops, flops_per_sample  # noqa: E402
+from mpexp.step.rollback import BufferRollback  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
@@ -350,7 +353,7 @@ def _peak_mib(device):
 
 
 def device_peak(args, name: str, precision: str) -> float | None:
-    """--peak-tflops, else the listed peak of the GPU (mpexp/flops.py); unlisted GPUs get none."""
+    """--peak-tflops, else the listed peak of the GPU (mpexp/step/flops.py); unlisted ones: none."""
     return args.peak_tflops or device_peak_tflops(name, precision)
 
 

@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench import bare_parts  # noqa: E402  (scripts/bench.py: what a run builds for its steps)
 
-from mpexp.diagnostics import Diagnostics  # noqa: E402
-from mpexp.history import StepHistory  # noqa: E402
-from mpexp.loop import Stepper  # noqa: E402
+from mpexp.step.diagnostics import Diagnostics  # noqa: E402
+from mpexp.step.history import StepHistory  # noqa: E402
+from mpexp.step.loop import Stepper  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
 
 

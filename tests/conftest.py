@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from mpexp import config
-from mpexp.precision import Precision, setup_precision
+from mpexp.precision.modes import Precision, setup_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

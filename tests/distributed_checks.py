@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from mpexp.diagnostics import Diagnostics
 from mpexp.distributed import dtensor_combines_overflow_flags, start_world
-from mpexp.history import StepHistory
-from mpexp.loop import Stepper
-from mpexp.scaling import CalibratedLossScaler, LossScaler
-from mpexp.tracking import Histogram, NullTracker
+from mpexp.precision.scaling import CalibratedLossScaler, LossScaler
+from mpexp.step.diagnostics import Diagnostics
+from mpexp.step.history import StepHistory
+from mpexp.step.loop import Stepper
+from mpexp.tracking.tracker import Histogram, NullTracker
 from tests.conftest import precision_of
 
 try:

@@ -69,7 +69,7 @@ class _Recorder(TorchDispatchMode):
 
 
 class RecordedGraph:
-    """The CudaGraph interface of mpexp.step_graph, emulated on any device (see module doc)."""
+    """The CudaGraph interface of mpexp.step.step_graph, emulated on any device (see module doc)."""
 
     def __init__(self) -> None:
         self._ops: list[tuple] = []

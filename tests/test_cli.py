@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mpexp.errors import ConfigError
-from mpexp.runner import train
-from mpexp.tracking import RunContext
-from mpexp.validate import validate
+from mpexp.run.runner import train
+from mpexp.run.validate import validate
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import TINY, make_cfg, run_cli
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
 
 from mpexp.config import (
@@ -17,9 +17,9 @@ from mpexp.config import (
     unknown_keys,
 )
 from mpexp.data.base import InMemoryData
-from mpexp.precision import setup_precision
-from mpexp.runner import build
-from mpexp.scaling import build_scaler
+from mpexp.precision.modes import setup_precision
+from mpexp.precision.scaling import build_scaler
+from mpexp.run.build import build
 from tests.conftest import CONF, CPU, make_cfg, run_cli
 
 GROUPS = ["dataset", "model", "precision", "loss_scaling", "optimizer", "scheduler", "experiment"]
@@ -193,3 +193,19 @@ def test_world4ai_is_the_tutorials_experiment_as_a_seeded_sweep():
     cfg = make_cfg("experiment=world4ai")
     assert cfg.model._target_.endswith("DeepCNN") and cfg.dataset._target_.endswith("MNISTData")
     assert (cfg.optimizer.lr, cfg.dataset.batch_size, cfg.trainer.epochs) == (1e-4, 256, 10)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("mpexp.scaling.DynamicLossScaler", "mpexp.precision.scaling.DynamicLossScaler"),
+        ("mpexp.scaling.LossScaler", "mpexp.precision.scaling.LossScaler"),
+        ("mpexp.schedules.cosine", "mpexp.step.schedules.cosine"),
+        ("mpexp.hydra_hooks.RunChecks", "mpexp.run.hydra_hooks.RunChecks"),
+        ("mpexp.tracking.Histogram", "mpexp.tracking.tracker.Histogram"),
+    ],
+)
+def test_paths_from_before_the_packages_still_name_the_same_objects(old, new):
+    """Configs written before mpexp's modules moved into packages (users' own, earlier runs'
+    saved ones) still build what they named."""
+    assert get_object(old) is get_object(new)

@@ -9,7 +9,12 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from mpexp.diagnostics import (
+from mpexp.errors import NumericsError
+from mpexp.precision.fp8 import convert_to_fp8
+from mpexp.precision.modes import setup_precision
+from mpexp.precision.scaling import build_scaler
+from mpexp.run.runner import train
+from mpexp.step.diagnostics import (
     HIST_BINS,
     HIST_EDGES,
     HIST_LOW,
@@ -20,11 +25,7 @@ from mpexp.diagnostics import (
     fp8_scale,
     fp16_counts,
 )
-from mpexp.errors import NumericsError
-from mpexp.precision import convert_to_fp8, setup_precision
-from mpexp.runner import train
-from mpexp.scaling import build_scaler
-from mpexp.tracking import RunContext, Tracker
+from mpexp.tracking.tracker import RunContext, Tracker
 from tests.conftest import CPU, TINY, make_cfg, precision_of, run_cli
 from tests.test_training import read_metrics
 from tests.test_wandb import history, leet_records
@@ -83,7 +84,7 @@ def test_per_layer_and_total_fractions_reach_the_metrics(tmp_path):
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1, bias=False))  # 12 and 3 elements
     tracker = Tracker(RunContext(tmp_path), {}, OmegaConf.create({"mode": "disabled"}))
     scaler = build_scaler(
-        OmegaConf.create({"_target_": "mpexp.scaling.StaticLossScaler", "scale": 16.0}),
+        OmegaConf.create({"_target_": "mpexp.precision.scaling.StaticLossScaler", "scale": 16.0}),
         precision_of("fp16"),
         CPU,
     )

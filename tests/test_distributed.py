@@ -12,8 +12,8 @@ import torch
 from mpexp.data.synthetic import SyntheticData
 from mpexp.distributed import World, hydra_overrides_for_rank, start_world
 from mpexp.errors import ConfigError
-from mpexp.runner import train
-from mpexp.tracking import RunContext
+from mpexp.run.runner import train
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
 

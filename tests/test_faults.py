@@ -56,17 +56,17 @@ import torch
 import torchvision
 
 import mpexp.train
-from mpexp import checkpoint
+from mpexp.checkpoints import checkpoint
 from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.data.synthetic import SyntheticData
 from mpexp.distributed import start_world
 from mpexp.errors import ConfigError, DataError
-from mpexp.rundir import RunLock, SweepLock, checkpoint_files
-from mpexp.runner import stop_if_asked, train
-from mpexp.stopping import Preempted, StopSignals
-from mpexp.tracking import RunContext, Tracker
-from mpexp.validate import validate
+from mpexp.run.rundir import RunLock, SweepLock, checkpoint_files
+from mpexp.run.runner import stop_if_asked, train
+from mpexp.run.stopping import Preempted, StopSignals
+from mpexp.run.validate import validate
+from mpexp.tracking.tracker import RunContext, Tracker
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
 from tests.test_training import read_metrics

@@ -8,10 +8,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from mpexp.flops import Throughput, device_peak_tflops, flops_per_sample, throughput
 from mpexp.models.deepcnn import DeepCNN
-from mpexp.runner import train
-from mpexp.tracking import RunContext
+from mpexp.run.runner import train
+from mpexp.step.flops import Throughput, device_peak_tflops, flops_per_sample, throughput
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import TINY, make_cfg
 from tests.test_training import read_metrics
 

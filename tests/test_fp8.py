@@ -12,12 +12,14 @@ import torch
 import yaml
 from torch import nn
 
-from mpexp import precision as precision_module
 from mpexp.errors import ConfigError
-from mpexp.precision import convert_to_fp8, setup_precision
-from mpexp.runner import build, train
-from mpexp.scaling import build_scaler
-from mpexp.tracking import RunContext
+from mpexp.precision import fp8_support
+from mpexp.precision.fp8 import convert_to_fp8
+from mpexp.precision.modes import setup_precision
+from mpexp.precision.scaling import build_scaler
+from mpexp.run.build import build
+from mpexp.run.runner import train
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import (
     CONF,
     CPU,
@@ -128,7 +130,7 @@ def test_the_fp8_vit_preset_is_vit_base_on_cifar10_shaped_data_and_converts_48_o
 
 
 def test_emulated_fp8_warns_once_that_the_numerics_are_real_and_the_speed_is_not(caplog):
-    precision_module._warned_fp8_emulated = False
+    fp8_support._warned_fp8_emulated = False
     with caplog.at_level(logging.WARNING):
         first, second = precision_of("fp8"), precision_of("fp8")
     warnings = [r.getMessage() for r in caplog.records if "fp8" in r.getMessage()]

@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 from mpexp.errors import ConfigError
-from mpexp.precision import FP8_CAPABILITY, convert_to_fp8, setup_precision
-from mpexp.runner import train
-from mpexp.scaling import DynamicLossScaler
-from mpexp.tracking import RunContext
+from mpexp.precision.fp8 import convert_to_fp8
+from mpexp.precision.fp8_support import FP8_CAPABILITY
+from mpexp.precision.modes import setup_precision
+from mpexp.precision.scaling import DynamicLossScaler
+from mpexp.run.runner import train
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import TINY, TINY_VIT, VIT_FP8_LAYERS, make_cfg, precision_of
 from tests.test_step_cost import Dispatched
 from tests.test_step_graph import CASE_IDS, CASES, assert_replayed_as_eager, batches, run_steps
@@ -117,13 +119,13 @@ def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode, extra):
     """The loop's whole per-step work, run in CUDA's sync-debug mode set to error."""
     if mode == "fp8" and torch.cuda.get_device_capability() < FP8_CAPABILITY:
         pytest.skip("fp8 needs compute capability 8.9 or newer")
-    from mpexp.diagnostics import Diagnostics
-    from mpexp.history import StepHistory
-    from mpexp.loop import Stepper
-    from mpexp.performance import build_optimizer
-    from mpexp.runner import build
-    from mpexp.scaling import build_scaler
-    from mpexp.tracking import NullTracker
+    from mpexp.precision.scaling import build_scaler
+    from mpexp.run.build import build
+    from mpexp.step.diagnostics import Diagnostics
+    from mpexp.step.history import StepHistory
+    from mpexp.step.loop import Stepper
+    from mpexp.step.performance import build_optimizer
+    from mpexp.tracking.tracker import NullTracker
 
     device = cuda()
     cfg = make_cfg(*TINY, f"precision={mode}", "trainer.device=cuda", *extra)
@@ -157,7 +159,7 @@ def test_evaluation_waits_on_the_gpu_once():
     import warnings
 
     from mpexp.data.synthetic import SyntheticData
-    from mpexp.loop import evaluate
+    from mpexp.step.loop import evaluate
 
     device = cuda()
     data = SyntheticData(train_size=8, val_size=100, batch_size=32, seed=0)

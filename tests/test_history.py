@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from mpexp.history import StepHistory
+from mpexp.step.history import StepHistory
 
 
 def record(history: StepHistory, step: int) -> None:

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpexp.runner import train
-from mpexp.tracking import RunContext
+from mpexp.run.runner import train
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import make_cfg
 
 
@@ -76,7 +76,8 @@ def reads(tmp_path, name: str, steps: int, flushes: int, *overrides: str) -> int
             "diagnostics.grad_stats_every=2",
             "diagnostics.overflow_attribution=true",
         ],
-        # BatchNorm: a skipped step puts its statistics back, on the device (mpexp/rollback.py).
+        # BatchNorm: a skipped step puts its statistics back, on the device
+        # (mpexp/step/rollback.py).
         # fp32 under a scaler, as 16-bit convolutions are slow on a CPU (emulated where it has
         # no bf16 instructions); the path is the same
         [

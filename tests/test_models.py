@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mpexp.errors import ConfigError
 from mpexp.models.deepcnn import DeepCNN
 from mpexp.models.vit import SelfAttention, vit
-from mpexp.runner import build, build_model
+from mpexp.run.build import build, build_model
 from tests.conftest import make_cfg
 
 

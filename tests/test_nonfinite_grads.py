@@ -12,8 +12,8 @@ from omegaconf import open_dict
 from torch import nn
 
 from mpexp.errors import NumericsError
-from mpexp.runner import train
-from mpexp.tracking import RunContext
+from mpexp.run.runner import train
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import TINY, make_cfg
 
 

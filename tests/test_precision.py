@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpexp.precision import set_tf32, setup_precision
+from mpexp.precision.modes import set_tf32, setup_precision
 from tests.conftest import CPU, make_cfg, precision_of
 
 
@@ -64,7 +64,7 @@ def test_strict_fp32_turns_off_cudnn_tf32_that_pytorch_leaves_on():
 
 
 def test_tf32_on_cpu_warns_once_and_records_what_acted(caplog):
-    from mpexp import precision as module
+    from mpexp.precision import modes as module
 
     module._warned_no_tf32.clear()
     with caplog.at_level(logging.WARNING):
@@ -80,7 +80,7 @@ def test_tf32_on_cpu_warns_once_and_records_what_acted(caplog):
 
 @pytest.mark.parametrize("mode", ["fp16", "bf16"])
 def test_16_bit_autocast_that_this_cpu_emulates_warns_once_and_is_recorded(mode, caplog):
-    from mpexp import precision as module
+    from mpexp.precision import modes as module
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[mode]
     native = module.cpu_has_native(dtype)
@@ -96,7 +96,7 @@ def test_16_bit_autocast_that_this_cpu_emulates_warns_once_and_is_recorded(mode,
 
 def test_fp16_convolutions_on_a_cpu_warn_once_and_are_recorded_as_emulated(caplog):
     # their backward pass is slow on any CPU, float16 instructions or not; Linear layers are not
-    from mpexp import precision as module
+    from mpexp.precision import modes as module
 
     conv = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.LazyLinear(10))
     linear = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))

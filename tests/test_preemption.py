@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mpexp.checkpoint import checkpoint_files
-from mpexp.runner import train
-from mpexp.tracking import RunContext
+from mpexp.checkpoints.checkpoint import checkpoint_files
+from mpexp.run.runner import train
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_distributed import PER_RANK, TORCHRUN
 from tests.test_resume import status, wait_for

@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 from mpexp.report import cli as report
 from mpexp.report.table import DEFAULT_TOLERANCE, build_report
-from mpexp.runner import train
-from mpexp.tracking import RunContext
+from mpexp.run.runner import train
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
 from tests.test_wandb import final_run, final_summary, leet_records

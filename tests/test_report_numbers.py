@@ -260,7 +260,7 @@ def test_emulated_precisions_are_marked_in_the_speed_table(tmp_path):
     make_run(tmp_path, "0", "fp32", 0, [0.9] * 4, [5.0, 1.0, 1.0, 1.0])
     bf16 = make_run(tmp_path, "1", "bf16", 0, [0.9] * 4, [5.0, 2.0, 2.0, 2.0])
     summary = json.loads((bf16 / "summary.json").read_text())
-    summary["ran"]["emulated"] = True  # as precision.py records bf16 on a CPU without it
+    summary["ran"]["emulated"] = True  # as precision/modes.py records bf16 on a CPU without it
     (bf16 / "summary.json").write_text(json.dumps(summary))
 
     report.main([str(tmp_path), "--wandb", "disabled"])

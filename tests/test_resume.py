@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpexp import checkpoint
-from mpexp.checkpoint import checkpoint_files
+from mpexp.checkpoints import checkpoint
+from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.errors import ConfigError, OutputError
-from mpexp.rundir import hydra_quoted
-from mpexp.runner import train
-from mpexp.tracking import RunContext
+from mpexp.run.rundir import hydra_quoted
+from mpexp.run.runner import train
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
 
@@ -246,7 +246,7 @@ def test_a_checkpoint_write_that_dies_halfway_leaves_the_previous_one(
 def test_a_cosine_run_cannot_be_resumed_with_more_epochs():
     from omegaconf import OmegaConf
 
-    from mpexp.checkpoint import check_config
+    from mpexp.checkpoints.checkpoint import check_config
     from mpexp.errors import ConfigError
 
     def state(*overrides):

@@ -10,13 +10,13 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from mpexp.loop import train_step
-from mpexp.scaling import (
+from mpexp.precision.scaling import (
     MAX_CALIBRATED_SCALE,
     DynamicLossScaler,
     build_scaler,
     calibrated_scale,
 )
+from mpexp.step.loop import train_step
 from tests.conftest import CPU, precision_of, scaling_cfg
 
 
@@ -47,7 +47,7 @@ def step(model, optimizer, precision, scaler, poison: bool):
 
 
 DYNAMIC = {
-    "_target_": "mpexp.scaling.DynamicLossScaler",
+    "_target_": "mpexp.precision.scaling.DynamicLossScaler",
     "init_scale": 1024.0,
     "growth_factor": 2.0,
     "backoff_factor": 0.5,
@@ -74,7 +74,7 @@ def test_dynamic_scale_grows_after_growth_interval_clean_steps():
 
 def test_static_inf_gradient_skips_without_changing_the_scale():
     model, optimizer, precision, scaler = setup(
-        {"_target_": "mpexp.scaling.StaticLossScaler", "scale": 256.0}
+        {"_target_": "mpexp.precision.scaling.StaticLossScaler", "scale": 256.0}
     )
     before = [p.detach().clone() for p in model.parameters()]
     assert step(model, optimizer, precision, scaler, poison=True) == (256.0, 1.0)
@@ -190,7 +190,11 @@ def test_hysteresis_backs_off_on_every_overflow_once_the_tolerance_is_used(conse
 
 
 def test_hysteresis_state_survives_a_checkpoint():
-    scaling = {**DYNAMIC, "_target_": "mpexp.scaling.HysteresisLossScaler", "hysteresis": 3}
+    scaling = {
+        **DYNAMIC,
+        "_target_": "mpexp.precision.scaling.HysteresisLossScaler",
+        "hysteresis": 3,
+    }
     _, _, scaler = run_script(scaling, "OO")
     state = scaler.state_dict()
     assert (state["scale"], state["cur_hysteresis"]) == (1024.0, 1)
@@ -242,7 +246,7 @@ def test_dynamic_restarts_its_growth_count_where_growth_would_pass_float32s_rang
 
 def test_static_trajectory_never_moves():
     trajectory, moved, _ = run_script(
-        {"_target_": "mpexp.scaling.StaticLossScaler", "scale": 256.0}, "OCOOC"
+        {"_target_": "mpexp.precision.scaling.StaticLossScaler", "scale": 256.0}, "OCOOC"
     )
     assert [(u, s) for u, s, _ in trajectory] == [(256.0, s == "O") for s in "OCOOC"]
     assert moved == [s == "C" for s in "OCOOC"]
@@ -267,7 +271,11 @@ def test_calibrated_scale_is_the_largest_power_of_two_under_the_limit(max_grad, 
 
 
 CALIBRATION = OmegaConf.create(
-    {"_target_": "mpexp.scaling.CalibratedLossScaler", "calibration_steps": 3, "margin": 2.0}
+    {
+        "_target_": "mpexp.precision.scaling.CalibratedLossScaler",
+        "calibration_steps": 3,
+        "margin": 2.0,
+    }
 )
 # a hook makes each step's gradient exactly one of these; the step with the inf is skipped, but
 # its finite elements are measured

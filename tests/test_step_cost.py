@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpexp import performance
-from mpexp.diagnostics import Diagnostics
-from mpexp.history import StepHistory
-from mpexp.loop import Stepper
 from mpexp.models.simplecnn import SimpleCNN
-from mpexp.precision import setup_precision
-from mpexp.scaling import build_scaler
+from mpexp.precision.modes import setup_precision
+from mpexp.precision.scaling import build_scaler
+from mpexp.step import performance
+from mpexp.step.diagnostics import Diagnostics
+from mpexp.step.history import StepHistory
+from mpexp.step.loop import Stepper
 from tests.conftest import CPU, make_cfg
 
 

@@ -1,6 +1,6 @@
-"""The whole training step captured once and replayed (mpexp/step_graph.py) trains exactly as the
-eager step does: the same losses, loss scales, skipped steps and floor flags, step by step, and the
-same weights, buffers and optimizer state at the end.
+"""The whole training step captured once and replayed (mpexp/step/step_graph.py) trains exactly as
+the eager step does: the same losses, loss scales, skipped steps and floor flags, step by step, and
+the same weights, buffers and optimizer state at the end.
 
 On a CPU the capture is emulated by tests/replay.py, which replays the recorded operators on the
 same tensors without the Python around them, as a CUDA graph does; tests/test_gpu.py holds the
@@ -17,16 +17,16 @@ import pytest
 import torch
 from torch import nn
 
-from mpexp import loop, performance
 from mpexp.data.synthetic import SyntheticData
-from mpexp.diagnostics import Diagnostics
-from mpexp.history import StepHistory
-from mpexp.loop import Stepper
-from mpexp.precision import setup_precision
-from mpexp.runner import train
-from mpexp.scaling import build_scaler
-from mpexp.step_graph import WARMUP_STEPS
-from mpexp.tracking import RunContext
+from mpexp.precision.modes import setup_precision
+from mpexp.precision.scaling import build_scaler
+from mpexp.run.runner import train
+from mpexp.step import loop, performance
+from mpexp.step.diagnostics import Diagnostics
+from mpexp.step.history import StepHistory
+from mpexp.step.loop import Stepper
+from mpexp.step.step_graph import WARMUP_STEPS
+from mpexp.tracking.tracker import RunContext
 from tests.conftest import CPU, TINY, make_cfg
 from tests.replay import RecordedGraph
 

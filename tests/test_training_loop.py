@@ -15,17 +15,17 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpexp.data.synthetic import SyntheticData
-from mpexp.diagnostics import Diagnostics
 from mpexp.errors import ConfigError
-from mpexp.history import StepHistory
-from mpexp.loop import Stepper, train_step
 from mpexp.models.simplecnn import SimpleCNN
-from mpexp.precision import run_in_float32
-from mpexp.rollback import BufferRollback
-from mpexp.runner import train
-from mpexp.scaling import build_scaler
-from mpexp.schedules import build_schedule, cosine
-from mpexp.tracking import NullTracker, RunContext
+from mpexp.precision.fp32_modules import run_in_float32
+from mpexp.precision.scaling import build_scaler
+from mpexp.run.runner import train
+from mpexp.step.diagnostics import Diagnostics
+from mpexp.step.history import StepHistory
+from mpexp.step.loop import Stepper, train_step
+from mpexp.step.rollback import BufferRollback
+from mpexp.step.schedules import build_schedule, cosine
+from mpexp.tracking.tracker import NullTracker, RunContext
 from tests.conftest import CPU, TINY, make_cfg, precision_of
 
 NONE = OmegaConf.create({"_target_": None})
@@ -49,7 +49,7 @@ def test_clipping_acts_on_unscaled_gradients():
     precision = precision_of("fp16")
     scaling = OmegaConf.create(
         {
-            "_target_": "mpexp.scaling.StaticLossScaler",
+            "_target_": "mpexp.precision.scaling.StaticLossScaler",
             "scale": 4096.0,
         }  # large enough that clipping scaled grads would show
     )
@@ -94,7 +94,7 @@ def test_schedule_advances_only_on_steps_the_optimizer_took():
     scaler = build_scaler(
         OmegaConf.create(
             {
-                "_target_": "mpexp.scaling.DynamicLossScaler",
+                "_target_": "mpexp.precision.scaling.DynamicLossScaler",
                 "init_scale": 1024.0,
                 "growth_factor": 2.0,
                 "backoff_factor": 0.5,
@@ -105,7 +105,7 @@ def test_schedule_advances_only_on_steps_the_optimizer_took():
         CPU,
     )
     halve_each_step = OmegaConf.create(
-        {"_target_": "mpexp.schedules.step_decay", "step_size": 1, "gamma": 0.5}
+        {"_target_": "mpexp.step.schedules.step_decay", "step_size": 1, "gamma": 0.5}
     )
     build_schedule(halve_each_step, optimizer, scaler, total_steps=10)
     images, labels = batch(8)
@@ -158,12 +158,12 @@ def test_schedule_refuses_a_fused_optimizer_under_loss_scaling():
     model = small_cnn()
     optimizer = torch.optim.Adam(model.parameters(), fused=True)
     scaler = build_scaler(
-        OmegaConf.create({"_target_": "mpexp.scaling.StaticLossScaler", "scale": 8.0}),
+        OmegaConf.create({"_target_": "mpexp.precision.scaling.StaticLossScaler", "scale": 8.0}),
         precision_of("fp16"),
         CPU,
     )
     cosine_cfg = OmegaConf.create(
-        {"_target_": "mpexp.schedules.cosine", "warmup_steps": 0, "min_lr_ratio": 0.0}
+        {"_target_": "mpexp.step.schedules.cosine", "warmup_steps": 0, "min_lr_ratio": 0.0}
     )
     with pytest.raises(ConfigError, match="fused"):
         build_schedule(cosine_cfg, optimizer, scaler, total_steps=10)
@@ -218,7 +218,7 @@ def buffers(model: nn.Module) -> list[torch.Tensor]:
 
 
 DYNAMIC = {
-    "_target_": "mpexp.scaling.DynamicLossScaler",
+    "_target_": "mpexp.precision.scaling.DynamicLossScaler",
     "init_scale": 1024.0,
     "growth_factor": 2.0,
     "backoff_factor": 0.5,
@@ -311,7 +311,9 @@ def fused_training(inspect: bool, device: torch.device = CPU):
     model = small_cnn().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
     precision = precision_of("fp16", device)
-    scaling = OmegaConf.create({"_target_": "mpexp.scaling.StaticLossScaler", "scale": 1000.0})
+    scaling = OmegaConf.create(
+        {"_target_": "mpexp.precision.scaling.StaticLossScaler", "scale": 1000.0}
+    )
     scaler = build_scaler(scaling, precision, device)
     seen = []
     optimizer.register_step_pre_hook(lambda opt, *_: seen.append(getattr(opt, "grad_scale", None)))

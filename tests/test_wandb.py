@@ -1,6 +1,6 @@
 """A training run's offline W&B run holds its history, read back from the run's own files; W&B
-runs in a process of its own (mpexp/wandb_process.py) that outlives neither a finished nor a
-killed training run, and whose loss does not stop training."""
+runs in a process of its own (mpexp/tracking/wandb_process.py) that outlives neither a finished nor
+a killed training run, and whose loss does not stop training."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 
 import mpexp
 from mpexp.models.simplecnn import SimpleCNN
-from mpexp.runner import train
-from mpexp.tracking import RunContext, Tracker
-from mpexp.wandb_process import WandbProcess
+from mpexp.run.runner import train
+from mpexp.tracking.tracker import RunContext, Tracker
+from mpexp.tracking.wandb_process import WandbProcess
 from tests.conftest import ROOT, TINY, make_cfg
 from tests.test_resume import ARGS, start_cli, status, wait_for
 
@@ -225,7 +225,8 @@ def test_the_training_process_never_imports_wandb(tmp_path):
     """wandb's import and start (over a second of work) run in the W&B process, on another core,
     not in the training process, where they held up its start and first epoch."""
     code = (
-        "import sys; from mpexp.runner import train; from mpexp.tracking import RunContext; "
+        "import sys; from mpexp.run.runner import train; "
+        "from mpexp.tracking.tracker import RunContext; "
         "from tests.conftest import TINY, make_cfg; "
         f"train(make_cfg(*TINY, 'wandb.mode=offline'), RunContext({str(tmp_path)!r})); "
         "print('wandb imported:', 'wandb' in sys.modules)"

@@ -277,7 +277,7 @@ EMULATED_MARK = "†"
 
 
 def _emulated(config: Config) -> bool:
-    """Whether a run of the configuration ran its precision emulated (precision.py records it)."""
+    """Whether a run of the configuration ran its precision emulated (mpexp.precision.modes)."""
     return any(r.run.ran.get("emulated") for r in config.rows)
 
 

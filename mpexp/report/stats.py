@@ -4,7 +4,8 @@ With n this small the intervals use Student's t, not a normal approximation. A d
 means is paired when the two samples are the same seeds (each pair shares its initial weights and
 data order, and the interval is that of the per-seed differences), else Welch's (the two variances
 need not be equal). The quantiles come from a table: a new dependency for one number is not worth
-it.
+it, and scipy.stats.t.ppf used only where scipy happens to be installed would give the same sweep
+two different reports (the table rounds a fractional Welch df down, to a slightly wider interval).
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mpexp.checkpoints.checksums import sha256_of
+
 COMMON = "common.pt"
 SUMS = "SHA256SUMS"
 
@@ -65,8 +67,6 @@ def save(path: Path, common: dict, rng: dict, model, optimizer, rank: int) -> No
 
 
 def _write_sums(folder: Path) -> None:
-    from mpexp.checkpoint import sha256_of  # one checksum for both kinds of checkpoint
-
     lines = [f"{sha256_of(f)}  {f.name}\n" for f in sorted(folder.iterdir()) if f.name != SUMS]
     with (folder / SUMS).open("w") as f:
         f.writelines(lines)
@@ -77,8 +77,6 @@ def _write_sums(folder: Path) -> None:
 def corrupt_files(path: Path) -> list[str] | None:
     """The files of a checkpoint folder that no longer match their checksums (or are missing);
     None when the folder has no SHA256SUMS to check against."""
-    from mpexp.checkpoint import sha256_of
-
     sums = path / SUMS
     if not sums.is_file():
         return None

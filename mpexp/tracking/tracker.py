@@ -7,8 +7,8 @@ Metric names are a contract read by dashboards and the report:
   per epoch  epoch, train/epoch_loss, val/loss, val/acc, perf/epoch_time_s, perf/samples_per_s
              (samples actually trained on: a last partial batch counts its size), perf/tflops,
              mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU); perf/mfu where the device's
-             peak is known (mpexp/flops.py)
-  diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/diagnostics.py); they
+             peak is known (mpexp/step/flops.py)
+  diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/step/diagnostics.py); they
              share `step` with the step rows, so readers tell rows apart by their other keys
   summary    the final epoch's metrics, amp/skipped_steps, and under `ran` what ran, with
              final_scale: the scale after the last update, the one a next step would use;
@@ -27,11 +27,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import netrc
 import os
-import secrets
 import shutil
-import string
 import sys
 import time
 from collections.abc import Mapping
@@ -39,10 +36,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
-from mpexp.errors import UserError
-from mpexp.wandb_process import LogLines, WandbProcess
+from mpexp.tracking.records import write_json_atomically
+from mpexp.tracking.wandb_mode import new_wandb_id, resolve_wandb_mode
+from mpexp.tracking.wandb_process import LogLines, WandbProcess
 
 log = logging.getLogger(__name__)
 
@@ -90,29 +87,11 @@ def wandb_tags(
     return [*tags, *(t for t in extra if t not in tags)]
 
 
-def has_wandb_key() -> bool:
-    """True when W&B could log online: an API key in the environment or in ~/.netrc."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return netrc.netrc().authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def resolve_wandb_mode(mode: str) -> str:
-    """auto: online when a key is configured, else offline (WANDB_MODE in the environment wins)."""
-    if mode != "auto":
-        return mode
-    return os.environ.get("WANDB_MODE") or ("online" if has_wandb_key() else "offline")
-
-
 class Tracker:
     """One run's metric sink.
 
-    W&B runs in a process of its own (mpexp/wandb_process.py), started with the tracker: its
-    import and start, a second or more of work, use another core while this process builds the
+    W&B runs in a process of its own (mpexp/tracking/wandb_process.py), started with the tracker:
+    its import and start, a second or more of work, use another core while this process builds the
     optimizer and begins training. Rows go to it through a queue, in order, whether or not it has
     started; only the end of the run waits for it.
 
@@ -169,7 +148,7 @@ class Tracker:
         _take_user_logs(self)
 
     def _wandb_start(self, run: RunContext, config: dict, wandb_cfg: Any) -> dict[str, Any]:
-        """What the W&B process needs to start the run (mpexp/wandb_process.py's `init`)."""
+        """What the W&B process needs to start the run (wandb_process.py's `init`)."""
         metrics = [("step", {}), ("epoch", {})]
         metrics += [(pattern, {"step_metric": "step"}) for pattern in STEP_METRICS]
         metrics += [(pattern, {"step_metric": "epoch"}) for pattern in EPOCH_METRICS]
@@ -466,49 +445,6 @@ def _checked(values: Mapping[str, Any]) -> Mapping[str, Any]:
                 "mpexp.tracking.Histogram."
             )
     return values
-
-
-def write_json_atomically(value: Any, path: Path) -> None:
-    """`path` holds the old JSON or all of the new, never half of it; no temporary file is left."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def error_text(error: BaseException) -> str:
-    """An error as a run's summary records it: a UserError's own message, else type and text."""
-    return str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
-
-
-def record_end(run_dir: Path, status: str, error: BaseException | None = None) -> None:
-    """Set a run's status in its summary.json (with the error), where a sweep's report looks.
-
-    Also covers runs that end before training starts (a bad value, bf16 on a GPU without it, a
-    stop signal), when no Tracker exists yet. Best effort: a run dir that cannot be written keeps
-    what it has.
-    """
-    path = Path(run_dir) / "summary.json"
-    try:
-        summary = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        summary = {}
-    summary["status"] = status
-    if error is not None:
-        summary["error"] = error_text(error)
-    try:
-        write_json_atomically(summary, path)
-    except OSError as err:
-        log.warning("Could not record the %s run in %s (%s).", status, path, err)
-
-
-def new_wandb_id() -> str:
-    """A fresh W&B run id: 8 characters of [a-z0-9], as W&B makes them."""
-    alphabet = string.ascii_lowercase + string.digits
-    return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 def _now() -> str:

@@ -52,10 +52,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mpexp.distributed import all_reduce, local_shard, shard_group
-from mpexp.history import DeviceRows
-from mpexp.precision import Precision
-from mpexp.scaling import LossScaler
-from mpexp.tracking import Histogram, Tracker
+from mpexp.precision.modes import Precision
+from mpexp.precision.scaling import LossScaler
+from mpexp.step.history import DeviceRows
+from mpexp.tracking.tracker import Histogram, Tracker
 
 log = logging.getLogger(__name__)
 

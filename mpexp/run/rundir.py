@@ -23,6 +23,12 @@ from pathlib import Path
 
 from mpexp.errors import OutputError
 
+# fcntl.flock itself, not the filelock package (installed with torch, at no version mpexp sets):
+# the lock file holds the holder's pid, which the refusal names, and older filelock releases open
+# it with O_TRUNC, so that a refused contender erases it (filelock issue #591); where flock is
+# missing, newer releases fall back to a lock file's existence, which a killed process leaves
+# behind, while this lock must end with its process. The reentrant count for Hydra's callback and
+# the run (_HELD) would stay ours either way.
 try:  # POSIX; elsewhere runs are not locked
     import fcntl
 except ImportError:  # pragma: no cover - not on the platforms mpexp runs on
@@ -31,7 +37,9 @@ except ImportError:  # pragma: no cover - not on the platforms mpexp runs on
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
-SUBDIR = "checkpoints"  # where a run's checkpoints are (mpexp/checkpoint.py writes them)
+SUBDIR = (
+    "checkpoints"  # where a run's checkpoints are (mpexp/checkpoints/checkpoint.py writes them)
+)
 RUN_FILES = ("metrics.jsonl", "summary.json", SUBDIR)
 AUTO = "auto"  # trainer.resume=auto: the run dir's newest checkpoint, if it has one
 
@@ -161,7 +169,7 @@ class RunLock:
     """An exclusive lock on a run directory for as long as this process works in it.
 
     The process that holds it may take it again: Hydra's callback claims a run directory before
-    Hydra writes `.hydra/` into it (mpexp/hydra_hooks.py), and the run takes it again to train.
+    Hydra writes `.hydra/` into it (mpexp/run/hydra_hooks.py), and the run takes it again to train.
     """
 
     def __init__(self, run_dir: Path):

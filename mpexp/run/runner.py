@@ -1,6 +1,7 @@
 """One training run from a composed config: `train(cfg, run)` builds what the config asks for
-(data, model, precision, loss scaler, optimizer, schedule, tracker, checkpoints) and hands it to
-the loop (mpexp/loop.py). mpexp.train's command line calls it; it can be called from Python too.
+(data, model, precision, loss scaler, optimizer, schedule: mpexp/run/build.py; tracker,
+checkpoints) and hands it to the loop (mpexp/step/loop.py). mpexp.train's command line calls it;
+it can be called from Python too.
 """
 
 from __future__ import annotations
@@ -12,62 +13,22 @@ import signal
 from dataclasses import replace
 
 import torch
-from hydra.utils import get_object
 from omegaconf import DictConfig
 
-from mpexp import __version__, config, flops, performance
-from mpexp.checkpoint import Checkpointer, open_resume
-from mpexp.data.base import DataInfo, InMemoryData
-from mpexp.data.checks import warn_nonfinite
+from mpexp import __version__, config
+from mpexp.checkpoints.checkpoint import Checkpointer, open_resume
 from mpexp.distributed import World, start_world
-from mpexp.errors import ConfigError
-from mpexp.loop import Fit, Parts
-from mpexp.precision import (
-    check_fp16_convolutions_on_cpu,
-    convert_to_fp8,
-    run_in_float32,
-    setup_precision,
-)
-from mpexp.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
-from mpexp.scaling import build_scaler
-from mpexp.schedules import build_schedule
-from mpexp.stopping import Preempted, StopSignals
-from mpexp.system import device_name, resolve_device, seed_everything, set_deterministic
-from mpexp.tracking import NullTracker, RunContext, Tracker, error_text, record_end
-from mpexp.validate import validate, validate_run_length
+from mpexp.run.build import Built, build_parts, build_training
+from mpexp.run.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
+from mpexp.run.stopping import Preempted, StopSignals
+from mpexp.run.validate import validate, validate_run_length
+from mpexp.step import performance
+from mpexp.step.loop import Fit, Parts
+from mpexp.system import resolve_device, seed_everything, set_deterministic
+from mpexp.tracking.records import error_text, record_end
+from mpexp.tracking.tracker import NullTracker, RunContext, Tracker
 
 log = logging.getLogger("mpexp")
-
-
-def build(node: DictConfig, **extra):
-    """Instantiate a group's `_target_` with its other keys (and `extra`)."""
-    kwargs = config.to_dict(node)
-    return get_object(kwargs.pop("_target_"))(**kwargs, **extra)
-
-
-def build_model(node: DictConfig, info: DataInfo, name: str | None) -> torch.nn.Module:
-    """The model, built for the data's shape and tried on one image of it, so that a model that
-    cannot take the data stops the run now with one message, not a traceback mid-step."""
-    c, h, w = info.channels, info.height, info.width
-    what = f"model={name}" if name else node._target_
-    try:
-        model = build(node, in_channels=c, num_classes=info.num_classes, image_size=(h, w))
-        model.eval()  # no BatchNorm statistics change, no dropout draws from the RNG
-        with torch.no_grad():
-            shape = tuple(model(torch.zeros(1, c, h, w)).shape)
-        model.train()
-    except (ValueError, RuntimeError) as err:
-        reason = str(err).strip().splitlines()[0]
-        raise ConfigError(
-            f"{what} cannot take the dataset's {c}x{h}x{w} images: {reason}.\n"
-            "Use images it can take (dataset.height, dataset.width) or another model."
-        ) from None
-    if shape != (1, info.num_classes):
-        raise ConfigError(
-            f"{what} gives outputs of shape {shape} for one image; the loss needs "
-            f"(1, {info.num_classes}), one logit per class."
-        )
-    return model
 
 
 def train(cfg: DictConfig, run: RunContext) -> dict:
@@ -103,41 +64,9 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     if world.is_main and resume is None:
         refuse_if_taken(run.run_dir, restart=cfg.trainer.resume == AUTO)
     stop_if_asked(stop, world, run, "as the run started")  # e.g. while torch was imported
-    device = world.device
     seed_everything(cfg.trainer.seed)
-    precision = setup_precision(cfg.precision, device)
-
-    speed = performance.plan_speed(cfg, device)
-    data: InMemoryData = build(cfg.dataset)
-    info = data.setup(device, speed.memory_format())
-    if world.is_main:  # the same data on every rank: one warning
-        warn_nonfinite(
-            {"training": data.train[0], "validation": data.val[0]},
-            f"dataset={run.choices.get('dataset') or cfg.dataset._target_}",
-        )
-    data.shard(world.rank, world.size)
-    model = build_model(cfg.model, info, run.choices.get("model")).to(device)
-    parameters = sum(p.numel() for p in model.parameters())
-    # counted once, on the plain model at the run's shapes, before anything wraps it
-    batch_shape = (data.batch_size, info.channels, info.height, info.width)
-    name = device_name(device)
-    throughput = flops.throughput(
-        model,
-        batch_shape,
-        cfg.trainer.peak_tflops or flops.device_peak_tflops(name, precision.effective),
-        world.size,
-    )
-    precision = check_fp16_convolutions_on_cpu(model, precision)
-    # fp8 swaps Linear layers: before fp32_modules wraps forwards and DDP/FSDP/compile take them
-    model, precision = convert_to_fp8(
-        model, precision, list(cfg.precision.fp32_modules), speed.compile
-    )
-    fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
-    performance.apply_memory_format(model, speed)  # before DDP/FSDP takes the parameters
-    model = world.wrap(model, precision)
-    skip_nonfinite = cfg.trainer.on_nonfinite_loss == "skip"
-    scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip_nonfinite)
-    world.prepare_scaler(scaler)
+    built = build_parts(cfg, world, run.choices)
+    data, model, precision, scaler = built.data, built.model, built.precision, built.scaler
     validate_run_length(cfg, data.steps_per_epoch(), data.train_size // world.size)
     if resume is not None:
         # the last check a resume can fail comes before the run's files change: a refused resume
@@ -149,38 +78,15 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         log.info(
             "Resuming %s: epoch %d, batch %d, step %d", resume.path, at.epoch, at.batch, at.step
         )
-    # W&B starts here, in a process of its own (mpexp/wandb_process.py): its second or more of
-    # start-up runs on another core while this one imports TorchDynamo (the optimizer's first
+    # W&B starts here, in a process of its own (mpexp/tracking/wandb_process.py): its second or more
+    # of start-up runs on another core while this one imports TorchDynamo (the optimizer's first
     # use, or the FLOP count's) and training begins
     tracker = (
         Tracker(run, config.to_dict(cfg), cfg.wandb) if world.is_main else NullTracker(run.run_dir)
     )
     with ended_in_summary(tracker):
-        optimizer = performance.build_optimizer(cfg, model, device, scaler, speed)
-        total_steps = data.steps_per_epoch() * cfg.trainer.epochs
-        schedule = build_schedule(cfg.scheduler, optimizer, scaler, total_steps)
-        performance.configure_backends(device, cfg.trainer)
-        forward = performance.compile_model(model, speed)
-
-        ran = {
-            "device": str(device),
-            "device_name": name,
-            "host": platform.node(),  # the report warns when jobs on one host overlapped in time
-            "torch_version": torch.__version__,
-            "mpexp_version": __version__,
-            "choices": run.choices,
-            **precision.record(),
-            **scaler.describe(),
-            **performance.describe(optimizer, speed),
-            **world.record(),
-            "fp32_modules": fp32_modules,
-            "scheduler": (cfg.scheduler.get("_target_") or "none").rpartition(".")[2],
-            "accumulate": cfg.trainer.accumulate,
-            "clip_grad_norm": cfg.trainer.clip_grad_norm,
-            "parameters": parameters,
-            "steps_per_epoch": data.steps_per_epoch(),
-            "deterministic": cfg.trainer.deterministic,
-        }
+        optimizer, schedule, forward = build_training(cfg, built, world.device)
+        ran = ran_record(cfg, run, world, built, optimizer)
         log.info(
             "Training %s on %s (%d samples) | %s on %s | precision %s (autocast %s, TF32 %s) | "
             "loss scaling %s",
@@ -197,12 +103,14 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         tracker.record_ran(ran)
         stop_if_asked(stop, world, run, "while the data loaded and the model was built")
         saver = Checkpointer(cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule)
-        parts = Parts(model, forward, data, optimizer, scaler, precision, throughput, speed)
+        parts = Parts(
+            model, forward, data, optimizer, scaler, precision, built.throughput, built.speed
+        )
         fit = Fit(cfg, parts, tracker, saver, world, stop)
         if resume is not None:
             fit.restore(resume)
         summary = fit.run()
-        counted = throughput.result()
+        counted = built.throughput.result()
         summary["ran"] = {
             **ran,
             **fit.speed_ran(),  # what compilation and the CUDA graph came to
@@ -215,6 +123,32 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         tracker.update_summary(summary)
         fit.check_it_trained()
         return summary
+
+
+def ran_record(
+    cfg: DictConfig, run: RunContext, world: World, built: Built, optimizer: torch.optim.Optimizer
+) -> dict:
+    """What runs, as the run's config and summary record it under `ran` (before training; the
+    outcome joins it at the end)."""
+    return {
+        "device": str(world.device),
+        "device_name": built.device_name,
+        "host": platform.node(),  # the report warns when jobs on one host overlapped in time
+        "torch_version": torch.__version__,
+        "mpexp_version": __version__,
+        "choices": run.choices,
+        **built.precision.record(),
+        **built.scaler.describe(),
+        **performance.describe(optimizer, built.speed),
+        **world.record(),
+        "fp32_modules": built.fp32_modules,
+        "scheduler": (cfg.scheduler.get("_target_") or "none").rpartition(".")[2],
+        "accumulate": cfg.trainer.accumulate,
+        "clip_grad_norm": cfg.trainer.clip_grad_norm,
+        "parameters": built.parameters,
+        "steps_per_epoch": built.data.steps_per_epoch(),
+        "deterministic": cfg.trainer.deterministic,
+    }
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ queued work, which stalls the pipeline if done every step. Instead, each step wr
 a row of a small device tensor; `flush()` copies everything recorded so far to pinned host memory
 without waiting, and hands back the rows of the *previous* flush, whose copy has long finished. The
 complete scale history (every step's scale and skip flag) survives this way, also from steps
-replayed as a CUDA graph (mpexp/step_graph.py).
+replayed as a CUDA graph (mpexp/step/step_graph.py).
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ from typing import Any, BinaryIO
 Message = tuple[str, Any]
 _END = None  # queued after `finish`: the writer closes this process's input
 
-# Run as a script, not as `-m mpexp.wandb_process`: the package need not be on the child's path.
+# Run as a script, not as `-m mpexp.tracking.wandb_process`: the package need not be on the
+# child's path.
 _RUN_BY_PATH = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
 
 

@@ -5,7 +5,7 @@
 - `Fit`: the run's epochs: metric flushes, validation, checkpoints and stop signals.
 
 Nothing here reads a device value on the host per step: values are gathered on the device and read
-back every `trainer.log_every` steps (see mpexp/history.py).
+back every `trainer.log_every` steps (see mpexp/step/history.py).
 """
 
 from __future__ import annotations
@@ -25,21 +25,21 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from mpexp.checkpoint import Checkpointer, Position, Resume
+from mpexp.checkpoints.checkpoint import Checkpointer, Position, Resume
 from mpexp.data.base import InMemoryData
-from mpexp.diagnostics import Diagnostics
 from mpexp.distributed import World
 from mpexp.errors import NumericsError
-from mpexp.flops import Throughput
-from mpexp.history import StepHistory, StepRow
-from mpexp.performance import Speed
-from mpexp.precision import Precision
-from mpexp.rollback import BufferRollback
-from mpexp.scaling import LossScaler, min_scale_error
-from mpexp.step_graph import WARMUP_STEPS, CudaGraph, StepGraph
-from mpexp.stopping import StopSignals
+from mpexp.precision.modes import Precision
+from mpexp.precision.scaling import LossScaler, min_scale_error
+from mpexp.run.stopping import StopSignals
+from mpexp.step.diagnostics import Diagnostics
+from mpexp.step.flops import Throughput
+from mpexp.step.history import StepHistory, StepRow
+from mpexp.step.performance import Speed
+from mpexp.step.rollback import BufferRollback
+from mpexp.step.step_graph import WARMUP_STEPS, CudaGraph, StepGraph
 from mpexp.system import PeakMemory, synchronize
-from mpexp.tracking import Tracker
+from mpexp.tracking.tracker import Tracker
 
 log = logging.getLogger("mpexp")
 
@@ -103,7 +103,7 @@ class Stepper:
 
     The step's device work (`_device_work`) is the same code eagerly and in a CUDA graph: with
     `graph`, it is captured once after the warm-up steps and replayed for every step that can be
-    (see mpexp/step_graph.py); the others run it eagerly.
+    (see mpexp/step/step_graph.py); the others run it eagerly.
     """
 
     model: torch.nn.Module

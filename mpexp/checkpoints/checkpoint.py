@@ -8,14 +8,13 @@ and what the metric log needs to carry on: the running skip count, the epoch's l
 how far `metrics.jsonl` had got. Resuming rewinds `metrics.jsonl` to that point, so the steps a
 killed run trained after its last checkpoint are trained again, not logged twice.
 
-Stop signals (SIGTERM from a cluster's pre-emption, Ctrl-C; mpexp/stopping.py) only set a flag;
+Stop signals (SIGTERM from a cluster's pre-emption, Ctrl-C; mpexp/run/stopping.py) only set a flag;
 the loop checks it once per step and stops at the step boundary with a checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import random
@@ -30,10 +29,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from mpexp import sharded_checkpoint
+from mpexp.checkpoints import sharded
+from mpexp.checkpoints.checksums import sha256_of
 from mpexp.config import to_dict
 from mpexp.errors import OutputError, ResumeRefused
-from mpexp.rundir import (
+from mpexp.run.rundir import (
     AUTO,
     SUBDIR,
     checkpoint_files,
@@ -42,9 +42,9 @@ from mpexp.rundir import (
     resume_command,
     run_dir_of,
 )
-from mpexp.schedules import spans_run
-from mpexp.stopping import Preempted
-from mpexp.tracking import flatten
+from mpexp.run.stopping import Preempted
+from mpexp.step.schedules import spans_run
+from mpexp.tracking.tracker import flatten
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +87,6 @@ class Position:
 def checksum_file(checkpoint: Path) -> Path:
     """Where a checkpoint's SHA-256 is kept, in `sha256sum` format (`sha256sum -c` checks it)."""
     return checkpoint.with_name(checkpoint.name + ".sha256")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_atomically(state: dict, path: Path) -> None:
@@ -160,7 +152,7 @@ class Checkpointer:
     """Saves one run's training state into `<run dir>/checkpoints`, keeping the newest few.
 
     A replicated run (one process, DDP) writes one file from rank 0; an FSDP run, whose ranks each
-    hold a shard of the state, writes a folder from every rank (mpexp/sharded_checkpoint.py).
+    hold a shard of the state, writes a folder from every rank (mpexp/checkpoints/sharded.py).
     """
 
     def __init__(
@@ -222,9 +214,7 @@ class Checkpointer:
             if self.sharded:
                 state["sharded"] = True
                 rng = rng_state(self.device)
-                sharded_checkpoint.save(
-                    path, state, rng, self.model, self.optimizer, self.world.rank
-                )
+                sharded.save(path, state, rng, self.model, self.optimizer, self.world.rank)
             else:
                 state["model"] = self.model.state_dict()
                 state["optimizer"] = self.optimizer.state_dict()
@@ -351,8 +341,8 @@ class Resume:
         same, and otherwise start from the seed (which the run says).
         """
         if self.state.get("sharded"):
-            sharded_checkpoint.load_into(self.path, model, optimizer)
-            rng = sharded_checkpoint.load_rng(self.path, world.rank)
+            sharded.load_into(self.path, model, optimizer)
+            rng = sharded.load_rng(self.path, world.rank)
         else:
             model.load_state_dict(self.state["model"])
             optimizer.load_state_dict(self.state["optimizer"])
@@ -382,7 +372,7 @@ def _shape(value) -> tuple | None:
 
 
 def remove_checkpoint(path: Path) -> None:
-    """A checkpoint with its checksum, or a leftover of one (mpexp.rundir.leftover_files)."""
+    """A checkpoint with its checksum, or a leftover of one (mpexp.run.rundir.leftover_files)."""
     if path.is_dir():
         shutil.rmtree(path)
         return
@@ -394,7 +384,7 @@ def remove_checkpoint(path: Path) -> None:
 def find_checkpoint(target: str | Path) -> Path:
     """The checkpoint `trainer.resume` names: that file, or the newest one in a run directory."""
     path = Path(str(target))
-    if path.is_file() or (path.is_dir() and (path / sharded_checkpoint.COMMON).is_file()):
+    if path.is_file() or (path.is_dir() and (path / sharded.COMMON).is_file()):
         return path
     found = checkpoint_files(path) if path.is_dir() else []
     if not found:
@@ -414,7 +404,7 @@ def load(path: Path, mmap: bool = False) -> dict:
     verify(path)
     try:
         if path.is_dir():
-            state = sharded_checkpoint.load_common(path)
+            state = sharded.load_common(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:
@@ -441,11 +431,11 @@ def verify(path: Path) -> None:
     """Compare a checkpoint with the SHA-256 written beside it; a checkpoint without one (written
     by an older mpexp) is taken as it is. A sharded checkpoint's folder lists every file's."""
     if path.is_dir():
-        bad = sharded_checkpoint.corrupt_files(path)
+        bad = sharded.corrupt_files(path)
         if bad:
             raise ResumeRefused(
                 f"trainer.resume: {path} is corrupt: {', '.join(bad)} no longer match the "
-                f"checksums written with them ({sharded_checkpoint.SUMS}).\n{_other(path)}"
+                f"checksums written with them ({sharded.SUMS}).\n{_other(path)}"
             )
         return
     sums = checksum_file(path)

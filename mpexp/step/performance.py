@@ -172,7 +172,7 @@ def compile_model(model: nn.Module, speed: Speed) -> nn.Module:
     """The module the loop should call: `model` itself, or its compiled wrapper.
 
     Keep using `model` for its weights (state_dict, parameter names), which compilation prefixes.
-    Compilation itself happens at the first forward pass (see mpexp.step_graph).
+    Compilation itself happens at the first forward pass (see mpexp.step.step_graph).
     """
     if not speed.compile:
         return model

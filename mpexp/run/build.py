@@ -1,0 +1,135 @@
+"""What a config builds on one rank, in the order it must be built: the data, the model (tried on
+one image, its FLOPs counted, fp8-converted, fp32 modules wrapped, wrapped for DDP/FSDP), the
+precision and the loss scaler (`build_parts`); then, once the run's tracker has started W&B in the
+background, the optimizer, the schedule and the compiled forward pass (`build_training`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hydra.utils import get_object
+from omegaconf import DictConfig
+
+from mpexp import config
+from mpexp.data.base import DataInfo, InMemoryData
+from mpexp.data.checks import warn_nonfinite
+from mpexp.distributed import World
+from mpexp.errors import ConfigError
+from mpexp.precision.fp8 import convert_to_fp8
+from mpexp.precision.fp32_modules import run_in_float32
+from mpexp.precision.modes import Precision, check_fp16_convolutions_on_cpu, setup_precision
+from mpexp.precision.scaling import LossScaler, build_scaler
+from mpexp.step import flops, performance
+from mpexp.step.flops import Throughput
+from mpexp.step.performance import Speed
+from mpexp.step.schedules import build_schedule
+from mpexp.system import device_name
+
+
+def build(node: DictConfig, **extra):
+    """Instantiate a group's `_target_` with its other keys (and `extra`)."""
+    kwargs = config.to_dict(node)
+    return get_object(kwargs.pop("_target_"))(**kwargs, **extra)
+
+
+def build_model(node: DictConfig, info: DataInfo, name: str | None) -> torch.nn.Module:
+    """The model, built for the data's shape and tried on one image of it, so that a model that
+    cannot take the data stops the run now with one message, not a traceback mid-step."""
+    c, h, w = info.channels, info.height, info.width
+    what = f"model={name}" if name else node._target_
+    try:
+        model = build(node, in_channels=c, num_classes=info.num_classes, image_size=(h, w))
+        model.eval()  # no BatchNorm statistics change, no dropout draws from the RNG
+        with torch.no_grad():
+            shape = tuple(model(torch.zeros(1, c, h, w)).shape)
+        model.train()
+    except (ValueError, RuntimeError) as err:
+        reason = str(err).strip().splitlines()[0]
+        raise ConfigError(
+            f"{what} cannot take the dataset's {c}x{h}x{w} images: {reason}.\n"
+            "Use images it can take (dataset.height, dataset.width) or another model."
+        ) from None
+    if shape != (1, info.num_classes):
+        raise ConfigError(
+            f"{what} gives outputs of shape {shape} for one image; the loss needs "
+            f"(1, {info.num_classes}), one logit per class."
+        )
+    return model
+
+
+@dataclass
+class Built:
+    """The parts a config built before training, and the facts about them a run records."""
+
+    data: InMemoryData
+    model: torch.nn.Module  # as the loop calls it: fp8-converted, wrapped for DDP/FSDP
+    precision: Precision
+    scaler: LossScaler
+    speed: Speed
+    throughput: Throughput  # the FLOP count, finished in the background
+    fp32_modules: list[str]  # those that run in float32 (none where nothing is autocast)
+    parameters: int
+    device_name: str
+
+
+def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -> Built:
+    """The data, model, precision and loss scaler on this rank; `choices` (the option per config
+    group) names them in messages."""
+    device = world.device
+    precision = setup_precision(cfg.precision, device)
+
+    speed = performance.plan_speed(cfg, device)
+    data: InMemoryData = build(cfg.dataset)
+    info = data.setup(device, speed.memory_format())
+    if world.is_main:  # the same data on every rank: one warning
+        warn_nonfinite(
+            {"training": data.train[0], "validation": data.val[0]},
+            f"dataset={choices.get('dataset') or cfg.dataset._target_}",
+        )
+    data.shard(world.rank, world.size)
+    model = build_model(cfg.model, info, choices.get("model")).to(device)
+    parameters = sum(p.numel() for p in model.parameters())
+    # counted once, on the plain model at the run's shapes, before anything wraps it
+    batch_shape = (data.batch_size, info.channels, info.height, info.width)
+    name = device_name(device)
+    throughput = flops.throughput(
+        model,
+        batch_shape,
+        cfg.trainer.peak_tflops or flops.device_peak_tflops(name, precision.effective),
+        world.size,
+    )
+    precision = check_fp16_convolutions_on_cpu(model, precision)
+    # fp8 swaps Linear layers: before fp32_modules wraps forwards and DDP/FSDP/compile take them
+    model, precision = convert_to_fp8(
+        model, precision, list(cfg.precision.fp32_modules), speed.compile
+    )
+    fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
+    performance.apply_memory_format(model, speed)  # before DDP/FSDP takes the parameters
+    model = world.wrap(model, precision)
+    skip_nonfinite = cfg.trainer.on_nonfinite_loss == "skip"
+    scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip_nonfinite)
+    world.prepare_scaler(scaler)
+    return Built(
+        data=data,
+        model=model,
+        precision=precision,
+        scaler=scaler,
+        speed=speed,
+        throughput=throughput,
+        fp32_modules=fp32_modules,
+        parameters=parameters,
+        device_name=name,
+    )
+
+
+def build_training(
+    cfg: DictConfig, built: Built, device: torch.device
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.nn.Module]:
+    """The optimizer, the learning-rate schedule and the forward pass (compiled where asked)."""
+    optimizer = performance.build_optimizer(cfg, built.model, device, built.scaler, built.speed)
+    total_steps = built.data.steps_per_epoch() * cfg.trainer.epochs
+    schedule = build_schedule(cfg.scheduler, optimizer, built.scaler, total_steps)
+    performance.configure_backends(device, cfg.trainer)
+    forward = performance.compile_model(built.model, built.speed)
+    return optimizer, schedule, forward

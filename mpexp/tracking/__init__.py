@@ -1,0 +1,6 @@
+"""Where metrics go: metrics.jsonl and summary.json always, W&B (in a process of its own) if on."""
+
+# `mpexp.tracking.Histogram` is the name users log histograms with (README, mpexp.log)
+from mpexp.tracking.tracker import Histogram
+
+__all__ = ["Histogram"]
