@@ -440,7 +440,7 @@ def test_fused_sgd_whose_first_step_is_skipped_applies_no_uninitialised_momentum
     """Fused SGD makes its momentum with empty_like at its first step; a skipped first step (an
     fp16 overflow) left that memory as the momentum. Here empty_like hands out NaN, as stale
     memory may hold anything."""
-    from mpexp import performance
+    from mpexp.step import performance
     from tests.conftest import make_cfg
 
     monkeypatch.setattr(torch, "empty_like", lambda t, **kw: torch.full_like(t, torch.nan))
