@@ -204,7 +204,9 @@ class ViTConfig(ModelConfig):
 
 @dataclass
 class Fp8Config:
-    recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    # null: no fp8. A node in every precision mode (not a null node): Hydra cannot apply an
+    # override like `precision.fp8.recipe=rowwise` to a null node, and fails with a traceback
+    recipe: Optional[Fp8Recipe] = None
 
 
 @dataclass
@@ -212,7 +214,7 @@ class PrecisionConfig:
     autocast: Optional[AutocastDtype] = None  # the forward pass's dtype; null: no autocast
     tf32: bool = False  # TF32 tensor-core math for float32 matmul and convolutions
     fp32_modules: list[str] = field(default_factory=list)
-    fp8: Optional[Fp8Config] = None  # float8 training of Linear layers (torchao); null: none
+    fp8: Fp8Config = field(default_factory=Fp8Config)  # float8 Linear layers (torchao)
 
 
 # --- loss scaling --------------------------------------------------------------------------------

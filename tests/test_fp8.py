@@ -199,6 +199,15 @@ def test_the_rowwise_recipe_reaches_torchao():
     assert model[0].config.cast_config_grad_output.target_dtype == torch.float8_e4m3fn
 
 
+def test_a_recipe_given_to_another_mode_runs_fp8_and_says_so():
+    # `precision.fp8` was a null node outside precision=fp8, and Hydra failed on the override
+    # with an AssertionError traceback before any of mpexp ran
+    cfg = make_cfg("precision=bf16", "precision.fp8.recipe=rowwise")
+    record = setup_precision(cfg.precision, CPU).record()
+    assert (record["precision"], record["fp8_recipe"]) == ("fp8", "rowwise")
+    assert "fp8_recipe" not in precision_of("bf16").record()
+
+
 def test_only_torchaos_recipes_compose():
     with pytest.raises(Exception, match=r"precision\.fp8\.recipe=blockwise") as err:
         make_cfg("precision=fp8", "precision.fp8.recipe=blockwise")

@@ -131,7 +131,8 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
     """
     dtype = DTYPES[str(cfg["autocast"])] if cfg["autocast"] is not None else None
     tf32 = bool(cfg["tf32"])
-    fp8 = Fp8(recipe=str(cfg["fp8"]["recipe"])) if cfg.get("fp8") is not None else None
+    recipe = (cfg.get("fp8") or {}).get("recipe")  # a record from before fp8 was a node: null
+    fp8 = Fp8(recipe=str(recipe)) if recipe is not None else None
     mode = mode_name(dtype, tf32, fp8 is not None)
     if fp8 is not None:
         check_fp8(dtype, device)

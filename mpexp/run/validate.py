@@ -223,7 +223,7 @@ def _validate_fsdp(cfg: DictConfig) -> None:
             "optimizer.fused=true with trainer.strategy=fsdp: sharded gradients need their "
             "overflow flags combined across ranks before the step. Leave optimizer.fused=null."
         )
-    if cfg.precision.get("fp8") is not None and cfg.diagnostics.grad_stats_every:
+    if cfg.precision.fp8.recipe is not None and cfg.diagnostics.grad_stats_every:
         raise ConfigError(
             "diagnostics.grad_stats_every under precision=fp8 with trainer.strategy=fsdp: the "
             "fp8 range statistics need each weight's amax over all its shards, which they do not "
