@@ -131,6 +131,10 @@ def cli() -> None:
         name = signal.Signals(stop.received).name
         sys.stderr.write(f"Stopped by {name}; nothing was trained.\n")
         raise SystemExit(128 + stop.received)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from mpexp.distributed import leave_if_replica
+
+        leave_if_replica()
 
 
 if __name__ == "__main__":

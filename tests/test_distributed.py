@@ -4,6 +4,9 @@ submitit_local sweep whose jobs each run DDP over two tasks, and the pieces unde
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -271,6 +274,28 @@ def test_a_sweep_inside_torchrun_is_refused_and_only_rank_zero_lets_hydra_write(
         hydra_overrides_for_rank(["-m", "precision=fp16,bf16"])
     monkeypatch.setenv("RANK", "1")
     assert "hydra.output_subdir=null" in hydra_overrides_for_rank(["trainer.strategy=ddp"])
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_finished_replica_leaves_without_pythons_shutdown(tmp_path, rank):
+    # In Python's shutdown a gloo worker thread freeing a tensor aborted rank 1 now and then
+    # (exit -6), and torchrun failed a run that had finished. Rank 1 now skips that shutdown, its
+    # output flushed; rank 0, which writes the run's files, ends as usual.
+    script = (
+        "import atexit, logging, sys\n"
+        "from mpexp.distributed import leave_if_replica\n"
+        "atexit.register(lambda: sys.stdout.write('shut down\\n'))\n"
+        "logging.basicConfig()\n"
+        "logging.getLogger('mpexp').warning('a warning')\n"
+        "print('trained', end='')\n"
+        "leave_if_replica()\n"
+    )
+    env = {**os.environ, "RANK": rank, "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert result.returncode == 0 and "a warning" in result.stderr
+    assert result.stdout == ("trained" if rank == "1" else "trainedshut down\n")
 
 
 def test_a_single_process_world_changes_nothing():
