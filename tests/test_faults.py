@@ -238,6 +238,23 @@ def test_a_second_process_on_a_live_runs_directory_is_refused(tmp_path):
     assert status(run_dir) == "interrupted"
 
 
+def test_a_resume_of_a_live_run_is_refused_before_it_reads_the_checkpoints(tmp_path):
+    # A live run replaces its checkpoints as it trains: read mid-replace, the newest one is gone or
+    # its new checksum sits beside the old file. Here a checksum that does not match stands for
+    # that moment: the resume names the live run, not a corrupt checkpoint.
+    run_dir = tmp_path / "run"
+    saved = run_dir / "checkpoints" / "step-00000004.pt"
+    saved.parent.mkdir(parents=True)
+    saved.write_bytes(b"the old checkpoint")
+    checkpoint.checksum_file(saved).write_text(f"{'0' * 64}  {saved.name}\n")
+    with RunLock(run_dir):
+        resume = run_cli("mpexp.train", *ARGS, f"trainer.resume={run_dir}", cwd=tmp_path)
+        output = one_line_failure(resume)
+    assert f"Another process (pid {os.getpid()}) is training in {run_dir}" in output
+    assert "corrupt" not in output
+    assert (run_dir / ".lock").read_text() == f"{os.getpid()}\n"  # the holder's, not rewritten
+
+
 def test_a_second_sweep_into_a_live_sweeps_folder_is_refused_before_it_writes(tmp_path):
     # a live sweep holds its sweep dir from its start: two sweeps started together into one
     # hydra.sweep.dir would otherwise both pass the check for runs already there, and the one

@@ -107,16 +107,20 @@ class RunChecks(Callback):
         run_dir = Path(config.hydra.run.dir)
         _exit_on_user_error(lambda: validate(task))
         _exit_on_user_error(lambda: check_reachable(run_dir))
-        resume = None
-        if task.trainer.resume:
+        main = int(os.environ.get("RANK", "0")) == 0  # ranks > 0 write nothing (distributed.py)
+        continues = bool(task.trainer.resume)  # a resume that cannot continue exits below
+        if continues:
+            if main:
+                # A live run in the folder is refused before its checkpoints are read: it may be
+                # replacing one of them, which would read as missing or corrupt.
+                _exit_on_user_error(lambda: check_not_locked(run_dir))
             from mpexp.checkpoints import (
                 checkpoint,  # torch: only a resume needs it before the run starts
             )
 
-            resume = _exit_on_user_error(lambda: checkpoint.open_resume(task, run_dir, mmap=True))
+            # checked before Hydra writes anything; the run opens it again to train from it
+            _exit_on_user_error(lambda: checkpoint.open_resume(task, run_dir, mmap=True))
         _exit_on_user_error(lambda: check_writable(run_dir))
-        main = int(os.environ.get("RANK", "0")) == 0  # ranks > 0 write nothing (distributed.py)
-        continues = resume is not None or task.trainer.resume == AUTO
         if main and continues:  # taken before the lock writes its pid
             log_file = run_dir / f"{config.hydra.job.name}.log"  # Hydra's job log, train.log
             _RECORDS[run_dir.resolve()] = RunRecord(run_dir, log_file)

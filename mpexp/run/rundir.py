@@ -237,7 +237,17 @@ class SweepLock(RunLock):
 
 
 def check_not_locked(run_dir: Path) -> None:
-    """Raise RunDirTaken if a process holds `run_dir`'s lock now (a quick look, not a claim)."""
-    if (Path(run_dir) / LOCK_FILE).exists():
-        with RunLock(run_dir):
-            pass
+    """Raise RunDirTaken if another process holds `run_dir`'s lock now: a look that writes
+    nothing (a shared lock, dropped at once, cannot be had beside the holder's exclusive one)."""
+    lock = RunLock(run_dir)
+    if fcntl is None or lock.directory in _HELD:  # this process's own run
+        return
+    try:
+        handle = lock.path.open("r")
+    except OSError:  # no lock file, so no holder; one that cannot be read is the claim's to report
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirTaken(lock.refusal(handle.read().strip() or "unknown")) from None
