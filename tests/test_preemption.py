@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from mpexp.checkpoints import sharded
 from mpexp.checkpoints.checkpoint import checkpoint_files
+from mpexp.run.rundir import leftover_files
 from mpexp.run.runner import train
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
@@ -138,6 +143,38 @@ def test_a_dataset_change_still_refuses_an_fsdp_resume(fsdp_runs, tmp_path):
     )  # fmt: skip
     assert result.returncode != 0
     assert "optimizer.lr: 0.003 in the run, 0.5 now" in result.stdout + result.stderr
+
+
+def test_a_kill_while_a_sharded_checkpoint_is_replaced_leaves_a_whole_one(tmp_path, monkeypatch):
+    # An epoch's end replaces the checkpoint of its last step when that step had one. A kill while
+    # the old folder is deleted must not leave half a folder under the name a resume takes.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        path = tmp_path / "checkpoints" / "step-00000008"
+        sharded.save(path, {"written": "first"}, {}, model, optimizer, rank=0)
+        real_rmtree = shutil.rmtree
+
+        def killed_while_deleting(folder, *args, **kwargs):
+            folder = Path(folder)
+            if (folder / sharded.COMMON).is_file() and not folder.name.endswith(".tmp"):
+                (folder / sharded.COMMON).unlink()  # one file gone, then the kill
+                raise KeyboardInterrupt
+            real_rmtree(folder, *args, **kwargs)
+
+        monkeypatch.setattr(shutil, "rmtree", killed_while_deleting)
+        with pytest.raises(KeyboardInterrupt):
+            sharded.save(path, {"written": "second"}, {}, model, optimizer, rank=0)
+        monkeypatch.undo()
+    finally:
+        dist.destroy_process_group()
+
+    assert checkpoint_files(tmp_path) == [path]
+    assert sharded.corrupt_files(path) == []
+    assert sharded.load_common(path)["written"] == "second"
+    assert [p.name for p in leftover_files(tmp_path)] == ["step-00000008.replaced"]
 
 
 def test_resume_auto_starts_afresh_then_continues(tmp_path):

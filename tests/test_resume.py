@@ -243,6 +243,35 @@ def test_a_checkpoint_write_that_dies_halfway_leaves_the_previous_one(
     assert status(tmp_path) == "finished"
 
 
+def test_a_kill_while_an_epochs_end_replaces_its_steps_checkpoint_leaves_it_resumable(
+    tmp_path, monkeypatch
+):
+    # Every 8 steps is every epoch's last step: the checkpoint written after it is replaced by
+    # the epoch's end, validated. A second Ctrl-C (or a kill) lands between the checksum's rename
+    # and the checkpoint's: the file in place is still the first one.
+    real_replace = os.replace
+
+    def dying_before_the_replacing_rename(src, dst):
+        if Path(dst).name == "step-00000008.pt" and Path(dst).exists():
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    args = [*ARGS, "trainer.checkpoint_every_steps=8"]
+    monkeypatch.setattr(os, "replace", dying_before_the_replacing_rename)
+    with pytest.raises(KeyboardInterrupt):
+        train(make_cfg(*args), RunContext(tmp_path))
+    monkeypatch.undo()
+
+    (kept,) = checkpoint_files(tmp_path)
+    assert checkpoint.load(kept)["position"] == {"epoch": 1, "batch": 8, "step": 8}
+    train(make_cfg(*args, f"trainer.resume={tmp_path}"), RunContext(tmp_path))
+    steps, epochs = read_metrics(tmp_path)
+    assert [r["step"] for r in steps] == list(range(1, 17)) and len(epochs) == 2
+    assert status(tmp_path) == "finished"
+    (last,) = checkpoint_files(tmp_path)  # and its checksum file is back to one sum
+    assert len(checkpoint.checksum_file(last).read_text().splitlines()) == 1
+
+
 def test_a_cosine_run_cannot_be_resumed_with_more_epochs():
     from omegaconf import OmegaConf
 

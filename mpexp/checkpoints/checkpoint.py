@@ -92,9 +92,11 @@ def checksum_file(checkpoint: Path) -> Path:
 def write_atomically(state: dict, path: Path) -> None:
     """Write a temporary file, fsync it, rename it: `path` holds the old file or all of the new.
 
-    Its SHA-256 is written beside it first, so that a resume can tell a damaged file. Whatever
-    stops the write (a full disk, which torch.save reports as a RuntimeError; a second Ctrl-C), the
-    partial files are removed.
+    Its SHA-256 is written beside it first, so that a resume can tell a damaged file. A checkpoint
+    that replaces one of the same name (an epoch's end at a step that already has one) is
+    renamed in while the checksum file lists both files' sums: whichever one a kill leaves in
+    place is verified, not called corrupt. Whatever stops the write (a full disk, which
+    torch.save reports as a RuntimeError; a second Ctrl-C), the partial files are removed.
     """
     tmp = path.with_name(path.name + ".tmp")
     sums, sums_tmp = checksum_file(path), checksum_file(tmp)
@@ -103,12 +105,15 @@ def write_atomically(state: dict, path: Path) -> None:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        with open(sums_tmp, "w") as f:  # on disk before the rename, or a crash leaves it empty
-            f.write(f"{sha256_of(tmp)}  {path.name}\n")
-            f.flush()
-            os.fsync(f.fileno())
+        line = f"{sha256_of(tmp)}  {path.name}\n"
+        old = written_sums(sums) if path.is_file() else []
+        replaced = "".join(f"{digest}  {path.name}\n" for digest in old)
+        _write_synced(sums_tmp, replaced + line)
         os.replace(sums_tmp, sums)
         os.replace(tmp, path)
+        if replaced:  # the old file is gone: its sum goes too
+            _write_synced(sums_tmp, line)
+            os.replace(sums_tmp, sums)
     except BaseException:
         for partial in (tmp, sums_tmp):  # a partial file only takes space from a full disk
             with contextlib.suppress(OSError):
@@ -121,6 +126,24 @@ def write_atomically(state: dict, path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:  # on disk before the rename, or a crash leaves it empty
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def written_sums(sums: Path) -> list[str]:
+    """The SHA-256 sums a checkpoint's checksum file holds (two while a checkpoint of the same
+    name is being replaced); none where it is missing, empty or damaged."""
+    try:
+        lines = sums.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    found = (line.split()[:1] for line in lines)
+    return [f[0] for f in found if f and re.fullmatch(r"[0-9a-f]{64}", f[0])]
 
 
 def rng_state(device: torch.device) -> dict:
@@ -442,14 +465,14 @@ def verify(path: Path) -> None:
     if not sums.is_file():
         log.warning("%s has no checksum beside it (%s): it is not verified.", path, sums.name)
         return
-    expected = sums.read_text(errors="replace").split()[:1]
-    if not (expected and re.fullmatch(r"[0-9a-f]{64}", expected[0])):
+    expected = written_sums(sums)
+    if not expected:
         # e.g. empty after a power loss: the checkpoint is loaded and checked as one without
         log.warning(
             "%s holds no SHA-256 (it is empty or damaged): %s is not verified.", sums.name, path
         )
         return
-    if sha256_of(path) != expected[0]:
+    if sha256_of(path) not in expected:
         raise ResumeRefused(
             f"trainer.resume: {path} is corrupt: its SHA-256 does not match the one written with "
             f"it ({sums.name}), so the file changed after it was saved.\n{_other(path)}"

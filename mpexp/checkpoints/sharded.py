@@ -23,6 +23,7 @@ from mpexp.checkpoints.checksums import sha256_of
 
 COMMON = "common.pt"
 SUMS = "SHA256SUMS"
+REPLACED = ".replaced"  # the suffix of a folder that a checkpoint of the same name replaces
 
 
 def _dcp():
@@ -58,8 +59,16 @@ def save(path: Path, common: dict, rng: dict, model, optimizer, rank: int) -> No
         dist.barrier()  # every rank's files are complete
         if rank == 0:
             _write_sums(tmp)
-            shutil.rmtree(path, ignore_errors=True)
+            # A folder of the same name (an epoch's end at a step that already has one) is moved
+            # aside, then deleted: deleted in place, a kill during the deletion would leave half
+            # a checkpoint under the name a resume takes. Only a kill between the two renames
+            # leaves neither; the next save clears what is left (mpexp.run.rundir.leftover_files).
+            aside = path.with_name(path.name + REPLACED)
+            shutil.rmtree(aside, ignore_errors=True)
+            if path.exists():
+                os.replace(path, aside)
             os.replace(tmp, path)
+            shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -78,9 +78,10 @@ def hydra_quoted(value: str) -> str:
 
 
 # the names mpexp gives checkpoints (a file, or a sharded run's folder), what a write that a crash
-# cut short leaves, and a checkpoint file's checksum; any other file in checkpoints/ is not mpexp's
+# cut short leaves (or a sharded folder it left aside while replacing it), and a checkpoint file's
+# checksum; any other file in checkpoints/ is not mpexp's
 CHECKPOINT_NAME = re.compile(r"step-(\d+)(\.pt)?")
-CUT_SHORT_NAME = re.compile(r"step-\d+(\.pt\.tmp|\.pt\.tmp\.sha256|\.tmp)")
+CUT_SHORT_NAME = re.compile(r"step-\d+(\.pt\.tmp|\.pt\.tmp\.sha256|\.tmp|\.replaced)")
 CHECKSUM_NAME = re.compile(r"step-\d+\.pt\.sha256")
 
 
