@@ -352,10 +352,26 @@ def test_rows_for_a_wandb_that_did_not_start_are_not_kept(tmp_path):
     while not problems and time.monotonic() < deadline:
         time.sleep(0.1)
     assert problems and problems[0][0] == "failed"
+    assert process._ended.wait(10)  # set just after the problem is told
     for step in range(10_000):  # a long run's rows: none may pile up for a W&B that is gone
         process.send("log", ({"step": step}, {}))
     assert process._outbox.qsize() == 0
     assert process.finish(1) is None
+
+
+def test_wandbs_failure_is_told_before_the_run_stops_waiting_on_it(tmp_path):
+    # the warning that W&B did not start comes before the run's last lines, not lost at its exit
+    told = []
+
+    def slowly(kind, text):
+        time.sleep(0.5)  # a log handler that takes its time
+        told.append(kind)
+
+    start = {"init": {"dir": str(tmp_path), "mode": "offline"}, "settings": {"bogus": 1},
+             "argv": ["test"], "metrics": []}  # fmt: skip
+    process = WandbProcess(start, tmp_path / "process.log", slowly)
+    assert process.finish(1) is None
+    assert told == ["failed"]
 
 
 def test_a_row_wandb_cannot_take_costs_a_warning_not_the_run(tmp_path):

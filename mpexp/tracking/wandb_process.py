@@ -132,10 +132,11 @@ class WandbProcess:
                     self.run_dir = Path(payload)
                 elif kind == "took":
                     self._took.set()
-                if kind in ("failed", "finished"):
-                    self._ended.set()  # first: from here on nothing more is queued for it
                 if kind in ("failed", "warning"):
                     self._problem(kind, payload)
+                if kind in ("failed", "finished"):
+                    # after the problem is told: a run that waits on this ends after the warning
+                    self._ended.set()
             code = self._process.wait()  # reaped here, as it exits after its last answer
             if not self._ended.is_set():  # it died without a word: a crash, or a kill
                 self._problem(
