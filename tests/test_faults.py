@@ -47,7 +47,6 @@ import struct
 import subprocess
 import sys
 import termios
-import time
 from pathlib import Path
 
 import numpy as np
@@ -352,12 +351,19 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
     proc = start_cli(*args, *slow, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     wait_for(lambda: checkpoint_files(run_dir), proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.2)  # two signals at once would arrive as one
+    # the second press once the first is taken (two signals at once would arrive as one): the
+    # run says so before it writes the checkpoint that the second press cuts short
+    said = []
+    for line in proc.stdout:
+        said.append(line)
+        if "Ctrl-C again quits at once" in line:
+            break
     proc.send_signal(signal.SIGINT)
-    output, _ = proc.communicate(timeout=120)
+    output = "".join(said) + proc.communicate(timeout=120)[0]
 
     assert proc.returncode == 128 + signal.SIGINT, output
     assert "Traceback" not in output
+    assert "SIGINT received: writing a checkpoint at step" in output  # the first press, at once
     assert "Stopped at once by a second Ctrl-C. The last checkpoint is" in output
     assert f"trainer.resume={run_dir}" in output
     assert status(run_dir) == "interrupted"

@@ -648,7 +648,15 @@ class Fit:
             "elapsed": elapsed,
             "epoch_row": self.row,
         }
+        stops = stopping and position.epoch <= self.trainer.epochs  # one at the end lets it finish
+        signum = self.stop.received or signal.SIGTERM  # another rank may have got it
+        if stops and self.world.is_main:  # said at once: a big checkpoint takes a while to write
+            log.info(
+                "%s received: writing a checkpoint at step %d, then stopping.%s",
+                signal.Signals(signum).name,
+                position.step,
+                " Ctrl-C again quits at once, without it." if signum == signal.SIGINT else "",
+            )
         path = self.saver.save(position, log_state)  # every rank: FSDP's all write their shards
-        if stopping and position.epoch <= self.trainer.epochs:  # a signal at the end lets it finish
-            signum = self.stop.received or signal.SIGTERM  # another rank may have got it
+        if stops:
             raise self.saver.stopped(signum, path, position, self.parts.data.steps_per_epoch())
