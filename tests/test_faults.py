@@ -47,6 +47,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -252,6 +253,19 @@ def test_a_resume_of_a_live_run_is_refused_before_it_reads_the_checkpoints(tmp_p
     assert f"Another process (pid {os.getpid()}) is training in {run_dir}" in output
     assert "corrupt" not in output
     assert (run_dir / ".lock").read_text() == f"{os.getpid()}\n"  # the holder's, not rewritten
+
+
+def test_a_look_at_a_runs_lock_is_not_taken_for_a_run_holding_it(tmp_path):
+    # another process's check that no run holds the folder (a resume's, a sweep's) holds the lock
+    # shared for an instant: a run claiming the folder then waits, not refusing a dead pid's run
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".lock").write_text("99999\n")  # left by a run that ended
+    look = (run_dir / ".lock").open("r")
+    fcntl.flock(look, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    threading.Timer(0.05, look.close).start()
+    with RunLock(run_dir):
+        assert (run_dir / ".lock").read_text() == f"{os.getpid()}\n"
 
 
 def test_a_second_sweep_into_a_live_sweeps_folder_is_refused_before_it_writes(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpexp.checkpoints import sharded
+from mpexp.checkpoints import checkpoint, sharded
 from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.run.rundir import leftover_files
 from mpexp.run.runner import train
@@ -168,13 +168,32 @@ def test_a_kill_while_a_sharded_checkpoint_is_replaced_leaves_a_whole_one(tmp_pa
         with pytest.raises(KeyboardInterrupt):
             sharded.save(path, {"written": "second"}, {}, model, optimizer, rank=0)
         monkeypatch.undo()
+        assert checkpoint_files(tmp_path) == [path]
+        assert sharded.corrupt_files(path) == []
+        assert sharded.load_common(path)["written"] == "second"
+        assert [p.name for p in leftover_files(tmp_path)] == ["step-00000008.replaced"]
+
+        # a second Ctrl-C between moving the old folder aside and renaming the new one in
+        real_replace = os.replace
+
+        def stopped_between_the_renames(src, dst):
+            if Path(src).name.endswith(".tmp"):
+                raise KeyboardInterrupt
+            real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", stopped_between_the_renames)
+        with pytest.raises(KeyboardInterrupt):
+            sharded.save(path, {"written": "third"}, {}, model, optimizer, rank=0)
+        monkeypatch.undo()
+        assert checkpoint_files(tmp_path) == [path] and leftover_files(tmp_path) == []
+        assert sharded.load_common(path)["written"] == "second"
     finally:
         dist.destroy_process_group()
 
-    assert checkpoint_files(tmp_path) == [path]
-    assert sharded.corrupt_files(path) == []
+    # a SIGKILL at that moment, which nothing catches: the resume puts the folder back
+    os.replace(path, path.with_name(path.name + ".replaced"))
+    assert checkpoint.find_checkpoint(tmp_path) == path
     assert sharded.load_common(path)["written"] == "second"
-    assert [p.name for p in leftover_files(tmp_path)] == ["step-00000008.replaced"]
 
 
 def test_resume_auto_starts_afresh_then_continues(tmp_path):

@@ -272,6 +272,26 @@ def test_a_kill_while_an_epochs_end_replaces_its_steps_checkpoint_leaves_it_resu
     assert len(checkpoint.checksum_file(last).read_text().splitlines()) == 1
 
 
+def test_a_checkpoint_replaced_beside_no_checksum_verifies_after_a_kill(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoints" / "step-00000008.pt"
+    path.parent.mkdir()
+    checkpoint.write_atomically({"written": "first"}, path)
+    checkpoint.checksum_file(path).unlink()  # lost, or never written (an older mpexp's file)
+    real_replace = os.replace
+
+    def dying_before_the_replacing_rename(src, dst):
+        if Path(dst) == path:
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", dying_before_the_replacing_rename)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.write_atomically({"written": "second"}, path)
+    monkeypatch.undo()
+    checkpoint.verify(path)  # the file in place is the first, and its sum is listed
+    assert torch.load(path, weights_only=True)["written"] == "first"
+
+
 def test_a_cosine_run_cannot_be_resumed_with_more_epochs():
     from omegaconf import OmegaConf
 

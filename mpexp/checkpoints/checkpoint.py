@@ -39,6 +39,7 @@ from mpexp.run.rundir import (
     checkpoint_files,
     checkpoint_step,
     leftover_files,
+    put_back_replaced,
     resume_command,
     run_dir_of,
 )
@@ -85,7 +86,9 @@ class Position:
 
 
 def checksum_file(checkpoint: Path) -> Path:
-    """Where a checkpoint's SHA-256 is kept, in `sha256sum` format (`sha256sum -c` checks it)."""
+    """Where a checkpoint's SHA-256 is kept, in `sha256sum` format (`sha256sum -c` checks it).
+    A kill while a checkpoint of the same name was replaced can leave it listing two sums, one of
+    them the file's (write_atomically): `sha256sum -c` then calls the other one failed."""
     return checkpoint.with_name(checkpoint.name + ".sha256")
 
 
@@ -106,14 +109,16 @@ def write_atomically(state: dict, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         line = f"{sha256_of(tmp)}  {path.name}\n"
-        old = written_sums(sums) if path.is_file() else []
+        # the old file's sum as written, or as it is where its checksum file is missing or bad
+        old = (written_sums(sums) or [sha256_of(path)]) if path.is_file() else []
         replaced = "".join(f"{digest}  {path.name}\n" for digest in old)
         _write_synced(sums_tmp, replaced + line)
         os.replace(sums_tmp, sums)
         os.replace(tmp, path)
-        if replaced:  # the old file is gone: its sum goes too
-            _write_synced(sums_tmp, line)
-            os.replace(sums_tmp, sums)
+        if replaced:  # the old file is gone: its sum goes too, where the disk allows
+            with contextlib.suppress(OSError):  # the two-sum file verifies the new file as well
+                _write_synced(sums_tmp, line)
+                os.replace(sums_tmp, sums)
     except BaseException:
         for partial in (tmp, sums_tmp):  # a partial file only takes space from a full disk
             with contextlib.suppress(OSError):
@@ -232,6 +237,7 @@ class Checkpointer:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 # a crash's leftovers (half-written files, lone checksums) first: space a full
                 # disk may need for this write
+                put_back_replaced(self.run_dir)
                 for stale in leftover_files(self.run_dir):
                     remove_checkpoint(stale)
             if self.sharded:
@@ -409,6 +415,8 @@ def find_checkpoint(target: str | Path) -> Path:
     path = Path(str(target))
     if path.is_file() or (path.is_dir() and (path / sharded.COMMON).is_file()):
         return path
+    if path.is_dir():
+        put_back_replaced(path)
     found = checkpoint_files(path) if path.is_dir() else []
     if not found:
         where = (
@@ -557,6 +565,8 @@ def open_resume(cfg: DictConfig, run_dir: Path | None = None, mmap: bool = False
     if not target:
         return None
     if target == AUTO:
+        if run_dir is not None:
+            put_back_replaced(run_dir)
         found = checkpoint_files(run_dir) if run_dir is not None else []
         if not found:
             log.info("trainer.resume=auto: no checkpoint in %s, so the run starts afresh.", run_dir)

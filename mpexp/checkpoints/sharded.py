@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from mpexp.checkpoints.checksums import sha256_of
+from mpexp.run.rundir import REPLACED
 
 COMMON = "common.pt"
 SUMS = "SHA256SUMS"
-REPLACED = ".replaced"  # the suffix of a folder that a checkpoint of the same name replaces
 
 
 def _dcp():
@@ -45,7 +45,7 @@ def save(path: Path, common: dict, rng: dict, model, optimizer, rank: int) -> No
     is untouched.
     """
     dcp, get_state_dict, _ = _dcp()
-    tmp = path.with_name(path.name + ".tmp")
+    tmp, aside = path.with_name(path.name + ".tmp"), path.with_name(path.name + REPLACED)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -61,9 +61,8 @@ def save(path: Path, common: dict, rng: dict, model, optimizer, rank: int) -> No
             _write_sums(tmp)
             # A folder of the same name (an epoch's end at a step that already has one) is moved
             # aside, then deleted: deleted in place, a kill during the deletion would leave half
-            # a checkpoint under the name a resume takes. Only a kill between the two renames
-            # leaves neither; the next save clears what is left (mpexp.run.rundir.leftover_files).
-            aside = path.with_name(path.name + REPLACED)
+            # a checkpoint under the name a resume takes. A kill between the two renames leaves
+            # it aside, and the next resume or save puts it back (rundir.put_back_replaced).
             shutil.rmtree(aside, ignore_errors=True)
             if path.exists():
                 os.replace(path, aside)
@@ -71,6 +70,8 @@ def save(path: Path, common: dict, rng: dict, model, optimizer, rank: int) -> No
             shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         if rank == 0:
+            if aside.is_dir() and not path.exists():  # stopped between the two renames
+                os.replace(aside, path)
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 

@@ -19,6 +19,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from mpexp.errors import OutputError
@@ -81,7 +82,8 @@ def hydra_quoted(value: str) -> str:
 # cut short leaves (or a sharded folder it left aside while replacing it), and a checkpoint file's
 # checksum; any other file in checkpoints/ is not mpexp's
 CHECKPOINT_NAME = re.compile(r"step-(\d+)(\.pt)?")
-CUT_SHORT_NAME = re.compile(r"step-\d+(\.pt\.tmp|\.pt\.tmp\.sha256|\.tmp|\.replaced)")
+REPLACED = ".replaced"  # a sharded folder moved aside while one of its name replaces it
+CUT_SHORT_NAME = re.compile(rf"step-\d+(\.pt\.tmp|\.pt\.tmp\.sha256|\.tmp|{re.escape(REPLACED)})")
 CHECKSUM_NAME = re.compile(r"step-\d+\.pt\.sha256")
 
 
@@ -99,14 +101,25 @@ def checkpoint_files(run_dir: str | Path) -> list[Path]:
 
 def leftover_files(run_dir: str | Path) -> list[Path]:
     """What mpexp left in a run's checkpoints/ that is no checkpoint: a write that a crash cut
-    short (`.tmp` files and folders, their checksums), and a checksum whose checkpoint is gone
-    (a kill between writing the one and renaming the other into place)."""
+    short (`.tmp` files and folders, their checksums), a checksum whose checkpoint is gone
+    (a kill between writing the one and renaming the other into place), and a sharded folder
+    that a kill left aside once its replacement was in place."""
     return [
         path
         for path in (Path(run_dir) / SUBDIR).glob("step-*")
         if CUT_SHORT_NAME.fullmatch(path.name)
         or (CHECKSUM_NAME.fullmatch(path.name) and not path.with_suffix("").is_file())
     ]
+
+
+def put_back_replaced(run_dir: str | Path) -> None:
+    """A sharded checkpoint's folder that a kill left aside, between the two renames that replace
+    it (mpexp/checkpoints/sharded.py), goes back under its name: it is whole, and nothing took
+    its place."""
+    for aside in (Path(run_dir) / SUBDIR).glob(f"step-*{REPLACED}"):
+        name = aside.with_name(aside.name.removesuffix(REPLACED))
+        if aside.is_dir() and not name.exists():
+            os.replace(aside, name)
 
 
 def checkpoint_step(path: Path) -> int:
@@ -164,6 +177,22 @@ def refuse_if_taken(run_dir: Path, restart: bool = False, key: str = "hydra.run.
 
 # the directories this process holds locked: directory -> [its lock file, how many hold it]
 _HELD: dict[Path, list] = {}
+# how long a claim waits out another process's look at the lock (check_not_locked holds it shared
+# for an instant), so that a look is not taken for a run that holds the folder
+LOOK_S = 0.25
+
+
+def _lock_soon(handle) -> None:
+    """Take the exclusive lock, or raise BlockingIOError if it is still held after LOOK_S."""
+    deadline = time.monotonic() + LOOK_S
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 class RunLock:
@@ -186,7 +215,7 @@ class RunLock:
             self.directory.mkdir(parents=True, exist_ok=True)
             handle = self.path.open("a+")
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _lock_soon(handle)
             except BlockingIOError:
                 handle.seek(0)
                 holder = handle.read().strip() or "unknown"
