@@ -292,6 +292,27 @@ def test_a_checkpoint_replaced_beside_no_checksum_verifies_after_a_kill(tmp_path
     assert torch.load(path, weights_only=True)["written"] == "first"
 
 
+def test_a_replacing_save_that_cannot_trim_its_checksum_file_still_succeeds(tmp_path, monkeypatch):
+    # the new file is in place and listed: a full disk at the last rewrite must not fail the save
+    # (with keep_checkpoints=1 the run would call itself without a checkpoint)
+    path = tmp_path / "step-00000008.pt"
+    checkpoint.write_atomically({"written": "first"}, path)
+    real_write, writes = checkpoint._write_synced, []
+
+    def full_disk_the_second_time(where, text):
+        writes.append(where)
+        if len(writes) == 2:
+            raise OSError(28, "No space left on device")
+        real_write(where, text)
+
+    monkeypatch.setattr(checkpoint, "_write_synced", full_disk_the_second_time)
+    checkpoint.write_atomically({"written": "second"}, path)
+    monkeypatch.undo()
+    checkpoint.verify(path)
+    assert torch.load(path, weights_only=True)["written"] == "second"
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
 def test_a_cosine_run_cannot_be_resumed_with_more_epochs():
     from omegaconf import OmegaConf
 
