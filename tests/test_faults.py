@@ -62,7 +62,7 @@ from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.data.synthetic import SyntheticData
 from mpexp.distributed import start_world
 from mpexp.errors import ConfigError, DataError
-from mpexp.run.rundir import RunLock, SweepLock, checkpoint_files
+from mpexp.run.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
 from mpexp.run.runner import stop_if_asked, train
 from mpexp.run.stopping import Preempted, StopSignals
 from mpexp.run.validate import validate
@@ -238,21 +238,36 @@ def test_a_second_process_on_a_live_runs_directory_is_refused(tmp_path):
     assert status(run_dir) == "interrupted"
 
 
-def test_a_resume_of_a_live_run_is_refused_before_it_reads_the_checkpoints(tmp_path):
-    # A live run replaces its checkpoints as it trains: read mid-replace, the newest one is gone or
-    # its new checksum sits beside the old file. Here a checksum that does not match stands for
-    # that moment: the resume names the live run, not a corrupt checkpoint.
-    run_dir = tmp_path / "run"
+def live_run_mid_replace(run_dir: Path) -> None:
+    """A run dir whose newest checkpoint reads as a live run replacing it can leave it for an
+    instant: a checksum that does not match the file."""
     saved = run_dir / "checkpoints" / "step-00000004.pt"
     saved.parent.mkdir(parents=True)
     saved.write_bytes(b"the old checkpoint")
     checkpoint.checksum_file(saved).write_text(f"{'0' * 64}  {saved.name}\n")
+
+
+def test_a_resume_of_a_live_run_is_refused_before_it_reads_the_checkpoints(tmp_path):
+    # the resume names the live run, not a corrupt checkpoint
+    run_dir = tmp_path / "run"
+    live_run_mid_replace(run_dir)
     with RunLock(run_dir):
         resume = run_cli("mpexp.train", *ARGS, f"trainer.resume={run_dir}", cwd=tmp_path)
         output = one_line_failure(resume)
     assert f"Another process (pid {os.getpid()}) is training in {run_dir}" in output
     assert "corrupt" not in output
     assert (run_dir / ".lock").read_text() == f"{os.getpid()}\n"  # the holder's, not rewritten
+
+
+def test_a_resume_from_python_of_a_live_run_is_refused_before_it_reads_the_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    live_run_mid_replace(run_dir)
+    with (run_dir / ".lock").open("a+") as live:  # another process's lock, not this one's
+        fcntl.flock(live, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        live.write("4242\n")
+        live.flush()
+        with pytest.raises(RunDirTaken, match=r"Another process \(pid 4242\) is training"):
+            train(make_cfg(*ARGS, f"trainer.resume={run_dir}"), RunContext(tmp_path / "new"))
 
 
 def test_a_look_at_a_runs_lock_is_not_taken_for_a_run_holding_it(tmp_path):

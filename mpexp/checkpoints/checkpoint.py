@@ -36,6 +36,7 @@ from mpexp.errors import OutputError, ResumeRefused
 from mpexp.run.rundir import (
     AUTO,
     SUBDIR,
+    check_not_locked,
     checkpoint_files,
     checkpoint_step,
     leftover_files,
@@ -573,6 +574,10 @@ def open_resume(cfg: DictConfig, run_dir: Path | None = None, mmap: bool = False
             return None
         target = found[-1]
     path = find_checkpoint(target)
+    if int(os.environ.get("RANK", "0")) == 0:  # ranks > 0 follow rank 0, which holds the lock
+        # A live run in the folder is refused before its checkpoints are read: it may be
+        # replacing one of them, which would read as missing or corrupt.
+        check_not_locked(run_dir_of(path))
     state = load(path, mmap=mmap)
     check_config(state, cfg, target)
     check_not_finished(state, cfg, target)

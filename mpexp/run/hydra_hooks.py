@@ -110,15 +110,12 @@ class RunChecks(Callback):
         main = int(os.environ.get("RANK", "0")) == 0  # ranks > 0 write nothing (distributed.py)
         continues = bool(task.trainer.resume)  # a resume that cannot continue exits below
         if continues:
-            if main:
-                # A live run in the folder is refused before its checkpoints are read: it may be
-                # replacing one of them, which would read as missing or corrupt.
-                _exit_on_user_error(lambda: check_not_locked(run_dir))
             from mpexp.checkpoints import (
                 checkpoint,  # torch: only a resume needs it before the run starts
             )
 
-            # checked before Hydra writes anything; the run opens it again to train from it
+            # checked before Hydra writes anything (a live run's folder refused before its
+            # checkpoints are read); the run opens it again to train from it
             _exit_on_user_error(lambda: checkpoint.open_resume(task, run_dir, mmap=True))
         _exit_on_user_error(lambda: check_writable(run_dir))
         if main and continues:  # taken before the lock writes its pid
