@@ -30,6 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from mpexp.errors import ConfigError
 from mpexp.precision.modes import Precision
+from mpexp.run.launch import is_rank_zero, launched_processes
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +299,7 @@ def leave_if_replica() -> None:
     without an active exception", exit -6, about one run in 30 on 2 CPU cores, always rank 1,
     which reaches its shutdown first), and torchrun then fails the whole run after it finished.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or int(os.environ.get("RANK", "0")) == 0:
+    if launched_processes() == 1 or is_rank_zero():
         return
     logging.shutdown()
     sys.stdout.flush()
@@ -315,7 +316,7 @@ def hydra_overrides_for_rank(argv: list[str]) -> list[str]:
     skip .hydra/ and log to the console only; once the process group is up they learn rank 0's
     run dir from rank 0.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if launched_processes() == 1:
         return []
     if any(arg in ("-m", "--multirun") or arg.startswith("hydra.mode=") for arg in argv):
         raise SystemExit(
@@ -323,7 +324,7 @@ def hydra_overrides_for_rank(argv: list[str]) -> list[str]:
             "sweep on its own.\nStart one torchrun per job, or sweep with a launcher that starts "
             "the processes per job: hydra/launcher=slurm_gpu (README, 'Scaling out')."
         )
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank_zero():
         return []
     return [
         "hydra.run.dir=.",

@@ -19,7 +19,6 @@ if __name__ == "__main__" or Path(sys.argv[0]).name == "mpexp-train":
     catch_from_start()
 
 import logging
-import os
 import signal
 
 import hydra
@@ -30,6 +29,7 @@ from omegaconf import DictConfig
 from mpexp import config
 from mpexp.errors import ResumeRefused, UserError
 from mpexp.run.hydra_hooks import put_back_run_record, register_resolvers, sweep_job_name
+from mpexp.run.launch import is_rank_zero, launched_processes
 from mpexp.run.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
 from mpexp.run.stopping import Preempted, preemption_signal
 from mpexp.tracking.records import record_end
@@ -75,7 +75,7 @@ def main(cfg: DictConfig) -> float:
             signal.raise_signal(stopped.signum)
         raise SystemExit(128 + stopped.signum) from None  # the shell's convention for a signal
     except KeyboardInterrupt:  # a second Ctrl-C: out at once, without a checkpoint
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_rank_zero():
             record_end(run.run_dir, "interrupted")  # also when it came before the first step
         log.warning("Stopped at once by a second Ctrl-C. %s", last_checkpoint_note(run))
         raise SystemExit(128 + signal.SIGINT) from None
@@ -83,7 +83,7 @@ def main(cfg: DictConfig) -> float:
         # only rank 0 owns the run dir; a dir taken by another run is not this run's to mark,
         # and a refused resume changed nothing of the run it would have continued
         not_ours = isinstance(err, RunDirTaken | ResumeRefused)
-        if int(os.environ.get("RANK", "0")) == 0 and not not_ours:
+        if is_rank_zero() and not not_ours:
             record_end(run.run_dir, "failed", err)  # summary.json: where a sweep's report looks
         if not isinstance(err, UserError):
             raise
@@ -108,7 +108,7 @@ def last_checkpoint_note(run: RunContext) -> str:
 
 def cli() -> None:
     """The `mpexp-train` command (and `python -m mpexp.train`)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun only rank 0 writes
+    if launched_processes() > 1:  # under torchrun only rank 0 writes
         from mpexp.distributed import hydra_overrides_for_rank
 
         sys.argv += hydra_overrides_for_rank(sys.argv[1:])
@@ -131,7 +131,7 @@ def cli() -> None:
         name = signal.Signals(stop.received).name
         sys.stderr.write(f"Stopped by {name}; nothing was trained.\n")
         raise SystemExit(128 + stop.received)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if launched_processes() > 1:
         from mpexp.distributed import leave_if_replica
 
         leave_if_replica()

@@ -243,21 +243,26 @@ def test_a_checkpoint_write_that_dies_halfway_leaves_the_previous_one(
     assert status(tmp_path) == "finished"
 
 
+def stop_before_renaming_over(path: Path, monkeypatch) -> None:
+    """A second Ctrl-C just before a new file is renamed over the checkpoint at `path`."""
+    real_replace = os.replace
+
+    def stopping(src, dst):
+        if Path(dst) == path and path.exists():
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", stopping)
+
+
 def test_a_kill_while_an_epochs_end_replaces_its_steps_checkpoint_leaves_it_resumable(
     tmp_path, monkeypatch
 ):
     # Every 8 steps is every epoch's last step: the checkpoint written after it is replaced by
     # the epoch's end, validated. A second Ctrl-C (or a kill) lands between the checksum's rename
     # and the checkpoint's: the file in place is still the first one.
-    real_replace = os.replace
-
-    def dying_before_the_replacing_rename(src, dst):
-        if Path(dst).name == "step-00000008.pt" and Path(dst).exists():
-            raise KeyboardInterrupt
-        real_replace(src, dst)
-
     args = [*ARGS, "trainer.checkpoint_every_steps=8"]
-    monkeypatch.setattr(os, "replace", dying_before_the_replacing_rename)
+    stop_before_renaming_over(tmp_path / "checkpoints" / "step-00000008.pt", monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         train(make_cfg(*args), RunContext(tmp_path))
     monkeypatch.undo()
@@ -277,14 +282,7 @@ def test_a_checkpoint_replaced_beside_no_checksum_verifies_after_a_kill(tmp_path
     path.parent.mkdir()
     checkpoint.write_atomically({"written": "first"}, path)
     checkpoint.checksum_file(path).unlink()  # lost, or never written (an older mpexp's file)
-    real_replace = os.replace
-
-    def dying_before_the_replacing_rename(src, dst):
-        if Path(dst) == path:
-            raise KeyboardInterrupt
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "replace", dying_before_the_replacing_rename)
+    stop_before_renaming_over(path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.write_atomically({"written": "second"}, path)
     monkeypatch.undo()

@@ -33,6 +33,7 @@ from mpexp.checkpoints import sharded
 from mpexp.checkpoints.checksums import sha256_of
 from mpexp.config import to_dict
 from mpexp.errors import OutputError, ResumeRefused
+from mpexp.run.launch import is_rank_zero
 from mpexp.run.rundir import (
     AUTO,
     SUBDIR,
@@ -574,7 +575,7 @@ def open_resume(cfg: DictConfig, run_dir: Path | None = None, mmap: bool = False
             return None
         target = found[-1]
     path = find_checkpoint(target)
-    if int(os.environ.get("RANK", "0")) == 0:  # ranks > 0 follow rank 0, which holds the lock
+    if is_rank_zero():  # ranks > 0 follow rank 0, which holds the lock
         # A live run in the folder is refused before its checkpoints are read: it may be
         # replacing one of them, which would read as missing or corrupt.
         check_not_locked(run_dir_of(path))

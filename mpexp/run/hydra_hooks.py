@@ -25,6 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from mpexp.errors import OutputError, UserError
+from mpexp.run.launch import is_rank_zero
 from mpexp.run.rundir import (
     AUTO,
     LOCK_FILE,
@@ -107,7 +108,7 @@ class RunChecks(Callback):
         run_dir = Path(config.hydra.run.dir)
         _exit_on_user_error(lambda: validate(task))
         _exit_on_user_error(lambda: check_reachable(run_dir))
-        main = int(os.environ.get("RANK", "0")) == 0  # ranks > 0 write nothing (distributed.py)
+        main = is_rank_zero()  # ranks > 0 write nothing (distributed.py)
         continues = bool(task.trainer.resume)  # a resume that cannot continue exits below
         if continues:
             from mpexp.checkpoints import (
