@@ -91,7 +91,7 @@ def mpexp_step_ops(precision: str) -> Counter[str]:
 # fp16: the history row and the scaler's own rules (a non-finite loss skips without backing off;
 # a floor under the scale), about 10; the whole rule (hysteresis) took about 45 more operators
 # than torch's GradScaler before the `dynamic` default got its short path. On a GPU the default
-# step is one CUDA graph, which launches none of them one by one (mpexp/step_graph.py).
+# step is one CUDA graph, which launches none of them one by one (mpexp/step/step_graph.py).
 @pytest.mark.parametrize(("precision", "at_most"), [("fp32", 14), ("bf16", 14), ("fp16", 16)])
 def test_a_step_dispatches_few_operators_beyond_a_bare_amp_loop(precision, at_most):
     bare, ours = bare_step_ops(precision), mpexp_step_ops(precision)
