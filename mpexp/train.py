@@ -66,7 +66,9 @@ def main(cfg: DictConfig) -> float:
     try:
         from mpexp.run.runner import train  # torch and the rest: only now that a run starts
 
-        return train(cfg, run)["val/acc"]  # under cli's StopSignals, when cli started it
+        summary = train(cfg, run)  # under cli's StopSignals, when cli started it
+        # the task's result (val/acc, val/loss): what Optuna's sweeper optimises
+        return summary[summary["ran"]["task"]["metric"]]
     except Preempted as stopped:
         log.warning("%s", stopped)
         if stopped.signum == preemption_signal():

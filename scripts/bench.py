@@ -67,6 +67,7 @@ from mpexp.step import performance  # noqa: E402
 from mpexp.step.flops import device_peak_tflops, flops_per_sample  # noqa: E402
 from mpexp.step.rollback import BufferRollback  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
+from mpexp.tasks.classification import Classification  # noqa: E402
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
@@ -366,7 +367,8 @@ def run(args) -> dict:
         root = root or write_data(Path(tmp), args.train_size)
         samples = (args.train_size // args.batch_size) * args.batch_size
         # as mpexp counts it for perf/tflops: one batch at the run's shapes, forward and backward
-        flops = flops_per_sample(fresh_model(args, args.device), (args.batch_size, 1, 28, 28))
+        mnist = Classification(channels=1, height=28, width=28, num_classes=10)
+        flops = flops_per_sample(fresh_model(args, args.device), mnist, args.batch_size)
         with_bare = args.device.type == "cpu" or args.bare
         rows = []
         for precision in args.precisions:

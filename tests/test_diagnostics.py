@@ -25,6 +25,7 @@ from mpexp.step.diagnostics import (
     fp8_scale,
     fp16_counts,
 )
+from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
 from tests.conftest import CPU, TINY, make_cfg, precision_of, run_cli
 from tests.test_training import read_metrics
@@ -82,7 +83,9 @@ def test_histogram_bins_what_fp16_holds(value, expected_bin):
 
 def test_per_layer_and_total_fractions_reach_the_metrics(tmp_path):
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1, bias=False))  # 12 and 3 elements
-    tracker = Tracker(RunContext(tmp_path), {}, OmegaConf.create({"mode": "disabled"}))
+    tracker = Tracker(
+        RunContext(tmp_path), {}, OmegaConf.create({"mode": "disabled"}), Classification
+    )
     scaler = build_scaler(
         OmegaConf.create({"_target_": "mpexp.precision.scaling.StaticLossScaler", "scale": 16.0}),
         precision_of("fp16"),
@@ -316,7 +319,9 @@ def fp8_range_row(tmp_path, recipe: str, weight: torch.Tensor, grad: torch.Tenso
     model, precision = convert_to_fp8(
         model, setup_precision(cfg.precision, CPU), [], compiled=False
     )
-    tracker = Tracker(RunContext(tmp_path), {}, OmegaConf.create({"mode": "disabled"}))
+    tracker = Tracker(
+        RunContext(tmp_path), {}, OmegaConf.create({"mode": "disabled"}), Classification
+    )
     scaler = build_scaler(OmegaConf.create({"_target_": None}), precision, CPU)
     diagnostics = Diagnostics(DIAG, model, scaler, tracker, precision)
     with torch.no_grad():

@@ -66,6 +66,7 @@ from mpexp.run.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
 from mpexp.run.runner import stop_if_asked, train
 from mpexp.run.stopping import Preempted, StopSignals
 from mpexp.run.validate import validate
+from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
@@ -480,7 +481,9 @@ def test_metrics_deleted_while_the_run_trains_are_written_again_whole(tmp_path):
 
 
 def test_a_checkpoint_after_metrics_were_deleted_records_their_whole_length(tmp_path):
-    tracker = Tracker(RunContext(tmp_path), {}, make_cfg("wandb.mode=disabled").wandb)
+    tracker = Tracker(
+        RunContext(tmp_path), {}, make_cfg("wandb.mode=disabled").wandb, Classification
+    )
     tracker.log({"step": 1, "train/loss": 2.5})
     whole = (tmp_path / "metrics.jsonl").stat().st_size
     (tmp_path / "metrics.jsonl").unlink()

@@ -11,6 +11,7 @@ import torch
 from mpexp.models.deepcnn import DeepCNN
 from mpexp.run.runner import train
 from mpexp.step.flops import Throughput, device_peak_tflops, flops_per_sample, throughput
+from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import TINY, make_cfg
 from tests.test_training import read_metrics
@@ -60,7 +61,7 @@ def test_counting_leaves_the_model_and_random_state_alone():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
 
-    flops = flops_per_sample(model, (256, 1, 28, 28))
+    flops = flops_per_sample(model, Classification(1, 28, 28, 10), 256)
 
     assert flops == pytest.approx(2.30e9, rel=0.01)  # docs/benchmarks.md: 2.30 GFLOP per sample
     assert torch.equal(torch.get_rng_state(), rng)
@@ -93,7 +94,7 @@ def test_counting_sets_no_global_module_hooks():
     tracked for mutation"). The count is a thread-local dispatch mode and sets none."""
     spy = HookSpy()
     # forward and the weight gradient (images need none): 2 FLOPs x 9 taps x 4 channels x 9 pixels
-    assert flops_per_sample(spy, (2, 1, 5, 5)) == 2 * (2 * 9 * 4 * 9)
+    assert flops_per_sample(spy, Classification(1, 5, 5, 36), 2) == 2 * (2 * 9 * 4 * 9)
     assert HookSpy.seen == [0]
 
 
@@ -132,12 +133,13 @@ class ReadsAValue(torch.nn.Module):
         self.fc = torch.nn.Linear(4, 2)
 
     def forward(self, x):
-        return self.fc(x) * float(x.abs().max() > 0)
+        return self.fc(x.flatten(1)) * float(x.abs().max() > 0)
 
 
 def test_a_model_that_cannot_be_counted_trains_without_tflops(caplog):
     with caplog.at_level("WARNING"):
-        counted = throughput(ReadsAValue(), (8, 4), peak_tflops=100.0, devices=1).result()
+        images = Classification(1, 2, 2, 2)  # 4 values, flattened
+        counted = throughput(ReadsAValue(), images, 8, peak_tflops=100.0, devices=1).result()
     assert counted.flops_per_sample is None
     assert counted.metrics(1000.0) == {}  # no perf/tflops, and no MFU from a missing count
     assert "perf/tflops is not logged" in caplog.text

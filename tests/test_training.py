@@ -127,10 +127,10 @@ def test_evaluation_reads_the_device_once_and_makes_no_host_tensors():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10))
     with HostTensors() as host:
-        loss, acc = evaluate(model, data, CPU, precision_of("fp32"))
+        metrics = evaluate(model, data, CPU, precision_of("fp32"))
     assert host.made == 0
     images, labels = data.val
     logits = model(images)
     expected = nn.functional.cross_entropy(logits, labels).item()
-    assert loss == pytest.approx(expected, rel=1e-6)
-    assert acc == (logits.argmax(1) == labels).float().mean().item()
+    assert metrics["val/loss"] == pytest.approx(expected, rel=1e-6)
+    assert metrics["val/acc"] == (logits.argmax(1) == labels).float().mean().item()

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 import mpexp
 from mpexp.models.simplecnn import SimpleCNN
 from mpexp.run.runner import train
+from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
 from mpexp.tracking.wandb_process import WandbProcess
 from tests.conftest import ROOT, TINY, make_cfg
@@ -131,7 +132,7 @@ def offline_tracker(run_dir: Path, wandb_id: str | None = None) -> Tracker:
     wandb_cfg = OmegaConf.create(
         {"mode": "offline", "project": "mpexp-test", "entity": None, "tags": [], "init_timeout": 90}
     )
-    return Tracker(RunContext(run_dir, wandb_id=wandb_id), {}, wandb_cfg)
+    return Tracker(RunContext(run_dir, wandb_id=wandb_id), {}, wandb_cfg, Classification)
 
 
 def test_checkpoint_artifacts_say_what_they_hold_and_which_is_best(tmp_path):
@@ -409,7 +410,7 @@ def test_a_run_that_ends_before_its_first_row_does_not_wait_for_wandb(tmp_path, 
     wandb_cfg = OmegaConf.create(
         {"mode": "online", "project": "p", "entity": None, "tags": [], "init_timeout": 90}
     )
-    tracker = Tracker(RunContext(tmp_path), {}, wandb_cfg)
+    tracker = Tracker(RunContext(tmp_path), {}, wandb_cfg, Classification)
     process = tracker._wandb
     started = time.monotonic()
     tracker.close("interrupted")

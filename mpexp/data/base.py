@@ -1,9 +1,16 @@
-"""In-memory datasets and the two ways of batching them.
+"""What the loop asks of a dataset (`TrainingData`), and the in-memory datasets with their two ways
+of batching.
+
+A dataset gives (inputs, targets) batches: shuffled training batches in an order set by the seed
+and the epoch (from any batch on, so that a resumed run continues with the same ones), and the
+validation set in a fixed order. Its `setup` says which task the batches serve
+(mpexp/tasks/): the loop, the report and the tracker ask the task, never the dataset's kind.
 
 MNIST, Fashion-MNIST, CIFAR-10 and the synthetic set fit in memory many times over, so each is
-loaded once as a pair of tensors. `loader=device` keeps them on the training device and shuffles and
-slices there (no worker processes, no host copies per step); `loader=dataloader` goes through
-torch's DataLoader with pinned memory and workers, the conventional path.
+loaded once as a pair of tensors (`InMemoryData`). `loader=device` keeps them on the training
+device and shuffles and slices there (no worker processes, no host copies per step);
+`loader=dataloader` goes through torch's DataLoader with pinned memory and workers, the
+conventional path.
 
 In a distributed run each rank trains on its shard of every epoch: both loaders draw the same
 seeded permutation and rank r takes every world_size-th sample of it from position r, as
@@ -12,23 +19,18 @@ DistributedSampler does, so together the ranks see each sample once per epoch.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from itertools import islice
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from mpexp.data.checks import warn_nonfinite
+from mpexp.tasks.base import Task
+from mpexp.tasks.classification import Classification
+
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class DataInfo:
-    """The shape facts that models adapt to."""
-
-    channels: int
-    height: int
-    width: int
-    num_classes: int
 
 
 def to_float(images: torch.Tensor, memory_format=torch.contiguous_format) -> torch.Tensor:
@@ -38,8 +40,78 @@ def to_float(images: torch.Tensor, memory_format=torch.contiguous_format) -> tor
     return images.div_(255) if scaled else images
 
 
-class InMemoryData:
-    """A dataset held as (images, labels) tensors for training and validation.
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of one epoch's order: the run's seed and the epoch, as every loader takes it."""
+    return seed * 100_003 + epoch
+
+
+class TrainingData(ABC):
+    """What the loop asks of a dataset: the task its batches serve, how many there are, and the
+    batches themselves, on the training device.
+
+    `batch_size` is per process. Subclasses implement `setup`, `train_size`, `train_batches` and
+    `val_batches`; the counting of steps and samples, and sharding, live here.
+    """
+
+    def __init__(self, batch_size: int, drop_last: bool = True):
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.rank, self.world_size = 0, 1
+        self.task: Task | None = None  # known once set up
+
+    @abstractmethod
+    def setup(
+        self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
+    ) -> Task:
+        """Load (or open) the data for training on `device`; return the task it serves."""
+
+    @property
+    @abstractmethod
+    def train_size(self) -> int:
+        """Training samples per epoch, over all ranks."""
+
+    @abstractmethod
+    def train_batches(
+        self, epoch: int, seed: int, device: torch.device, static: bool = False, start: int = 0
+    ) -> Iterator[Batch]:
+        """One epoch of training batches on `device`, in an order set by (seed, epoch), from
+        batch `start` on (the batches before it are not made: a resumed run skips them).
+
+        With `static=True` a dataset may give every full batch in the same two tensors, which a
+        captured CUDA graph then reads in place (the values change, the memory does not); other
+        batches the graph copies into its own inputs."""
+
+    @abstractmethod
+    def val_batches(self, device: torch.device) -> Iterator[Batch]:
+        """The validation set in a fixed order, every sample once."""
+
+    def shard(self, rank: int, world_size: int) -> None:
+        """Train on rank `rank`'s share of each epoch; `batch_size` is then per rank."""
+        self.rank, self.world_size = rank, world_size
+
+    def steps_per_epoch(self) -> int:
+        # every rank gets the same number of samples (a remainder of < world_size is dropped),
+        # hence the same number of steps: a rank with one step more would wait forever on the rest
+        n, b = self.train_size // self.world_size, self.batch_size
+        return n // b if self.drop_last else -(-n // b)
+
+    def samples_per_epoch(self) -> int:
+        """Training samples this rank takes per epoch: with drop_last=false the last, smaller
+        batch counts what it holds."""
+        n = self.train_size // self.world_size
+        return n - n % self.batch_size if self.drop_last else n
+
+    def describe(self) -> str:
+        """What an epoch trains on, for the run's first line."""
+        return f"{self.train_size:,} samples"
+
+    def check_values(self, name: str) -> None:  # noqa: B027 (optional: most data needs none)
+        """Warn about values that will spoil training (non-finite inputs); `name` is the
+        dataset's option, for the message. Called once, on the main rank."""
+
+
+class InMemoryData(TrainingData):
+    """An image classification set held as (images, labels) tensors for training and validation.
 
     Subclasses implement `load()`; everything about batching lives here.
     """
@@ -51,15 +123,12 @@ class InMemoryData:
         loader: str = "device",
         num_workers: int = 0,
     ):
-        self.batch_size = batch_size
-        self.drop_last = drop_last
+        super().__init__(batch_size, drop_last)
         self.loader = loader
         self.num_workers = num_workers
         self.memory_format = torch.contiguous_format  # setup() takes the step's
         self.train: Batch | None = None
         self.val: Batch | None = None
-        self.info: DataInfo | None = None
-        self.rank, self.world_size = 0, 1
         self._ready: dict[str, Batch] = {}  # loader=device: what the step reads, made in setup
         self._static: Batch | None = None  # static batches' storage
 
@@ -72,7 +141,7 @@ class InMemoryData:
 
     def setup(
         self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
-    ) -> DataInfo:
+    ) -> Classification:
         """Load the data and make it what the step reads.
 
         With `loader=device` the images are converted once, here, to float32 in [0, 1] in the
@@ -88,8 +157,11 @@ class InMemoryData:
                 "val": self._on_device(val, device),
             }
         _, c, h, w = train[0].shape
-        self.info = DataInfo(channels=c, height=h, width=w, num_classes=num_classes)
-        return self.info
+        self.task = Classification(channels=c, height=h, width=w, num_classes=num_classes)
+        return self.task
+
+    def check_values(self, name: str) -> None:
+        warn_nonfinite({"training": self.train[0], "validation": self.val[0]}, name)
 
     def _on_device(self, data: Batch, device: torch.device) -> Batch:
         """Images as float32 on `device`, stored N x H x W x C for channels_last: a gather along
@@ -106,42 +178,30 @@ class InMemoryData:
             return stored.permute(0, 3, 1, 2)
         return stored
 
-    def shard(self, rank: int, world_size: int) -> None:
-        """Train on rank `rank`'s share of each epoch; `batch_size` is then per rank."""
-        self.rank, self.world_size = rank, world_size
-
     @property
     def train_size(self) -> int:
         """The whole training set, over all ranks."""
         return len(self.train[1])
 
-    def steps_per_epoch(self) -> int:
-        # every rank gets the same number of samples (a remainder of < world_size is dropped),
-        # hence the same number of steps: a rank with one step more would wait forever on the rest
-        n, b = self.train_size // self.world_size, self.batch_size
-        return n // b if self.drop_last else -(-n // b)
-
-    def samples_per_epoch(self) -> int:
-        """Training samples this rank takes per epoch: with drop_last=false the last, smaller
-        batch counts what it holds."""
-        n = self.train_size // self.world_size
-        return n - n % self.batch_size if self.drop_last else n
-
     def train_batches(
-        self, epoch: int, seed: int, device: torch.device, static: bool = False
+        self, epoch: int, seed: int, device: torch.device, static: bool = False, start: int = 0
     ) -> Iterator[Batch]:
-        """One epoch of shuffled training batches on `device`, in an order set by (seed, epoch).
-
-        With `static=True` and `loader=device`, every full batch is gathered into the same two
-        tensors, which a captured CUDA graph reads (the values change, the memory does not).
-        """
-        epoch_seed = seed * 100_003 + epoch
+        """Shuffled training batches; with `loader=device` and `static`, every full batch is
+        gathered into the same two tensors."""
         n, world = self.train_size, self.world_size
         if self.loader == "device":
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed))
-            order = order[: n - n % world][self.rank :: world]
+            generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+            order = torch.randperm(n, generator=generator)
+            order = order[: n - n % world][self.rank :: world][start * self.batch_size :]
             yield from self._gather(self._ready["train"], order.to(device), static)
-        elif world > 1:
+            return
+        # a captured step copies a DataLoader's batches into its own inputs (step_graph.py);
+        # batches of in-memory tensors are cheap to skip: slices, no decoding
+        yield from islice(self._loader_batches(epoch, seed, device), start, None)
+
+    def _loader_batches(self, epoch: int, seed: int, device: torch.device) -> Iterator[Batch]:
+        world = self.world_size
+        if world > 1:
             # DistributedSampler seeds its permutation with seed + epoch: the device path's order
             sampler = DistributedSampler(
                 TensorDataset(*self.train),
@@ -153,7 +213,7 @@ class InMemoryData:
             sampler.set_epoch(epoch)
             yield from self._dataloader(self.train, device, shuffle=False, sampler=sampler)
         else:
-            generator = torch.Generator().manual_seed(epoch_seed)
+            generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
             yield from self._dataloader(self.train, device, shuffle=True, generator=generator)
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:

@@ -12,8 +12,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig
 
 from mpexp import config
-from mpexp.data.base import DataInfo, InMemoryData
-from mpexp.data.checks import warn_nonfinite
+from mpexp.data.base import TrainingData
 from mpexp.distributed import World
 from mpexp.errors import ConfigError
 from mpexp.precision.fp8 import convert_to_fp8
@@ -25,6 +24,7 @@ from mpexp.step.flops import Throughput
 from mpexp.step.performance import Speed
 from mpexp.step.schedules import build_schedule
 from mpexp.system import device_name
+from mpexp.tasks.base import Task
 
 
 def build(node: DictConfig, **extra):
@@ -33,28 +33,26 @@ def build(node: DictConfig, **extra):
     return get_object(kwargs.pop("_target_"))(**kwargs, **extra)
 
 
-def build_model(node: DictConfig, info: DataInfo, name: str | None) -> torch.nn.Module:
-    """The model, built for the data's shape and tried on one image of it, so that a model that
-    cannot take the data stops the run now with one message, not a traceback mid-step."""
-    c, h, w = info.channels, info.height, info.width
-    what = f"model={name}" if name else node._target_
+def build_model(node: DictConfig, task: Task, what: str) -> torch.nn.Module:
+    """The model, built for the task's inputs and tried on one example of them, so that a model
+    that cannot take the data stops the run now with one message, not a traceback mid-step.
+    `what` names the model and the dataset in that message."""
     try:
-        model = build(node, in_channels=c, num_classes=info.num_classes, image_size=(h, w))
+        model = build(node, **task.model_kwargs())
         model.eval()  # no BatchNorm statistics change, no dropout draws from the RNG
+        inputs, _ = task.example(1, "cpu")
         with torch.no_grad():
-            shape = tuple(model(torch.zeros(1, c, h, w)).shape)
+            shape = tuple(model(inputs).shape)
         model.train()
-    except (ValueError, RuntimeError) as err:
+    except (ValueError, RuntimeError, TypeError) as err:
         reason = str(err).strip().splitlines()[0]
         raise ConfigError(
-            f"{what} cannot take the dataset's {c}x{h}x{w} images: {reason}.\n"
-            "Use images it can take (dataset.height, dataset.width) or another model."
+            f"{what} cannot take the dataset's {task.describe_inputs()}: {reason}.\n"
+            "Use a model made for this data, or data this model takes."
         ) from None
-    if shape != (1, info.num_classes):
-        raise ConfigError(
-            f"{what} gives outputs of shape {shape} for one image; the loss needs "
-            f"(1, {info.num_classes}), one logit per class."
-        )
+    problem = task.check_output(shape)
+    if problem is not None:
+        raise ConfigError(f"{what} {problem}.")
     return model
 
 
@@ -62,7 +60,8 @@ def build_model(node: DictConfig, info: DataInfo, name: str | None) -> torch.nn.
 class Built:
     """The parts a config built before training, and the facts about them a run records."""
 
-    data: InMemoryData
+    data: TrainingData
+    task: Task  # what the data's batches mean: the loss, validation, the run's result
     model: torch.nn.Module  # as the loop calls it: fp8-converted, wrapped for DDP/FSDP
     precision: Precision
     scaler: LossScaler
@@ -80,22 +79,21 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
     precision = setup_precision(cfg.precision, device)
 
     speed = performance.plan_speed(cfg, device)
-    data: InMemoryData = build(cfg.dataset)
-    info = data.setup(device, speed.memory_format())
+    data: TrainingData = build(cfg.dataset)
+    task = data.setup(device, speed.memory_format())
+    dataset = f"dataset={choices.get('dataset') or cfg.dataset._target_}"
     if world.is_main:  # the same data on every rank: one warning
-        warn_nonfinite(
-            {"training": data.train[0], "validation": data.val[0]},
-            f"dataset={choices.get('dataset') or cfg.dataset._target_}",
-        )
+        data.check_values(dataset)
     data.shard(world.rank, world.size)
-    model = build_model(cfg.model, info, choices.get("model")).to(device)
+    what = f"model={choices['model']}" if choices.get("model") else cfg.model._target_
+    model = build_model(cfg.model, task, f"{what} on {dataset}").to(device)
     parameters = sum(p.numel() for p in model.parameters())
     # counted once, on the plain model at the run's shapes, before anything wraps it
-    batch_shape = (data.batch_size, info.channels, info.height, info.width)
     name = device_name(device)
     throughput = flops.throughput(
         model,
-        batch_shape,
+        task,
+        data.batch_size,
         cfg.trainer.peak_tflops or flops.device_peak_tflops(name, precision.effective),
         world.size,
     )
@@ -112,6 +110,7 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
     world.prepare_scaler(scaler)
     return Built(
         data=data,
+        task=task,
         model=model,
         precision=precision,
         scaler=scaler,

@@ -82,17 +82,19 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     # of start-up runs on another core while this one imports TorchDynamo (the optimizer's first
     # use, or the FLOP count's) and training begins
     tracker = (
-        Tracker(run, config.to_dict(cfg), cfg.wandb) if world.is_main else NullTracker(run.run_dir)
+        Tracker(run, config.to_dict(cfg), cfg.wandb, built.task)
+        if world.is_main
+        else NullTracker(run.run_dir)
     )
     with ended_in_summary(tracker):
         optimizer, schedule, forward = build_training(cfg, built, world.device)
         ran = ran_record(cfg, run, world, built, optimizer)
         log.info(
-            "Training %s on %s (%d samples) | %s on %s | precision %s (autocast %s, TF32 %s) | "
+            "Training %s on %s (%s) | %s on %s | precision %s (autocast %s, TF32 %s) | "
             "loss scaling %s",
             run.choices.get("model") or type(model).__name__,
             run.choices.get("dataset") or type(data).__name__,
-            data.train_size,
+            data.describe(),
             f"{ran['parameters']:,} parameters",
             ran["device_name"],
             precision.mode,
@@ -137,6 +139,7 @@ def ran_record(
         "torch_version": torch.__version__,
         "mpexp_version": __version__,
         "choices": run.choices,
+        "task": built.task.record(),
         **built.precision.record(),
         **built.scaler.describe(),
         **performance.describe(optimizer, built.speed),

@@ -26,11 +26,11 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+
+from mpexp.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +56,14 @@ def device_peak_tflops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def flops_per_sample(model: nn.Module, batch_shape: tuple[int, ...]) -> float:
-    """Forward and backward FLOPs of one training sample, counted on a batch of `batch_shape`
-    (N x C x H x W) for a classifier trained with cross-entropy."""
+def flops_per_sample(model: nn.Module, task: Task, batch: int) -> float:
+    """Forward and backward FLOPs of one training sample, counted on a batch of `batch` samples
+    of the task's shapes, through the task's loss."""
     meta = model if any(p.is_meta for p in model.parameters()) else copy.deepcopy(model).to("meta")
-    images = torch.zeros(batch_shape, device="meta")
-    labels = torch.zeros(batch_shape[0], dtype=torch.long, device="meta")
+    inputs, targets = task.example(batch, "meta")
     with _FlopCount() as counter:
-        F.cross_entropy(meta(images), labels).backward()
-    return counter.total / batch_shape[0]
+        task.loss(meta(inputs), targets).backward()
+    return counter.total / batch
 
 
 class _FlopCount(TorchDispatchMode):
@@ -104,7 +103,7 @@ class Throughput:
 
 
 def throughput(
-    model: nn.Module, batch_shape: tuple[int, ...], peak_tflops: float | None, devices: int
+    model: nn.Module, task: Task, batch: int, peak_tflops: float | None, devices: int
 ) -> Future[Throughput]:
     """The run's Throughput, counted in a background thread on a copy of the model taken now (so
     that training may change the model meanwhile). A model the meta device cannot run (a forward
@@ -114,7 +113,7 @@ def throughput(
 
     def count() -> Throughput:
         try:
-            per_sample = flops_per_sample(meta, batch_shape)
+            per_sample = flops_per_sample(meta, task, batch)
         except Exception as err:
             log.warning("perf/tflops is not logged: counting the model's FLOPs failed (%s).", err)
             per_sample = None

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from itertools import islice
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +25,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from mpexp.checkpoints.checkpoint import Checkpointer, Position, Resume
-from mpexp.data.base import InMemoryData
+from mpexp.data.base import TrainingData
 from mpexp.distributed import World
 from mpexp.errors import NumericsError
 from mpexp.precision.modes import Precision
@@ -46,20 +45,22 @@ log = logging.getLogger("mpexp")
 
 def train_step(
     model,
-    images,
-    labels,
+    inputs,
+    targets,
     optimizer,
     scaler: LossScaler,
     precision: Precision,
     accumulate: int = 1,
     clip_grad_norm: float | None = None,
     inspect=None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
 ):
-    """One optimizer step; the same code for every precision and loss-scaling strategy.
+    """One optimizer step; the same code for every precision, loss-scaling strategy and task.
 
-    The batch is split into `accumulate` micro-batches, each scaled and back-propagated on its own;
-    their losses are weighted by size so the gradients add up to the whole batch's. `inspect`, if
-    given, sees the gradients in true units before clipping (diagnostics).
+    `loss_fn(output, targets)` is the task's loss (mpexp/tasks/), a batch mean. The batch is
+    split into `accumulate` micro-batches, each scaled and back-propagated on its own; their
+    losses are weighted by size so the gradients add up to the whole batch's. `inspect`, if given,
+    sees the gradients in true units before clipping (diagnostics).
 
     Gradients are unscaled before the step only when something reads them there (`inspect`,
     clipping, a calibrating scaler). Otherwise `scaler.step` unscales them: a fused optimizer
@@ -67,18 +68,18 @@ def train_step(
     """
     if accumulate == 1:  # the common case, straight: no chunks, no weights, no accumulator
         with precision.autocast(cache=False):  # forward only: backward runs outside autocast
-            loss = F.cross_entropy(model(images), labels)
+            loss = loss_fn(model(inputs), targets)
         scaler.scale(loss).backward()
         total = loss.detach()
     else:
-        total = torch.zeros((), device=labels.device)
-        chunks = list(zip(images.chunk(accumulate), labels.chunk(accumulate), strict=True))
+        total = torch.zeros((), device=targets.device)
+        chunks = list(zip(inputs.chunk(accumulate), targets.chunk(accumulate), strict=True))
         for i, (x, y) in enumerate(chunks):
             # under DDP, all-reduce the gradients once, with the last micro-batch's backward
             last = i == len(chunks) - 1
             with _no_grad_sync(model, last):
                 with precision.autocast(cache=False):
-                    loss = F.cross_entropy(model(x), y) * (len(y) / len(labels))
+                    loss = loss_fn(model(x), y) * (len(y) / len(targets))
                 scaler.scale(loss).backward()
             total += loss.detach()
     if inspect is not None or clip_grad_norm is not None or scaler.needs_true_units():
@@ -115,6 +116,7 @@ class Stepper:
     accumulate: int = 1
     clip_grad_norm: float | None = None
     graph: StepGraph | None = None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy  # the task's
     # eager steps whose time is set-up, not training: compilation at the first, the CUDA graph's
     # warm-up and capture (timed with a synchronisation each, so few)
     setup_steps: int = 0
@@ -139,7 +141,7 @@ class Stepper:
         stepper.setup_steps = max(stepper.setup_steps, WARMUP_STEPS + 1)
         return stepper
 
-    def step(self, step: int, images: torch.Tensor, labels: torch.Tensor) -> None:
+    def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """The optimizer step, its history row and the scale update; a skipped step leaves the
         model's buffers (BatchNorm statistics) as they were. No host-device synchronisation: a
         GPU test runs this in CUDA's sync-debug error mode."""
@@ -148,62 +150,63 @@ class Stepper:
         inspect = self.diagnostics.inspector(step)
         timed = self.steps_taken < self.setup_steps
         if timed:
-            synchronize(images.device)
+            synchronize(inputs.device)
             began = time.perf_counter()
-        if not self._replayed(images, labels, inspect):
-            self._eager(images, labels, inspect)
+        if not self._replayed(inputs, targets, inspect):
+            self._eager(inputs, targets, inspect)
         if inspect is not None:
             self.diagnostics.after_update(step)
         if timed:
-            synchronize(images.device)
+            synchronize(inputs.device)
             self.setup_s += time.perf_counter() - began
         self.steps_taken += 1
 
-    def _replayed(self, images, labels, inspect) -> bool:
+    def _replayed(self, inputs, targets, inspect) -> bool:
         """Whether the step ran as a replay of the captured graph."""
         if self.graph is None or inspect is not None or not self.scaler.capturable():
             return False
-        return self.graph.run(images, labels)
+        return self.graph.run(inputs, targets)
 
-    def _eager(self, images, labels, inspect) -> None:
+    def _eager(self, inputs, targets, inspect) -> None:
         if self.graph is not None and self.graph.captured:
             # the graph's gradients are its own: an eager step starts from none, as it would
             self.optimizer.zero_grad(set_to_none=True)
         warming = self.graph is not None and not self.graph.captured and not self.graph.failed
         with self.graph.warmup_stream() if warming else contextlib.nullcontext():
             if self.steps_taken == 0 and self.on_compile_error is not None:
-                self._first_compiled(images, labels, inspect)
+                self._first_compiled(inputs, targets, inspect)
             else:
-                self._device_work(images, labels, inspect)
+                self._device_work(inputs, targets, inspect)
         self.optimizer.zero_grad(set_to_none=True)
         if self.graph is not None:
             self.graph.warmed_up()
 
-    def _first_compiled(self, images, labels, inspect) -> None:
+    def _first_compiled(self, inputs, targets, inspect) -> None:
         """The first step compiles the model; one that cannot be compiled trains eagerly."""
         saved = BufferRollback(list(self.model.buffers()))
         saved.save()
         try:
-            self._device_work(images, labels, inspect)
+            self._device_work(inputs, targets, inspect)
         except Exception as err:  # any compiler failure: the eager model instead
-            saved.restore_if(torch.ones((), device=images.device))
+            saved.restore_if(torch.ones((), device=inputs.device))
             self._forget_step()
             self.model = self.on_compile_error(err)
-            self._device_work(images, labels, inspect)
+            self._device_work(inputs, targets, inspect)
 
-    def _device_work(self, images, labels, inspect, captured: bool = False) -> None:
+    def _device_work(self, inputs, targets, inspect, captured: bool = False) -> None:
         """Everything the step does on the device: the same kernels eager or replayed."""
         self.buffers.save()
         loss = train_step(
             self.model,
-            images,
-            labels,
+            inputs,
+            targets,
             self.optimizer,
             self.scaler,
             self.precision,
             self.accumulate,
             self.clip_grad_norm,
             inspect=inspect,
+            loss_fn=self.loss_fn,
         )
         skipped = self.scaler.found_inf()
         self.buffers.restore_if(skipped)
@@ -213,8 +216,8 @@ class Stepper:
         record = self.history.record_captured if captured else self.history.record
         record(before_update, self.scaler.floor_hit())
 
-    def _captured_work(self, images, labels) -> None:
-        self._device_work(images, labels, None, captured=True)
+    def _captured_work(self, inputs, targets) -> None:
+        self._device_work(inputs, targets, None, captured=True)
 
     def _forget_step(self) -> None:
         """Undo the host side of a step that did not finish (its device work never ran)."""
@@ -241,21 +244,20 @@ class Stepper:
 
 
 @torch.no_grad()
-def evaluate(model, data: InMemoryData, device, precision: Precision) -> tuple[float, float]:
-    """Validation loss and accuracy, accumulated on the device and read once."""
+def evaluate(model, data: TrainingData, device, precision: Precision) -> dict[str, float]:
+    """The validation metrics of the data's task, summed on the device and read once."""
+    task = data.task
     model.eval()
-    total = torch.zeros(2, device=device)  # loss sum, correct
+    total = None
     count = 0  # on the host: a batch's size is known there, and a tensor of it would be a copy
-    for images, labels in data.val_batches(device):
+    for inputs, targets in data.val_batches(device):
         with precision.autocast():
-            logits = model(images)
-        loss = F.cross_entropy(logits.float(), labels, reduction="sum")
-        correct = (logits.argmax(1) == labels).sum()
-        total += torch.stack((loss, correct.float()))
-        count += len(labels)
+            output = model(inputs)
+        sums = task.val_sums(output, targets)
+        total = sums if total is None else total + sums
+        count += task.val_count(targets)
     model.train()
-    loss_sum, correct = total.tolist()
-    return loss_sum / count, correct / count
+    return task.val_metrics(total.tolist(), count)
 
 
 class StepLog:
@@ -400,7 +402,7 @@ class Parts:
 
     model: torch.nn.Module  # the module whose weights are saved (DDP/FSDP-wrapped if so)
     forward: torch.nn.Module  # what the loop calls: `model`, or its torch.compile wrapper
-    data: InMemoryData
+    data: TrainingData  # set up: `data.task` says what its batches mean
     optimizer: torch.optim.Optimizer
     scaler: LossScaler
     precision: Precision
@@ -452,6 +454,7 @@ class Fit:
             self.diagnostics,
             cfg.trainer.accumulate,
             cfg.trainer.clip_grad_norm,
+            loss_fn=parts.data.task.loss,
         )
         if speed is not None and speed.compile:
             self.stepper.setup_steps = max(self.stepper.setup_steps, 1)
@@ -517,13 +520,11 @@ class Fit:
         start = time.perf_counter() - (self.resumed_time if done else 0.0)
         setup_before, timed_before = self.stepper.setup_s, self.stepper.timed_steps
         static = self.stepper.graph is not None  # a captured step reads its batch in place
-        batches = islice(
-            data.train_batches(epoch, self.trainer.seed, self.device, static=static), done, None
-        )
-        for batch, (images, labels) in enumerate(batches, start=done + 1):
+        batches = data.train_batches(epoch, self.trainer.seed, self.device, static, start=done)
+        for batch, (inputs, targets) in enumerate(batches, start=done + 1):
             step += 1
             self.tracker.step = step  # where the user's own mpexp.log() calls log
-            self.stepper.step(step, images, labels)
+            self.stepper.step(step, inputs, targets)
             bar.update()
             flush = step % self.trainer.log_every == 0
             if flush:
@@ -582,13 +583,12 @@ class Fit:
     ) -> dict:
         """`setup`: the set-up steps in this epoch and their time, both left out of its speed."""
         p = self.parts
-        val_loss, val_acc = evaluate(p.forward, p.data, self.device, p.precision)
+        task = p.data.task
         row = {
             "epoch": epoch,
             "step": step,
             "train/epoch_loss": self.steps.epoch_loss(),
-            "val/loss": val_loss,
-            "val/acc": val_acc,
+            **evaluate(p.forward, p.data, self.device, p.precision),
             "perf/epoch_time_s": epoch_time,
             # the set-up steps' samples are left out with their time
             "perf/samples_per_s": (p.data.samples_per_epoch() - setup[0] * p.data.batch_size)
@@ -599,6 +599,7 @@ class Fit:
             row["perf/compile_s"] = setup[1]
         row = self.world.reduce_epoch(row)
         # from the samples/s already computed (summed over ranks): no device read of its own
+        row.update(task.throughput(row["perf/samples_per_s"]))
         row.update(p.throughput.result().metrics(row["perf/samples_per_s"]))
         self.tracker.log(row)
         steps = len(self.steps.losses)
@@ -614,13 +615,12 @@ class Fit:
                 else "",
             )
         log.info(
-            "Epoch: %d, Loss: %.4f, Elapsed Time: %.2fsec, Val Loss: %.4f, Val Acc: %.2f%%, "
-            "Peak Mem: %.0f MiB, Skipped Steps: %d",
+            "Epoch: %d, Loss: %.4f, Elapsed Time: %.2fsec, %s, Peak Mem: %.0f MiB, "
+            "Skipped Steps: %d",
             epoch,
             row["train/epoch_loss"],
             row["perf/epoch_time_s"],
-            val_loss,
-            100 * val_acc,
+            task.epoch_text(row),
             row[self.memory.key],
             self.steps.skipped,
         )

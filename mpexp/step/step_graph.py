@@ -94,7 +94,7 @@ def _on_stream(side: torch.cuda.Stream):
 class StepGraph:
     """Runs the step's device work as a replayed graph once that can pay, and says when not.
 
-    `run(images, labels)` returns True when it ran the step (captured and replayed), False when
+    `run(inputs, targets)` returns True when it ran the step (captured and replayed), False when
     the caller must run the step eagerly (a warm-up step, an uncapturable batch, a failed capture).
     """
 
@@ -131,31 +131,31 @@ class StepGraph:
         """An eager step ran: any eager step warms up what the capture will find."""
         self.warmup_left = max(0, self.warmup_left - 1)
 
-    def run(self, images: torch.Tensor, labels: torch.Tensor) -> bool:
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
         if self.failed:
             return False
         if self.warmup_left:  # counted down by the eager steps (warmed_up)
             return False
         if self.graph is None:
-            self._capture(images, labels)
+            self._capture(inputs, targets)
             if self.graph is None:
                 return False
-        static_images, static_labels = self._static
-        if images is not static_images or labels is not static_labels:
-            if images.shape != static_images.shape or labels.shape != static_labels.shape:
+        static_inputs, static_targets = self._static
+        if inputs is not static_inputs or targets is not static_targets:
+            if inputs.shape != static_inputs.shape or targets.shape != static_targets.shape:
                 return False  # a last, smaller batch (drop_last=false): eagerly
-            static_images.copy_(images)  # from a DataLoader: copied into the graph's input
-            static_labels.copy_(labels)
+            static_inputs.copy_(inputs)  # from a DataLoader: copied into the graph's input
+            static_targets.copy_(targets)
         self._before_replay()
         self.graph.replay()
         self.replays += 1
         return True
 
-    def _capture(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+    def _capture(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         # inputs that stay: the data's static batch if that is what came, else a copy of it
         # (the graph reads these two tensors at every replay, whatever they then hold)
-        static = images.is_contiguous() or images.is_contiguous(memory_format=torch.channels_last)
-        self._static = (images, labels) if static else (images.clone(), labels.clone())
+        static = inputs.is_contiguous() or inputs.is_contiguous(memory_format=torch.channels_last)
+        self._static = (inputs, targets) if static else (inputs.clone(), targets.clone())
         began = time.perf_counter()
         graph = self._new_graph()
         try:

@@ -13,8 +13,8 @@ Metric names are a contract read by dashboards and the report:
   summary    the final epoch's metrics, amp/skipped_steps, and under `ran` what ran, with
              final_scale: the scale after the last update, the one a next step would use;
              summary.json also keeps the run's `config` and command-line `overrides`. In W&B,
-             `ran` is the run's config (not its summary), and val/acc and val/loss are summarised
-             as their best epoch's (`.max`, `.min`) and their last (`.last`)
+             `ran` is the run's config (not its summary), and the task's validation metrics are
+             summarised as their best epoch's (`.max`, `.min`) and their last (`.last`)
   yours      `mpexp.log(values)` from the user's own code: `step` and the values, plotted in W&B
              against `step`
 metrics.jsonl deleted (or replaced) while the run trains is written again, whole, from the file the
@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mpexp.tasks.base import Result, Task
 from mpexp.tracking.records import write_json_atomically
 from mpexp.tracking.wandb_mode import new_wandb_id, resolve_wandb_mode
 from mpexp.tracking.wandb_process import LogLines, WandbProcess
@@ -45,9 +46,6 @@ log = logging.getLogger(__name__)
 
 STEP_METRICS = ("train/loss", "amp/*", "lr", "diag/*")
 EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
-# W&B summarises these as the best epoch's and the last: the report and Optuna's sweeper use the
-# last (the run's result), a dashboard's "best" the other
-SUMMARIES = {"val/acc": "max,last", "val/loss": "min,last"}
 CHECK_FILE_EVERY_S = 1.0  # how often logging rows looks whether metrics.jsonl is still there
 
 
@@ -100,7 +98,18 @@ class Tracker:
     it is known.
     """
 
-    def __init__(self, run: RunContext, config: dict, wandb_cfg: Any):
+    def __init__(
+        self,
+        run: RunContext,
+        config: dict,
+        wandb_cfg: Any,
+        task: Task | type[Task],
+    ):
+        """`task` (mpexp/tasks/) says which validation metrics W&B summarises and which one is
+        the run's result, whose best epoch earns a checkpoint the `best` alias."""
+        # W&B summarises these as the best epoch's and the last: the report and Optuna's sweeper
+        # use the last (the run's result), a dashboard's "best" the other
+        self._summaries = dict(task.summaries)
         self.run_dir = Path(run.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics_path = self.run_dir / "metrics.jsonl"
@@ -131,7 +140,7 @@ class Tracker:
         self.step = 0  # the step being trained, set by the loop: where `mpexp.log` logs
         self._own_keys: set[str] = set()  # keys that mpexp.log has defined in W&B
         # a resumed run's earlier epochs count towards the `best` checkpoint
-        self._validations = Validations.read(self.run_dir / "metrics.jsonl")
+        self._validations = Validations.read(self.run_dir / "metrics.jsonl", task.result)
         if self.wandb_mode != "disabled":
             self._wandb_id = run.wandb_id or new_wandb_id()
             try:
@@ -153,7 +162,7 @@ class Tracker:
         metrics += [(pattern, {"step_metric": "step"}) for pattern in STEP_METRICS]
         metrics += [(pattern, {"step_metric": "epoch"}) for pattern in EPOCH_METRICS]
         metrics += [(name, {"step_metric": "epoch", "summary": kinds})
-                    for name, kinds in SUMMARIES.items()]  # fmt: skip
+                    for name, kinds in self._summaries.items()]  # fmt: skip
         return {
             "init": {
                 "project": wandb_cfg.project,
@@ -214,15 +223,16 @@ class Tracker:
 
     def log_checkpoint(self, path: Path, step: int) -> None:
         """Upload a checkpoint as a W&B artifact of the run (wandb.log_checkpoints=true), with
-        aliases `latest`, `step-<N>` and, on the best val/acc epoch so far, `best`; its metadata
-        holds the step, the precision and, at an epoch's end, the epoch and its val metrics."""
+        aliases `latest`, `step-<N>` and, on the epoch with the best result so far (the task's
+        result metric: val/acc, val/loss), `best`; its metadata holds the step, the precision and,
+        at an epoch's end, the epoch and its val metrics."""
         if self._wandb is None:
             return
         metadata = {"step": step, "precision": self._summary.get("ran", {}).get("precision")}
         aliases = ["latest", f"step-{step}"]
         epoch = self._validations.last
         if epoch is not None and epoch["step"] == step:  # the weights that epoch validated
-            metadata.update({k: epoch[k] for k in ("epoch", "val/acc", "val/loss")})
+            metadata.update(epoch["metrics"])
             aliases += ["best"] if epoch["best"] else []
         self._wandb.send_and_wait("artifact", (str(path), metadata, aliases))
 
@@ -257,7 +267,7 @@ class Tracker:
             if "ran" in values:  # what ran is the run's config in W&B, kept in one place there
                 self._wandb.send("config", {"ran": values["ran"]})
             results = {k: v for k, v in values.items() if k != "ran"}
-            flat = {k: v for k, v in flatten(results).items() if k not in SUMMARIES}
+            flat = {k: v for k, v in flatten(results).items() if k not in self._summaries}
             self._wandb.send("summary", flat)
 
     def close(self, status: str = "finished", error: str | None = None) -> None:
@@ -339,26 +349,28 @@ class Tracker:
 
 class Validations:
     """The epochs' validation results as they are logged, for a checkpoint's W&B artifact: which
-    epoch's weights it holds, their val metrics, and whether they are the best so far."""
+    epoch's weights it holds, their val metrics, and whether they are the best so far by the
+    task's result metric."""
 
-    def __init__(self) -> None:
-        self.best_acc: float | None = None
-        self.last: dict[str, Any] | None = None  # the last epoch's, with `best`
+    def __init__(self, result: Result) -> None:
+        self.result = result
+        self.best: float | None = None
+        self.last: dict[str, Any] | None = None  # the last epoch's: step, metrics, best
 
     def add(self, row: dict[str, Any]) -> None:
-        if "epoch" not in row or "val/acc" not in row:
+        if "epoch" not in row or self.result.metric not in row:
             return
-        acc = row["val/acc"]
-        best = acc == acc and (self.best_acc is None or acc > self.best_acc)  # a NaN never is
+        value = row[self.result.metric]
+        best = self.result.better(value, self.best)
         if best:
-            self.best_acc = acc
-        keys = ("epoch", "step", "val/acc", "val/loss")
-        self.last = {**{k: row.get(k) for k in keys}, "best": best}
+            self.best = value
+        metrics = {k: v for k, v in row.items() if k == "epoch" or k.startswith("val/")}
+        self.last = {"step": row.get("step"), "metrics": metrics, "best": best}
 
     @classmethod
-    def read(cls, metrics: Path) -> Validations:
+    def read(cls, metrics: Path, result: Result) -> Validations:
         """The epochs already in `metrics` (a resumed run's; none for a new run)."""
-        found = cls()
+        found = cls(result)
         if metrics.is_file() and metrics.stat().st_size:
             for line in metrics.read_text().splitlines():
                 with contextlib.suppress(ValueError):  # a cut-off line holds no epoch

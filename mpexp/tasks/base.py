@@ -1,0 +1,110 @@
+"""The task seam: what a workload's batches mean, asked by everyone who needs to know.
+
+A dataset gives batches of (inputs, targets) and says which task they serve (`TrainingData.setup`
+returns the task). The task alone knows:
+
+- what a model is built with for these inputs (`model_kwargs`) and what it must give back
+  (`check_output`), and an example batch of the run's shapes (the model's trial and FLOP count);
+- how a batch's model output becomes the training loss (`loss`);
+- what validation measures: per-batch sums kept on the device (`val_sums`), turned into metrics
+  once per validation (`val_metrics`), and how the epoch's log line shows them (`epoch_text`);
+- which metric is the run's result and whether higher or lower is better (`result`): the W&B
+  summaries, the `best` checkpoint, the sweep report's parity verdicts and Optuna's objective
+  follow it. The run records it as `ran.task`, so that the report reads it from the run's files.
+
+So the loop, the report and the tracker never ask what kind of workload they run.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # torch is imported once a run starts: the tracker imports this module early
+    import torch
+
+
+@dataclass(frozen=True)
+class Result:
+    """The metric a run is judged by, and how to compare two values of it."""
+
+    metric: str  # a key of the epoch rows, e.g. "val/acc"
+    higher_is_better: bool
+    # the sweep report's parity tolerance: how far a configuration may fall behind its reference
+    # and still count as within noise, in `unit` (the metric times `scale`)
+    tolerance: float
+    unit: str  # what a difference is shown in, e.g. "points" (of accuracy) or "nats"
+    scale: float = 1.0  # the metric times this is in `unit` (100 for a fraction in points)
+
+    @property
+    def direction(self) -> str:
+        """Optuna's word for it: "maximize" or "minimize"."""
+        return "maximize" if self.higher_is_better else "minimize"
+
+    def better(self, value: float, than: float | None) -> bool:
+        """Whether `value` beats `than` (None: nothing yet); a NaN never does."""
+        if math.isnan(value):
+            return False
+        if than is None:
+            return True
+        return value > than if self.higher_is_better else value < than
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Task(ABC):
+    """What a batch means (see the module's docstring). Subclasses are frozen dataclasses of the
+    facts the data gives (image shape and classes; vocabulary and context length)."""
+
+    name: ClassVar[str]
+    result: ClassVar[Result]
+    # the W&B summaries of the validation metrics: "max,last", "min,last", ...
+    summaries: ClassVar[dict[str, str]]
+
+    @abstractmethod
+    def model_kwargs(self) -> dict[str, Any]:
+        """What a model for these inputs is built with (besides its own config keys)."""
+
+    @abstractmethod
+    def describe_inputs(self) -> str:
+        """The inputs in words, for messages: "1x28x28 images", "windows of 128 byte tokens"."""
+
+    @abstractmethod
+    def example(self, batch: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of zeros with the run's shapes and dtypes: (inputs, targets)."""
+
+    @abstractmethod
+    def check_output(self, shape: tuple[int, ...]) -> str | None:
+        """What is wrong with a model's output shape for one example, or None when it fits."""
+
+    @abstractmethod
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of a batch: a scalar, the mean over the batch's items."""
+
+    @abstractmethod
+    def val_sums(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One validation batch's sums as a 1-D float tensor, left on the device: the batches'
+        sums are added up there and read once."""
+
+    @abstractmethod
+    def val_count(self, targets: torch.Tensor) -> int:
+        """How many items a validation batch's sums are over (from its shape: no device read)."""
+
+    @abstractmethod
+    def val_metrics(self, sums: list[float], count: int) -> dict[str, float]:
+        """The validation metrics (`val/...`) from the summed sums over `count` items."""
+
+    @abstractmethod
+    def epoch_text(self, row: dict[str, Any]) -> str:
+        """The validation part of the epoch's log line, e.g. "Val Loss: 0.31, Val Acc: 91.2%"."""
+
+    def throughput(self, samples_per_s: float) -> dict[str, float]:
+        """Rates beyond samples per second that the task's unit of work gives (tokens/s)."""
+        return {}
+
+    def record(self) -> dict[str, Any]:
+        """`ran.task`: the task's name, its result metric and how the report compares it."""
+        return {"name": self.name, **self.result.record(), **asdict(self)}

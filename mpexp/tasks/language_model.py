@@ -1,0 +1,82 @@
+"""Language modelling: a window of tokens in, a distribution over the next token at every
+position out, judged by the validation loss in nats per token (lower is better)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from mpexp.tasks.base import Result, Task
+
+
+@dataclass(frozen=True)
+class LanguageModelling(Task):
+    vocab_size: int
+    block_size: int  # tokens per window the model sees
+    bytes_per_token: float = 1.0  # 1 for byte-level tokens: bits per byte = bits per token
+
+    name = "language_model"
+    # 0.02 nats per token: about 2 % in perplexity, finer than seed-to-seed noise of short runs
+    result = Result("val/loss", higher_is_better=False, tolerance=0.02, unit="nats")
+    summaries: ClassVar[dict[str, str]] = {
+        "val/loss": "min,last",
+        "val/ppl": "min,last",
+        "val/bpb": "min,last",
+        "val/token_acc": "max,last",
+    }
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {"vocab_size": self.vocab_size}
+
+    def describe_inputs(self) -> str:
+        return f"windows of {self.block_size} tokens (vocabulary {self.vocab_size})"
+
+    def example(self, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.zeros(batch, self.block_size, dtype=torch.long, device=device)
+        return tokens, tokens.clone()
+
+    def check_output(self, shape: tuple[int, ...]) -> str | None:
+        expected = (1, self.block_size, self.vocab_size)
+        if shape == expected:
+            return None
+        return (
+            f"gives outputs of shape {shape} for one window; the loss needs {expected}, "
+            "one logit per vocabulary entry at every position"
+        )
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
+
+    def val_sums(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = output.reshape(-1, output.shape[-1]).float()
+        flat = targets.reshape(-1)
+        loss = F.cross_entropy(logits, flat, reduction="sum")
+        correct = (logits.argmax(1) == flat).sum()
+        return torch.stack((loss, correct.float()))
+
+    def val_count(self, targets: torch.Tensor) -> int:
+        return targets.numel()
+
+    def val_metrics(self, sums: list[float], count: int) -> dict[str, float]:
+        loss_sum, correct = sums
+        loss = loss_sum / count
+        return {
+            "val/loss": loss,
+            # overflows to inf only for a loss above ~709 nats, far past any model that learns
+            "val/ppl": math.exp(min(loss, 709.0)),
+            "val/bpb": loss / math.log(2) / self.bytes_per_token,
+            "val/token_acc": correct / count,
+        }
+
+    def epoch_text(self, row: dict[str, Any]) -> str:
+        return (
+            f"Val Loss: {row['val/loss']:.4f}, Val PPL: {row['val/ppl']:.2f}, "
+            f"Val BPB: {row['val/bpb']:.3f}"
+        )
+
+    def throughput(self, samples_per_s: float) -> dict[str, float]:
+        return {"perf/tokens_per_s": samples_per_s * self.block_size}
