@@ -177,6 +177,35 @@ class SyntheticDatasetConfig(DatasetConfig):
     seed: int = 0
 
 
+TEXT_CACHE = "${oc.env:MPEXP_DATA_DIR,'~/.cache/mpexp/data'}/text"
+
+
+@dataclass
+class WindowsConfig:
+    """Token windows of a text corpus (mpexp/data/text.py)."""
+
+    _target_: str = MISSING
+    # tokens a window gives the model; null: none known (a model's block_size, interpolated)
+    block_size: Optional[int] = None
+    train_size: int = 4096  # windows per epoch
+    val_size: int = 256  # validation windows
+    val_fraction: float = 0.1  # the corpus's tail that validates
+    cache_dir: str = TEXT_CACHE  # where the token file and its key are written
+    batch_size: int = 32
+    drop_last: bool = True
+
+
+@dataclass
+class TextDatasetConfig(WindowsConfig):
+    path: Optional[str] = None  # a UTF-8 file or a folder; null: Python's standard library
+
+
+@dataclass
+class DownloadedTextConfig(WindowsConfig):
+    root: str = DATA_ROOT
+    download: bool = True
+
+
 # --- model ---------------------------------------------------------------------------------------
 
 
@@ -197,6 +226,15 @@ class ViTConfig(ModelConfig):
     depth: int = 6
     heads: int = 3
     mlp_ratio: int = 4
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    block_size: int = 64  # the context: tokens per window
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
 
 
 # --- precision -----------------------------------------------------------------------------------
@@ -298,8 +336,18 @@ class StepDecayConfig(SchedulerConfig):
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "dataset": {"torchvision": TorchvisionDatasetConfig, "synthetic": SyntheticDatasetConfig},
-    "model": {"base": ModelConfig, "simplecnn": SimpleCNNConfig, "vit": ViTConfig},
+    "dataset": {
+        "torchvision": TorchvisionDatasetConfig,
+        "synthetic": SyntheticDatasetConfig,
+        "text": TextDatasetConfig,
+        "downloaded_text": DownloadedTextConfig,
+    },
+    "model": {
+        "base": ModelConfig,
+        "simplecnn": SimpleCNNConfig,
+        "vit": ViTConfig,
+        "gpt": GPTConfig,
+    },
     "precision": {"base": PrecisionConfig},
     "loss_scaling": {
         "none": LossScalingConfig,

@@ -17,9 +17,12 @@ from mpexp.config import (
     unknown_keys,
 )
 from mpexp.data.base import InMemoryData
+from mpexp.data.text import TextData
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
 from mpexp.run.build import build
+from mpexp.tasks.classification import Classification
+from mpexp.tasks.language_model import LanguageModelling
 from tests.conftest import CONF, CPU, make_cfg, run_cli
 
 GROUPS = ["dataset", "model", "precision", "loss_scaling", "optimizer", "scheduler", "experiment"]
@@ -29,6 +32,12 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
+# the options for language models; every other model and dataset is for image classification
+TEXT_DATASETS = ("text", "tiny_shakespeare")
+TEXT_MODELS = ("gpt", "gpt2_small")
+IMAGE_MODELS = [m for m in options("model") if m not in TEXT_MODELS]
+
+
 def test_groups_hold_the_documented_options():
     assert options("dataset") == [
         "cifar10",
@@ -36,9 +45,13 @@ def test_groups_hold_the_documented_options():
         "mnist",
         "synthetic",
         "synthetic_cifar10",
+        "text",
+        "tiny_shakespeare",
     ]
     assert options("model") == [
         "deepcnn",
+        "gpt",
+        "gpt2_small",
         "resnet18",
         "simplecnn",
         "simplecnn_small",
@@ -58,6 +71,7 @@ def test_groups_hold_the_documented_options():
     assert options("scheduler") == ["cosine", "none", "step"]
     assert options("experiment") == [
         "fp8_vit",
+        "gpt_precisions",
         "hparams_search",
         "precision_grid",
         "quickstart",
@@ -133,11 +147,27 @@ def test_keys_added_past_the_schema_are_found_with_the_closest_declared_one():
 @pytest.mark.parametrize("option", options("dataset"))
 def test_dataset_options_build(option):
     data = build(make_cfg(f"dataset={option}").dataset)
-    assert isinstance(data, InMemoryData)
-    assert data.batch_size == 256
+    if option in TEXT_DATASETS:
+        assert isinstance(data, TextData) and data.task_type is LanguageModelling
+        assert data.block_size is None  # model=deepcnn has no context length to take
+        assert build(make_cfg(f"dataset={option}", "model=gpt").dataset).block_size == 64
+    else:
+        assert isinstance(data, InMemoryData) and data.task_type is Classification
+        assert data.batch_size == 256
 
 
-@pytest.mark.parametrize("option", options("model"))
+@pytest.mark.parametrize("option", TEXT_MODELS)
+def test_language_models_build_for_byte_tokens(option):
+    cfg = make_cfg(f"model={option}", "dataset=text")
+    assert cfg.dataset.block_size == cfg.model.block_size  # the data's windows fit the model
+    task = LanguageModelling(vocab_size=256, block_size=cfg.model.block_size)
+    with torch.device("meta" if option == "gpt2_small" else "cpu"):
+        model = build(cfg.model, **task.model_kwargs())
+        tokens, _ = task.example(2, "meta" if option == "gpt2_small" else "cpu")
+        assert task.check_output(tuple(model(tokens[:1]).shape)) is None
+
+
+@pytest.mark.parametrize("option", IMAGE_MODELS)
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
 def test_model_options_build_and_adapt_to_the_data(option, shape):
     c, h, w = shape
@@ -167,17 +197,31 @@ def test_every_precision_and_scaling_pair_builds(precision, scaling):
     assert scaler.scales_loss == (expected != "none")
 
 
+# every model with every dataset of its task (a model for another task is refused by a run)
+PAIRS = [
+    (model, dataset)
+    for model in options("model")
+    for dataset in options("dataset")
+    if (model in TEXT_MODELS) == (dataset in TEXT_DATASETS)
+]
+
+
 @pytest.mark.parametrize("experiment", options("experiment"))
-@pytest.mark.parametrize("model", options("model"))
-@pytest.mark.parametrize("dataset", options("dataset"))
+@pytest.mark.parametrize(("model", "dataset"), PAIRS)
 def test_every_preset_composes_and_builds_with_every_model_and_dataset(experiment, model, dataset):
     cfg = make_cfg(f"experiment={experiment}", f"model={model}", f"dataset={dataset}")
     assert unknown_keys(cfg) == []
-    # ViT-Base's 85 M parameters take seconds to initialise on a CPU; the shapes are what is
-    # checked here, and the meta device propagates them without computing
-    with torch.device("meta" if model == "vit_base" else "cpu"):
-        net = build(cfg.model, in_channels=3, num_classes=10, image_size=(32, 32))
-        assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    if dataset in TEXT_DATASETS:
+        task = LanguageModelling(vocab_size=256, block_size=cfg.dataset.block_size)
+    else:
+        task = Classification(channels=3, height=32, width=32, num_classes=10)
+    # ViT-Base's and GPT-2 small's 85 M parameters take seconds to initialise on a CPU; the
+    # shapes are what is checked here, and the meta device propagates them without computing
+    device = "meta" if model in ("vit_base", "gpt2_small") else "cpu"
+    with torch.device(device):
+        net = build(cfg.model, **task.model_kwargs())
+        inputs, _ = task.example(1, device)
+        assert task.check_output(tuple(net(inputs).shape)) is None
 
 
 def test_quickstart_experiment_is_offline_and_small():

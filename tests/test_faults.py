@@ -689,7 +689,7 @@ def test_images_too_small_for_the_model_get_one_line(tmp_path, model):
     result = run_cli("mpexp.train", *tiny, f"model={model}", "dataset.height=2",
                      "dataset.width=2", cwd=tmp_path)  # fmt: skip
     output = one_line_failure(result)
-    assert f"model={model} cannot take the dataset's 1x2x2 images" in output
+    assert f"model={model} on dataset=synthetic cannot take the dataset's 1x2x2 images" in output
     assert result.returncode == 2
 
 

@@ -12,8 +12,9 @@ from matplotlib.image import imread
 from omegaconf import OmegaConf
 
 from mpexp.report import cli as report
-from mpexp.report.table import DEFAULT_TOLERANCE, build_report
+from mpexp.report.table import build_report
 from mpexp.run.runner import train
+from mpexp.tasks.base import ACCURACY
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
@@ -93,7 +94,7 @@ def assert_pngs(sweep: Path, names: list[str]) -> None:
 def test_multirun_ends_with_the_report_and_its_plots(precision_sweep):
     sweep, stdout = precision_sweep
     assert f"Sweep report: {sweep / 'report.md'}" in stdout
-    assert_pngs(sweep, ["val_accuracy", "loss_curves", "epoch_time", "peak_memory", "loss_scale"])
+    assert_pngs(sweep, ["result", "loss_curves", "epoch_time", "peak_memory", "loss_scale"])
     text = (sweep / "report.md").read_text()
     assert not (sweep / "underflow.png").exists()
     assert "No run recorded gradient statistics, so there is no underflow plot" in text
@@ -205,7 +206,7 @@ def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, tmp_p
     assert [r["precision"] for r in configs] == PRECISIONS
     assert configs[0]["speedup"] == 1.0 and configs[0]["parity"] == "reference"
     assert {r["parity"] for r in configs[1:]} == {"single seed"}
-    assert configs[1]["n"] == 1 and configs[1]["val_acc_pct_low"] is None
+    assert configs[1]["n"] == 1 and configs[1]["result_low"] is None
     _, epochs = read_metrics(sweep / "3")
     assert configs[3]["val_loss"] == epochs[-1]["val/loss"]
     assert configs[3]["tflops"] == runs[3]["tflops"]
@@ -255,9 +256,9 @@ def test_failed_run_is_named_and_the_rest_reported(sweep_with_a_failure):
 def test_each_setting_is_compared_with_fp32_at_the_same_setting(sweep_with_a_failure):
     sweep, _ = sweep_with_a_failure
     accs = [read_metrics(sweep / job)[1][-1]["val/acc"] for job in ("0", "1")]
-    assert 100 * (accs[0] - accs[1]) > DEFAULT_TOLERANCE  # the lr=1e-9 run never learns
+    assert 100 * (accs[0] - accs[1]) > ACCURACY.tolerance  # the lr=1e-9 run never learns
     # ... but it is fp32 at another learning rate, not a precision that lost accuracy
-    configs = build_report([sweep], DEFAULT_TOLERANCE).configs
+    configs = build_report([sweep], ACCURACY.tolerance).configs
     assert [(c.label, c.parity) for c in configs] == [
         ("optimizer.lr=0.003", "reference"),
         ("optimizer.lr=1e-09", "reference"),
@@ -308,7 +309,7 @@ def test_a_run_killed_mid_write_is_reported_without_its_half_line(sweep_with_a_f
     whole = metrics.read_text()
     metrics.write_text(whole + whole.splitlines()[0][:25])  # a row cut off by the kill
 
-    built = build_report([tmp_path], DEFAULT_TOLERANCE)
+    built = build_report([tmp_path], ACCURACY.tolerance)
     assert [r.label for r in built.rows] == ["complete"]
     ((label, run),) = built.not_reported
     assert label == "crashed" and "after 2 of 2 epochs" in run.problem  # its rows were read
@@ -326,7 +327,7 @@ def test_without_an_fp32_run_nothing_is_compared(precision_sweep, tmp_path):
     assert accuracy["Δ val acc (points)"] == "n/a" and accuracy["parity"] == "no fp32 reference"
     assert speed["speedup"] == speed["memory vs fp32"] == speed["time to target (s)"] == "n/a"
     text = (run / "report.md").read_text()
-    assert "No target: no fp32 reference to take it from; set one with `--target-acc`." in text
+    assert "No target: no fp32 reference to take it from; set one with `--target`." in text
 
 
 @pytest.mark.parametrize(
@@ -438,7 +439,7 @@ def test_world4ai_preset_reports_fp32_against_fp16_over_three_seeds(tmp_path):
     assert " to " in speed[1]["speedup"]  # an interval: both sides have three seeds
 
     # time to target, per run, from metrics.jsonl: the fp32 mean minus the tolerance
-    target = (mean - DEFAULT_TOLERANCE) / 100
+    target = (mean - ACCURACY.tolerance) / 100
     for job, row in enumerate(runs):
         elapsed, reached = 0.0, None
         for epoch in read_metrics(sweep / str(job))[1]:
@@ -450,7 +451,7 @@ def test_world4ai_preset_reports_fp32_against_fp16_over_three_seeds(tmp_path):
 
     assert_pngs(
         sweep,
-        ["val_accuracy", "loss_curves", "epoch_time", "peak_memory", "loss_scale", "underflow"],
+        ["result", "loss_curves", "epoch_time", "peak_memory", "loss_scale", "underflow"],
     )
 
 

@@ -100,8 +100,8 @@ def test_mean_and_interval_over_seeds(tmp_path):
     # mean 92, sample sd 2 points, n = 3: 92 ± t(2) * 2 / sqrt(3)
     half = T2 * 2 / math.sqrt(3)
     assert fp32.n == 3
-    assert fp32.val_acc_pct.value == pytest.approx(92.0)
-    assert fp32.val_acc_pct.half_width == pytest.approx(half, abs=1e-9)
+    assert fp32.result.value == pytest.approx(92.0)
+    assert fp32.result.half_width == pytest.approx(half, abs=1e-9)
     assert fp32.parity == "reference"
 
     report.main([str(tmp_path), "--wandb", "disabled"])
@@ -133,8 +133,8 @@ def test_parity_verdict_from_the_interval_of_the_difference(tmp_path, finals, ve
     diffs = [100 * (a - b) for a, b in zip(finals, [0.90, 0.92, 0.94], strict=True)]
     mean = sum(diffs) / 3
     sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 2)
-    assert fp16.d_val_acc_pts.value == pytest.approx(mean)
-    assert fp16.d_val_acc_pts.half_width == pytest.approx(T2 * sd / math.sqrt(3))
+    assert fp16.d_result.value == pytest.approx(mean)
+    assert fp16.d_result.half_width == pytest.approx(T2 * sd / math.sqrt(3))
     assert fp16.parity == verdict
 
     report.main([str(tmp_path), "--wandb", "disabled"])
@@ -150,8 +150,8 @@ def test_other_seeds_are_compared_unpaired_with_welchs_interval(tmp_path):
     # variances of the means 4/3 and 1/3; Welch's df = (5/3)^2 / ((4/3)^2/2 + (1/3)^2/2) = 2.94,
     # taken at 2 (never a narrower interval): -6 ± 4.303 * sqrt(5/3) = -6 ± 5.56, which reaches
     # above -0.5: inconclusive, where 3 df (3.182) would have said worse
-    assert fp16.d_val_acc_pts.value == pytest.approx(-6.0)
-    assert fp16.d_val_acc_pts.half_width == pytest.approx(T2 * math.sqrt(5 / 3))
+    assert fp16.d_result.value == pytest.approx(-6.0)
+    assert fp16.d_result.half_width == pytest.approx(T2 * math.sqrt(5 / 3))
     assert fp16.parity == "too wide"
 
 
@@ -184,12 +184,11 @@ def test_a_diverged_run_is_marked_and_the_others_compared_as_usual(tmp_path, cap
     assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
     out = capsys.readouterr().out
     assert (
-        "diverged (final val loss or accuracy not finite): 5 precision=fp16,trainer.seed=2, 6"
-        in out
+        "diverged (final val loss or result not finite): 5 precision=fp16,trainer.seed=2, 6" in out
     )
     fp32, fp16, bf16 = read_table(tmp_path / "report.md", "Accuracy against fp32")
     # fp16 from its two finite seeds, unpaired with fp32's three: Welch's interval as usual
-    d = config(build_report([tmp_path], 0.5), "fp16").d_val_acc_pts
+    d = config(build_report([tmp_path], 0.5), "fp16").d_result
     assert d.value == pytest.approx(0.0) and d.half_width > 0
     assert (fp16["n"], fp16["runs"]) == ("2 (+1 **diverged**)", "3, 4, 5")
     assert fp16["val acc (%)"] == f"92.00 ± {T1:.2f}"  # sd sqrt(2) over sqrt(2) runs
@@ -226,7 +225,10 @@ def test_worse_configuration_is_named_on_the_console(tmp_path, capsys):
     final_only(tmp_path, "fp16", [0.85, 0.865, 0.89], first=3)
     assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
     out = capsys.readouterr().out
-    assert "below fp32 by more than 0.5 points: precision=fp16 (-5.17 ± 0.72 points)" in out
+    assert (
+        "worse than fp32 by more than 0.5 points of val/acc: precision=fp16 (-5.17 ± 0.72 points)"
+        in out
+    )
 
 
 def test_speedup_with_its_interval(tmp_path):
@@ -307,25 +309,32 @@ def test_time_to_target_defaults_to_fp32_accuracy_minus_the_tolerance(tmp_path):
     assert bf16["time to target (s)"] == "reached by 1 of 3"
     assert bf16["speedup at target"] == "n/a"
     text = (tmp_path / "report.md").read_text()
-    assert "91.50 % for `precision=fp32`" in text
+    assert "91.50 % of val/acc for `precision=fp32`" in text
     runs = read_table(tmp_path / "report.md", "Runs")
     assert [r["time to target (s)"] for r in runs[6:]] == ["3.0", "not reached", "not reached"]
 
 
-def test_target_accuracy_from_the_command_line(tmp_path):
+@pytest.mark.parametrize("option", ["--target", "--target-acc"])  # the older name too
+def test_target_accuracy_from_the_command_line(tmp_path, option):
     time_to_target_sweep(tmp_path)
-    assert report.main([str(tmp_path), "--wandb", "disabled", "--target-acc", "85"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", option, "85"]) == 0
     fp32, fp16, _ = read_table(tmp_path / "report.md", "Speed")
     assert fp32["time to target (s)"] == "7.0 ± 0.0"  # 0.9 in the 3rd epoch: 3+2+2
     assert fp16["time to target (s)"] == "3.0 ± 0.0"  # 0.88 in the 2nd: 2+1
-    assert "Target: 85.00 % val accuracy (`--target-acc`)" in (tmp_path / "report.md").read_text()
+    assert "Target: 85 % of val/acc (`--target`)" in (tmp_path / "report.md").read_text()
 
 
-@pytest.mark.parametrize("target", ["0", "101", "high"])
-def test_target_accuracy_must_be_a_percentage(tmp_path, target, capsys):
+def test_a_target_that_is_no_number_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        report.main([str(tmp_path), "--target-acc", target])
-    assert "--target-acc" in capsys.readouterr().err
+        report.main([str(tmp_path), "--target", "high"])
+    assert "--target" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["0", "101"])
+def test_a_target_accuracy_must_be_a_percentage(tmp_path, target, capsys):
+    time_to_target_sweep(tmp_path)
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--target", target]) == 2
+    assert f"--target {target} is not a val/acc in percent" in capsys.readouterr().err
 
 
 def test_timing_warnings_few_epochs_and_overlapping_jobs(tmp_path):
@@ -367,17 +376,20 @@ def test_fp8_is_judged_against_fp32_and_against_bf16(tmp_path, capsys):
     # paired by seed against bf16: -6, -5.5, -5 points: mean -5.5, sd 0.5
     half = T2 * 0.5 / math.sqrt(3)
     assert fp8.bf16_reference is bf16
-    assert fp8.d_val_acc_vs_bf16_pts.value == pytest.approx(-5.5)
-    assert fp8.d_val_acc_vs_bf16_pts.half_width == pytest.approx(half)
+    assert fp8.d_result_vs_bf16.value == pytest.approx(-5.5)
+    assert fp8.d_result_vs_bf16.half_width == pytest.approx(half)
     assert fp8.parity_vs_bf16 == "worse"
     assert fp8.speedup_vs_bf16.value == pytest.approx(2.0)
     # against fp32 as every configuration: -5, -4.5, -4 points
-    assert fp8.d_val_acc_pts.value == pytest.approx(-4.5) and fp8.parity == "worse"
+    assert fp8.d_result.value == pytest.approx(-4.5) and fp8.parity == "worse"
     assert bf16.parity_vs_bf16 is None and bf16.bf16_reference is None  # only fp8 gets a second
 
     assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
     out = capsys.readouterr().out
-    assert f"below bf16 by more than 0.5 points: precision=fp8 (-5.50 ± {half:.2f} points)" in out
+    assert (
+        f"worse than bf16 by more than 0.5 points of val/acc: precision=fp8 (-5.50 ± {half:.2f} "
+        "points)" in out
+    )
     (row,) = read_table(tmp_path / "report.md", "fp8 against bf16")
     assert (row["configuration"], row["bf16 reference"], row["n"]) == (
         "precision=fp8",
@@ -389,7 +401,7 @@ def test_fp8_is_judged_against_fp32_and_against_bf16(tmp_path, capsys):
     assert row["speedup vs bf16"] == "2.00x (2.00 to 2.00)"
     values = fp8.values()  # the W&B table's row
     assert values["bf16_reference"] == "precision=bf16" and values["parity_vs_bf16"] == "worse"
-    assert values["d_val_acc_vs_bf16_pts"] == pytest.approx(-5.5)
+    assert values["d_result_vs_bf16"] == pytest.approx(-5.5)
 
 
 def test_fp8_without_a_bf16_configuration_says_so(tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from itertools import islice
+from typing import ClassVar
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -52,6 +53,9 @@ class TrainingData(ABC):
     `batch_size` is per process. Subclasses implement `setup`, `train_size`, `train_batches` and
     `val_batches`; the counting of steps and samples, and sharding, live here.
     """
+
+    # the kind of task its batches serve, known before any data is read (Optuna's direction)
+    task_type: ClassVar[type[Task]]
 
     def __init__(self, batch_size: int, drop_last: bool = True):
         self.batch_size = batch_size
@@ -115,6 +119,8 @@ class InMemoryData(TrainingData):
 
     Subclasses implement `load()`; everything about batching lives here.
     """
+
+    task_type = Classification
 
     def __init__(
         self,

@@ -21,11 +21,17 @@ class SweepReport(Callback):
     """`mpexp-report <sweep dir>`, run by Hydra at the end of every multirun."""
 
     def __init__(
-        self, tolerance: float = 0.5, wandb_mode: str = "auto", target_acc: float | None = None
+        self,
+        tolerance: float | None = None,
+        wandb_mode: str = "auto",
+        target: float | None = None,
+        target_acc: float | None = None,
     ):
+        """`tolerance` and `target` as mpexp-report's options (None: the task's own tolerance,
+        the reference's result); `target_acc` is `target`'s name in configs from before tasks."""
         self.tolerance = tolerance
         self.wandb_mode = wandb_mode
-        self.target_acc = target_acc
+        self.target = target if target is not None else target_acc
         self.sweep_dir: Path | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -54,7 +60,7 @@ class SweepReport(Callback):
                 [self.sweep_dir],
                 self.tolerance,
                 wandb_mode=self.wandb_mode,
-                target_acc=self.target_acc,
+                target=self.target,
             )
         except UserError as err:
             print(f"No sweep report: {err}")

@@ -1,17 +1,18 @@
 """`python -m mpexp.report` / `mpexp-report`: write the report for run folders, and log it to W&B.
 
-mpexp-report <run dir or multirun dir> [more dirs] [--tolerance 0.5] [--target-acc 98] [--out DIR]
+mpexp-report <run dir or multirun dir> [more dirs] [--tolerance 0.5] [--target 98] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from mpexp.errors import UserError
 from mpexp.report.markdown import render_markdown
-from mpexp.report.table import DEFAULT_TOLERANCE, Report, build_report
+from mpexp.report.table import Report, build_report
 from mpexp.report.wandb_run import log_to_wandb
 
 
@@ -34,14 +35,16 @@ def write_report(report: Report) -> Path:
 
 def make_report(
     paths: list[Path],
-    tolerance: float = DEFAULT_TOLERANCE,
+    tolerance: float | None = None,
     out_dir: Path | None = None,
     wandb_mode: str = "auto",
-    target_acc: float | None = None,
+    target: float | None = None,
 ) -> Report:
     """Build, write and (when the runs were online) log the report; print where it is.
-    `target_acc`: val accuracy in percent for the time to target (default: per fp32 reference)."""
-    report = build_report(paths, tolerance, out_dir, target_acc)
+    `tolerance` (None: the task's own) and `target`, the result to reach for the time to target
+    (None: per fp32 reference), are in the result's unit: points and percent of val accuracy,
+    nats of a language model's val loss."""
+    report = build_report(paths, tolerance, out_dir, target)
     write_report(report)
     print("\n".join(report.console_lines()))
     log_to_wandb(report, wandb_mode)
@@ -51,14 +54,16 @@ def make_report(
 def _tolerance(text: str) -> float:
     value = float(text)
     if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a non-negative number of points")
+        raise argparse.ArgumentTypeError(f"{text} is not a non-negative number")
     return value
 
 
-def _percent(text: str) -> float:
+def _target(text: str) -> float:
     value = float(text)
-    if not 0 < value <= 100:
-        raise argparse.ArgumentTypeError(f"{text} is not an accuracy in percent (0 to 100]")
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text} is not a result to reach (a val accuracy in percent, a val loss in nats)"
+        )
     return value
 
 
@@ -72,15 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tolerance",
         type=_tolerance,
-        default=DEFAULT_TOLERANCE,
-        help="val accuracy points a configuration may fall below fp32 and still be at parity "
-        "(default 0.5)",
+        help="how far a configuration's result may fall behind fp32 and still be at parity, in "
+        "the result's unit (default: the task's own: 0.5 points of val accuracy, 0.02 nats of "
+        "a language model's val loss)",
     )
     parser.add_argument(
+        "--target",
         "--target-acc",
-        type=_percent,
-        help="val accuracy in percent for the time-to-target columns (default: the fp32 "
-        "reference's final accuracy minus the tolerance)",
+        type=_target,
+        help="the result to reach for the time-to-target columns: val accuracy in percent, a "
+        "language model's val loss in nats (default: the fp32 reference's final result, less "
+        "good by the tolerance)",
     )
     parser.add_argument(
         "--out", type=Path, help="where to write (default: the directory given, or their parent)"
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        make_report(args.dirs, args.tolerance, args.out, args.wandb, args.target_acc)
+        make_report(args.dirs, args.tolerance, args.out, args.wandb, args.target)
     except UserError as err:
         print(f"mpexp.report: {err}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
-"""report.md: warnings, the accuracy and speed tables by configuration (fp8 also against bf16),
-the runs, the plots."""
+"""report.md: warnings, the result and speed tables by configuration (fp8 also against bf16),
+the runs, the plots. The result is each task's own metric (val accuracy, a language model's val
+loss), shown in its unit."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from collections.abc import Callable
 
 from mpexp.report.stats import Estimate
 from mpexp.report.table import FP8, MIN_TIMED_EPOCHS, Config, Report, Row, run_values
+from mpexp.tasks.base import Result
 
 PLOT_TITLES = {
-    "val_accuracy": "Validation accuracy per epoch and over training time",
+    "result": "The result per epoch and over training time",
     "loss_curves": "Loss curves",
     "epoch_time": "Epoch time and its spread",
     "peak_memory": "Peak memory",
@@ -34,7 +36,8 @@ def render_markdown(report: Report) -> str:
     lines.append("")
     if rows:
         lines += _warnings(report)
-        lines += _accuracy_section(report)
+        for spec, configs in _by_result(report.configs).items():
+            lines += _result_section(spec, configs)
         lines += _fp8_section(report)
         lines += _speed_section(report)
         lines += _runs_section(report)
@@ -84,16 +87,33 @@ VERDICTS = {
 
 
 def parity_text(config: Config) -> str:
-    """The verdict on accuracy; a difference beyond the tolerance comes with its size."""
-    return _verdict_text(config.parity, config.d_val_acc_pts, VERDICTS)
+    """The verdict on the result; a difference beyond the tolerance comes with its size."""
+    return _verdict_text(config, config.parity, config.d_result, VERDICTS)
 
 
-def _verdict_text(verdict: str, d: Estimate | None, names: dict[str, str]) -> str:
+def _verdict_text(config: Config, verdict: str, d: Estimate | None, names: dict[str, str]) -> str:
+    gain, unit = config.gain(d), config.spec.unit
     if verdict == "worse":
-        return f"**worse by {-d.value:.2f} ± {d.half_width:.2f} points**"
+        return f"**worse by {-gain.value:.2f} ± {gain.half_width:.2f} {unit}**"
     if verdict == "better":
-        return f"better by {d.value:.2f} ± {d.half_width:.2f} points"
+        return f"better by {gain.value:.2f} ± {gain.half_width:.2f} {unit}"
     return names[verdict]
+
+
+def _by_result(configs: list[Config]) -> dict[Result, list[Config]]:
+    """The configurations by the result they are judged by (one table each)."""
+    groups: dict[Result, list[Config]] = {}
+    for config in configs:
+        groups.setdefault(config.spec, []).append(config)
+    return groups
+
+
+def _value_header(spec: Result) -> str:
+    return f"{spec.name} ({spec.shown_in})"
+
+
+def _value_format(spec: Result) -> str:
+    return ".2f" if spec.scale != 1 else ".4f"
 
 
 def _precision(row: Row) -> str:
@@ -160,7 +180,7 @@ def _warnings(report: Report) -> list[str]:
     diverged = report.diverged
     if diverged:
         warnings.append(
-            f"**Diverged.** {_names(diverged)}: the final val loss or accuracy is not finite "
+            f"**Diverged.** {_names(diverged)}: the final val loss or result is not finite "
             "(NaN or inf). They are marked in the tables and left out of their configurations' "
             "means and comparisons, which the other runs make as usual."
         )
@@ -168,7 +188,7 @@ def _warnings(report: Report) -> list[str]:
     if single:
         which = ", ".join(f"`{c.label}`" for c in single)
         warnings.append(
-            f"**Single seed.** {which}: one run each, so their accuracy has no interval and "
+            f"**Single seed.** {which}: one run each, so their result has no interval and "
             "their parity is inconclusive. Repeat them with seeds, e.g. `trainer.seed=0,1,2`."
         )
     if not warnings:
@@ -180,25 +200,33 @@ def _names(rows: list[Row]) -> str:
     return ", ".join(f"`{r.label}`" for r in rows)
 
 
-def _accuracy_section(report: Report) -> list[str]:
+def _result_section(spec: Result, configs: list[Config]) -> list[str]:
+    tolerance = configs[0].tolerance
+    worse, better = ("below", "above") if spec.higher_is_better else ("above", "below")
     lines = [
-        "## Accuracy against fp32",
+        f"## {spec.title} against fp32",
         "",
         "One row per configuration: runs that differ only in `trainer.seed`, n of them. Values are "
         "means over the seeds ± the half-width of their 95 % interval (Student's t; none for "
         "n = 1). Δ columns: this configuration minus its fp32 reference (the fp32 configuration "
         "with the same other overrides; in a precision x loss-scaling grid the one without loss "
         "scaling), with its 95 % interval: that of the per-seed differences when both ran the "
-        "same seeds (paired), else Welch's. Final val accuracy in percent, Δ in percentage points.",
+        "same seeds (paired), else Welch's. The result is the task's final "
+        f"`{spec.metric}` in {spec.shown_in} ({'higher' if spec.higher_is_better else 'lower'} "
+        f"is better), Δ in {spec.unit}.",
         "",
-        f"Parity judges the interval of Δ val acc against the tolerance of {report.tolerance:g} "
-        "points (`--tolerance`): *within noise* when the whole interval lies above "
-        f"-{report.tolerance:g} (not worse than fp32 by more than the tolerance), *worse by X ± Y* "
-        f"when it lies below -{report.tolerance:g}, *better by X ± Y* when it lies above "
-        f"+{report.tolerance:g}, *inconclusive* when one side has a single seed or the interval "
-        "is too wide to tell (it straddles the tolerance; more seeds narrow it).",
+        f"Parity judges the interval of Δ {spec.name} against the tolerance of {tolerance:g} "
+        f"{spec.unit} (`--tolerance`): *within noise* when the whole interval lies {better} "
+        f"{-tolerance if spec.higher_is_better else tolerance:+g} (not worse than fp32 by more "
+        f"than the tolerance), *worse by X ± Y* when it lies {worse} "
+        f"{-tolerance if spec.higher_is_better else tolerance:+g}, *better by X ± Y* when it lies "
+        f"{better} {tolerance if spec.higher_is_better else -tolerance:+g}, *inconclusive* when "
+        "one side has a single seed or the interval is too wide to tell (it straddles the "
+        "tolerance; more seeds narrow it).",
         "",
     ]
+    value = _value_format(spec)
+    with_loss = spec.metric != "val/loss"
 
     def cells(c: Config) -> list[str]:
         return [
@@ -209,16 +237,16 @@ def _accuracy_section(report: Report) -> list[str]:
             c.first.run.chosen("model"),
             c.first.run.chosen("dataset"),
             _n(c),
-            _estimate(c.val_acc_pct, ".2f"),
-            _estimate(c.d_val_acc_pts, "+.2f"),
+            _estimate(c.result, value),
+            _estimate(c.d_result, "+" + value),
             parity_text(c),
-            _estimate(c.val_loss, ".4f"),
-            _estimate(c.d_val_loss, "+.4f"),
+            *([_estimate(c.val_loss, ".4f"), _estimate(c.d_val_loss, "+.4f")] if with_loss else []),
         ]
 
     headers = ["configuration", "runs", "precision", "loss scaling", "model", "dataset", "n",
-               "val acc (%)", "Δ val acc (points)", "parity", "val loss", "Δ val loss"]  # fmt: skip
-    return [*lines, *_table(headers, report.configs, cells), ""]
+               _value_header(spec), f"Δ {spec.name} ({spec.unit})", "parity",
+               *(["val loss", "Δ val loss"] if with_loss else [])]  # fmt: skip
+    return [*lines, *_table(headers, configs, cells), ""]
 
 
 def _n(config: Config) -> str:
@@ -247,29 +275,38 @@ def _fp8_section(report: Report) -> list[str]:
         ran = c.first.run.ran
         converted = ran.get("fp8_converted_count")
         total = None if converted is None else converted + len(ran.get("fp8_unconverted", {}))
+        value = _value_format(c.spec)
         return [
             c.label,
             _precision(c.first),
             c.bf16_reference.label if c.bf16_reference else "none",
             _n(c),
-            _estimate(c.val_acc_pct, ".2f"),
-            _estimate(c.d_val_acc_vs_bf16_pts, "+.2f"),
-            _verdict_text(c.parity_vs_bf16, c.d_val_acc_vs_bf16_pts, names),
+            _estimate(c.result, value),
+            _estimate(c.d_result_vs_bf16, "+" + value),
+            _verdict_text(c, c.parity_vs_bf16, c.d_result_vs_bf16, names),
             _estimate(c.epoch_time_s, ".3f"),
             _ratio(c.speedup_vs_bf16),
             "n/a" if converted is None else f"{converted} of {total}",
         ]
 
-    headers = ["configuration", "precision", "bf16 reference", "n", "val acc (%)",
-               "Δ val acc vs bf16 (points)", "parity vs bf16", "epoch time (s)",
-               "speedup vs bf16", "converted layers"]  # fmt: skip
-    lines += [*_table(headers, fp8, cells), ""]
+    lines += _fp8_table(fp8, cells)
     if any(r.run.ran.get("emulated") for c in fp8 for r in c.rows):
         lines += [
             "Emulated fp8 (on a CPU) has fp8's numerics but not its speed: its epoch times and "
             "speedups say nothing about fp8 on a GPU with fp8 tensor cores.",
             "",
         ]
+    return lines
+
+
+def _fp8_table(fp8: list[Config], cells: Callable[[Config], list[str]]) -> list[str]:
+    """A table per result metric (one, unless the report holds several tasks)."""
+    lines = []
+    for spec, configs in _by_result(fp8).items():
+        headers = ["configuration", "precision", "bf16 reference", "n", _value_header(spec),
+                   f"Δ {spec.name} vs bf16 ({spec.unit})", "parity vs bf16", "epoch time (s)",
+                   "speedup vs bf16", "converted layers"]  # fmt: skip
+        lines += [*_table(headers, configs, cells), ""]
     return lines
 
 
@@ -320,10 +357,9 @@ def _speed_section(report: Report) -> list[str]:
         "Compile: set-up time kept out of the epoch times, compilation and the CUDA graph's "
         "warm-up and capture (0 for an eager run).",
         "Time to target: training time (the epochs' times, warm-up and compilation included, "
-        "validation not) "
-        "until val accuracy first reached the target, to the epoch; speedup at target is the "
-        "reference's time over this configuration's, the speedup at equal accuracy. "
-        + _targets(report),
+        "validation not) until the result first reached the target, to the epoch; speedup at "
+        "target is the reference's time over this configuration's, the speedup at an equal "
+        "result. " + _targets(report),
         "TFLOP/s: the training FLOPs per sample (counted once at start with PyTorch's FLOP "
         "counter) x samples/s. MFU: TFLOP/s as a share of the device's dense peak for the "
         "precision that ran; n/a where the peak is not known (a CPU, an unlisted GPU: "
@@ -344,26 +380,33 @@ def _speed_section(report: Report) -> list[str]:
 
 
 def _targets(report: Report) -> str:
-    if report.target_acc is not None:
-        return f"Target: {100 * report.target_acc:.2f} % val accuracy (`--target-acc`)."
+    if report.target is not None:
+        units = sorted({f"{c.spec.shown_in} of {c.spec.metric}" for c in report.configs})
+        return f"Target: {report.target:g} {' / '.join(units)} (`--target`)."
     references = list(
         dict.fromkeys(c.reference for c in report.configs if c.reference and c.reference.rows)
     )
     if not references:
-        return "No target: no fp32 reference to take it from; set one with `--target-acc`."
-    shown = [
-        f"{100 * r.target:.2f} % for `{r.label}` and the configurations compared with it "
-        f"(its {r.val_acc_pct.value:.2f} % minus {report.tolerance:g} points)"
-        for r in references
-    ]
+        return "No target: no fp32 reference to take it from; set one with `--target`."
+    shown = []
+    for r in references:
+        spec, value = r.spec, _value_format(r.spec)
+        shown.append(
+            f"{spec.scale * r.target:{value}} {spec.shown_in} of {spec.metric} for `{r.label}` "
+            f"and the configurations compared with it (its {r.result.value:{value}} "
+            f"{'minus' if spec.higher_is_better else 'plus'} {r.tolerance:g} {spec.unit})"
+        )
     return (
-        "Target, by default the fp32 reference's final val accuracy minus the tolerance: "
+        "Target, by default the fp32 reference's final result less good by the tolerance: "
         + "; ".join(shown)
         + "."
     )
 
 
 def _runs_section(report: Report) -> list[str]:
+    # a column per result metric besides the val loss every run has (one, but for mixed tasks)
+    specs = [spec for spec in _by_result(report.configs) if spec.metric != "val/loss"]
+
     def cells(item: tuple[Config, Row]) -> list[str]:
         config, row = item
         v = run_values(row, config.target)
@@ -375,10 +418,13 @@ def _runs_section(report: Report) -> list[str]:
         else:
             to_target = f"{reached:.1f}"
         spread = f"{v['epoch_time_min_s']:.3f} to {v['epoch_time_max_s']:.3f}"
+        results = [
+            f"{v['result']:{_value_format(spec)}}" if spec == row.spec else "n/a" for spec in specs
+        ]
         return [
             f"{v['run']} **(diverged)**" if v["diverged"] else v["run"],
             str(v["seed"]),
-            f"{v['val_acc_pct']:.2f}",
+            *results,
             f"{v['val_loss']:.4f}",
             f"{v['epoch_time_s']:.3f} [{spread}]",
             str(v["timed_epochs"]),
@@ -390,9 +436,10 @@ def _runs_section(report: Report) -> list[str]:
             str(v["skipped_steps"]),
         ]
 
-    headers = ["run", "seed", "val acc (%)", "val loss", "epoch time (s): median [min to max]",
-               "timed epochs", "samples/s", "TFLOP/s", "MFU (%)", "time to target (s)",
-               "peak memory (MiB)", "skipped steps"]  # fmt: skip
+    headers = ["run", "seed", *(_value_header(spec) for spec in specs), "val loss",
+               "epoch time (s): median [min to max]", "timed epochs", "samples/s", "TFLOP/s",
+               "MFU (%)", "time to target (s)", "peak memory (MiB)",
+               "skipped steps"]  # fmt: skip
     items = [(c, r) for c in report.configs for r in c.members]
     return ["## Runs", "", *_table(headers, items, cells), ""]
 

@@ -53,7 +53,7 @@ def draw_all(configs: list[Config], out_dir: Path) -> dict[str, Path]:
     if not configs:
         return {}
     drawn = {
-        "val_accuracy": val_accuracy(configs, out_dir / "val_accuracy.png"),
+        "result": result(configs, out_dir / "result.png"),
         "loss_curves": loss_curves(configs, out_dir / "loss_curves.png"),
         "epoch_time": epoch_time(configs, out_dir / "epoch_time.png"),
         "peak_memory": peak_memory(configs, out_dir / "peak_memory.png"),
@@ -88,36 +88,44 @@ def _marks(count: int, index: int, configs: int) -> tuple[int, int]:
     return (index * every // max(1, configs)) % every, every
 
 
-def val_accuracy(configs: list[Config], path: Path) -> Path:
-    """Val accuracy per epoch and against training time, with the targets of time to target."""
+def result(configs: list[Config], path: Path) -> Path:
+    """The result (the task's metric: val accuracy, a language model's val loss) per epoch and
+    against training time, with the targets of time to target. Configurations judged by another
+    metric than the first's are left out: one axis holds one quantity."""
+    spec = configs[0].spec
     fig = Figure(figsize=(11, 4.8), layout="constrained")
     per_epoch, per_time = fig.subplots(1, 2, sharey=True)
-    for i, config in enumerate(configs):
+    shown = [c for c in configs if c.spec == spec]
+    for i, config in enumerate(shown):
         for row in config.rows:
             epochs = row.run.epochs
-            acc = [100 * e["val/acc"] for e in epochs]
+            values = [spec.scale * e[spec.metric] for e in epochs]
             elapsed, times = 0.0, []
             for e in epochs:  # compilation counts towards the time it takes
                 elapsed += e["perf/epoch_time_s"] + e.get("perf/compile_s", 0.0)
                 times.append(elapsed)
-            per_epoch.plot([e["epoch"] for e in epochs], acc, alpha=0.85, **_style(i))
-            per_time.plot(times, acc, alpha=0.85, **_style(i))
+            per_epoch.plot([e["epoch"] for e in epochs], values, alpha=0.85, **_style(i))
+            per_time.plot(times, values, alpha=0.85, **_style(i))
     extra = []
-    targets = sorted({c.target for c in configs if c.target is not None})
+    targets = sorted({c.target for c in shown if c.target is not None})
     for target in targets:
         for ax in (per_epoch, per_time):
-            ax.axhline(100 * target, color="0.4", linewidth=1, linestyle=(0, (4, 3)), zorder=0)
+            ax.axhline(
+                spec.scale * target, color="0.4", linewidth=1, linestyle=(0, (4, 3)), zorder=0
+            )
     if targets:
-        label = ", ".join(f"{100 * t:.2f} %" for t in targets)
+        label = ", ".join(f"{spec.scale * t:.4g} {spec.shown_in}" for t in targets)
         extra.append((Line2D([], [], color="0.4", linestyle=(0, (4, 3))), f"target: {label}"))
-    per_epoch.set(xlabel="epoch", ylabel="val accuracy (%)", title="Val accuracy per epoch")
+    per_epoch.set(
+        xlabel="epoch", ylabel=f"{spec.name} ({spec.shown_in})", title=f"{spec.metric} per epoch"
+    )
     per_epoch.xaxis.set_major_locator(MaxNLocator(integer=True))
     per_time.set(
         xlabel="training time (s, sum of epoch times)",
-        title="Val accuracy over training time",
+        title=f"{spec.metric} over training time",
     )
     per_time.tick_params(labelleft=True)
-    _figure_legend(fig, configs, extra)
+    _figure_legend(fig, shown, extra)
     return _save(fig, path)
 
 

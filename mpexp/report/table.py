@@ -1,9 +1,11 @@
 """The report's numbers.
 
-- `Row`: one finished run, from its metrics.jsonl; a run whose final val loss or accuracy is not
-  finite (NaN, inf) diverged: it is shown, marked, and left out of its configuration's numbers;
+- `Row`: one finished run, from its metrics.jsonl; a run whose final val loss or result (its task's
+  result metric: val accuracy, a language model's val loss) is not finite (NaN, inf) diverged: it
+  is shown, marked, and left out of its configuration's numbers;
 - `Config`: the runs that differ only in `trainer.seed`, as means with 95 % intervals over seeds,
-  compared with their fp32 reference: the fp32 configuration with the same other overrides (in a
+  judged by their task's result metric and compared with their fp32 reference: the fp32
+  configuration with the same other overrides (in a
   precision x loss-scaling grid, the one without loss scaling); an fp8 configuration also with its
   bf16 reference, chosen the same way;
 - `Report`: the configurations, the runs that could not be reported (named, not dropped) and the
@@ -20,14 +22,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from mpexp.errors import UserError
 from mpexp.report.runs import Run, find_run_dirs, load_run
 from mpexp.report.stats import Estimate, difference, mean, paired_difference, ratio
+from mpexp.tasks.base import Result
 
 BASELINE = "fp32"
 # fp8 is also compared with bf16: what it leaves unconverted runs in bf16, and bf16 is the mode
 # it would replace
 BF16, FP8 = "bf16", "fp8"
-DEFAULT_TOLERANCE = 0.5  # percentage points of val accuracy
 MEMORY_KEYS = {"mem/peak_allocated_mib": "cuda", "mem/peak_rss_mib": "rss"}
 MIN_TIMED_EPOCHS = 3  # fewer, and a median epoch time is one or two noisy numbers
 SEED = "trainer.seed"
@@ -53,7 +56,7 @@ class Row:
     peak_mem_mib: float
     mem_kind: str
     val_loss: float
-    val_acc: float
+    result: float  # the final value of the task's result metric (val/acc, val/loss)
     skipped_steps: int
 
     @property
@@ -61,9 +64,14 @@ class Row:
         return self.run.config.get("trainer", {}).get("seed")
 
     @property
+    def spec(self) -> Result:
+        """What its result is and how it compares (the task it recorded; val accuracy before)."""
+        return Result.from_record(self.run.ran.get("task"))
+
+    @property
     def diverged(self) -> bool:
-        """Its final val loss or accuracy is not finite: no number of it can be averaged."""
-        return not (math.isfinite(self.val_loss) and math.isfinite(self.val_acc))
+        """Its final val loss or result is not finite: no number of it can be averaged."""
+        return not (math.isfinite(self.val_loss) and math.isfinite(self.result))
 
     @property
     def precision(self) -> str:
@@ -89,13 +97,13 @@ class Row:
 
     def time_to(self, target: float | None) -> float | None:
         """Training seconds (the epochs' times, warm-up and compilation included, validation
-        not) until val accuracy first reached `target`; None where it never did."""
+        not) until the result first reached `target`; None where it never did."""
         if target is None:
             return None
-        elapsed = 0.0
+        spec, elapsed = self.spec, 0.0
         for epoch in self.run.epochs:
             elapsed += epoch["perf/epoch_time_s"] + epoch.get("perf/compile_s", 0.0)
-            if epoch["val/acc"] >= target:
+            if spec.reached(epoch[spec.metric], target):
                 return elapsed
         return None
 
@@ -121,7 +129,7 @@ def measure(run: Run, folder: str, label: str) -> Row:
         peak_mem_mib=max(e[mem_key] for e in timed_epochs),
         mem_kind=MEMORY_KEYS[mem_key],
         val_loss=last["val/loss"],
-        val_acc=last["val/acc"],
+        result=last[Result.from_record(run.ran.get("task")).metric],
         skipped_steps=int(skipped),
     )
 
@@ -152,9 +160,9 @@ class Config:
     label: str
     members: list[Row]  # every run, in job order
     overrides: tuple[str, ...]  # sorted, without the seed
-    tolerance: float
+    tolerance: float  # in the result's unit (points of accuracy, nats)
     reference: Config | None = None
-    target: float | None = None  # val accuracy (a fraction) for the time to target
+    target: float | None = None  # the result metric's value (a fraction of accuracy) to reach
     bf16_reference: Config | None = None  # an fp8 configuration's bf16 counterpart
 
     @property
@@ -191,8 +199,13 @@ class Config:
         return None if not values or None in values else mean([scale * v for v in values])
 
     @property
-    def val_acc_pct(self) -> Estimate:
-        return self._mean_of("val_acc", 100)
+    def spec(self) -> Result:
+        return self.first.spec
+
+    @property
+    def result(self) -> Estimate:
+        """The final result over seeds, in the result's unit (val accuracy in percent)."""
+        return self._mean_of("result", self.spec.scale)
 
     @property
     def val_loss(self) -> Estimate:
@@ -252,8 +265,9 @@ class Config:
         return other is not None and bool(self.rows) and bool(other.rows)
 
     @property
-    def d_val_acc_pts(self) -> Estimate | None:
-        return self._difference("val_acc", 100)
+    def d_result(self) -> Estimate | None:
+        """The result minus its fp32 reference's, in the result's unit (points, nats)."""
+        return self._difference("result", self.spec.scale)
 
     @property
     def d_val_loss(self) -> Estimate | None:
@@ -261,13 +275,14 @@ class Config:
 
     @property
     def parity(self) -> str:
-        """How its final val accuracy compares with the fp32 reference's, at 95 %:
-        `diverged` (every run did), `reference`, `no reference`, `reference diverged`, `single
-        seed` (no interval on one side), `within noise` (the interval of the difference lies
-        above -tolerance: not worse by more than the tolerance), `worse` (it lies below
-        -tolerance), `better` (above +tolerance), or `too wide` (it straddles -tolerance: more
-        seeds would tell)."""
-        return self._parity(self.reference, self.d_val_acc_pts)
+        """How its final result compares with the fp32 reference's, at 95 %: `diverged` (every
+        run did), `reference`, `no reference`, `reference diverged`, `single seed` (no interval
+        on one side), `within noise` (the interval of the difference lies on the good side of
+        -tolerance: not worse by more than the tolerance), `worse` (it lies beyond the tolerance
+        on the bad side), `better` (beyond it on the good side), or `too wide` (it straddles the
+        tolerance: more seeds would tell). Good and bad follow the result's direction: a higher
+        accuracy, a lower language-model loss."""
+        return self._parity(self.reference, self.d_result)
 
     def _parity(self, reference: Config | None, diff: Estimate | None) -> str:
         if not self.rows:
@@ -278,14 +293,22 @@ class Config:
             return "reference"
         if not reference.rows:
             return "reference diverged"
-        return verdict(diff, self.tolerance)
+        return verdict(self.gain(diff), self.tolerance)
+
+    def gain(self, diff: Estimate | None) -> Estimate | None:
+        """A difference turned so that positive is better: the loss's difference negated."""
+        if diff is None or self.spec.higher_is_better:
+            return diff
+        low = None if diff.high is None else -diff.high
+        high = None if diff.low is None else -diff.low
+        return Estimate(-diff.value, low, high)
 
     @property
-    def d_val_acc_vs_bf16_pts(self) -> Estimate | None:
-        """An fp8 configuration's val accuracy minus its bf16 reference's, in points."""
+    def d_result_vs_bf16(self) -> Estimate | None:
+        """An fp8 configuration's result minus its bf16 reference's, in the result's unit."""
         if self.bf16_reference is None:
             return None
-        return self._difference("val_acc", 100, self.bf16_reference)
+        return self._difference("result", self.spec.scale, self.bf16_reference)
 
     @property
     def parity_vs_bf16(self) -> str | None:
@@ -293,7 +316,7 @@ class Config:
         reference` without one); None for the other precisions."""
         if self.first.precision != FP8:
             return None
-        return self._parity(self.bf16_reference, self.d_val_acc_vs_bf16_pts)
+        return self._parity(self.bf16_reference, self.d_result_vs_bf16)
 
     @property
     def speedup_vs_bf16(self) -> Estimate | None:
@@ -356,16 +379,17 @@ class Config:
             "parity": self.parity,
             "bf16_reference": self.bf16_reference.label if self.bf16_reference else None,
             "parity_vs_bf16": self.parity_vs_bf16,
-            "target_acc_pct": None if self.target is None else 100 * self.target,
+            "result_metric": self.spec.metric,
+            "target": None if self.target is None else self.spec.scale * self.target,
             "reached_target": None if self.target is None else self.reached,
             "mem_kind": self.mem_kind,
             "peak_mem_mib": self.peak_mem_mib,
             "mem_ratio": self.mem_ratio,
         }
         estimates = {
-            "val_acc_pct": self.val_acc_pct,
-            "d_val_acc_pts": self.d_val_acc_pts,
-            "d_val_acc_vs_bf16_pts": self.d_val_acc_vs_bf16_pts,
+            "result": self.result,
+            "d_result": self.d_result,
+            "d_result_vs_bf16": self.d_result_vs_bf16,
             "val_loss": self.val_loss,
             "d_val_loss": self.d_val_loss,
             "epoch_time_s": self.epoch_time_s,
@@ -385,7 +409,8 @@ class Config:
 
 
 def verdict(diff: Estimate, tolerance: float) -> str:
-    """The parity verdict on the interval of an accuracy difference (points) at `tolerance`:
+    """The parity verdict on the interval of a difference turned so that positive is better
+    (points of accuracy; a loss's negated) at `tolerance`:
     `single seed` (no interval), `worse` (it lies below -tolerance), `better` (above +tolerance),
     `within noise` (above -tolerance: not worse by more than the tolerance) or `too wide` (it
     straddles -tolerance: more seeds would tell)."""
@@ -409,7 +434,8 @@ def run_values(row: Row, target: float | None) -> dict[str, Any]:
         "effective_precision": row.effective_precision,
         "loss_scaling": row.loss_scaling,
         "diverged": row.diverged,
-        "val_acc_pct": 100 * row.val_acc,
+        "result_metric": row.spec.metric,
+        "result": row.spec.scale * row.result,
         "val_loss": row.val_loss,
         "epoch_time_s": row.epoch_time_s,
         "epoch_time_min_s": min(row.timed),
@@ -424,8 +450,9 @@ def run_values(row: Row, target: float | None) -> dict[str, Any]:
     }
 
 
-def group_configs(rows: list[Row], tolerance: float) -> list[Config]:
-    """Runs whose overrides differ only in the seed, as configurations, in job order.
+def group_configs(rows: list[Row], tolerance: float | None) -> list[Config]:
+    """Runs whose overrides differ only in the seed, as configurations, in job order; each
+    judged at `tolerance`, or its task's own when None (0.5 points of accuracy, 0.02 nats).
 
     What ran (precision, loss scaling, model, dataset) is part of a configuration too, so that runs
     without a Hydra record of their overrides (trained from Python) are not mixed up.
@@ -446,26 +473,30 @@ def group_configs(rows: list[Row], tolerance: float) -> list[Config]:
     for key, members in groups.items():
         ordered = [o for o in members[0].run.overrides if o in key and o not in common]
         folders = ", ".join(r.folder for r in members)
-        configs.append(Config(",".join(ordered) or folders, members, key, tolerance))
+        allowed = members[0].spec.tolerance if tolerance is None else tolerance
+        configs.append(Config(",".join(ordered) or folders, members, key, allowed))
     return configs
 
 
-def attach_references(configs: list[Config], target_acc: float | None) -> None:
+def attach_references(configs: list[Config], target: float | None) -> None:
     """Give each configuration its fp32 reference (an fp8 one also its bf16 reference) and its
-    accuracy target.
+    target for the time to target.
 
-    The target is `target_acc` (a fraction) when given, else the reference's mean final val
-    accuracy minus the tolerance: the accuracy at which a 16-bit run counts as having matched it.
+    The target is `target` (in the result's unit: percent of accuracy, nats) when given, else
+    the reference's mean final result less good by the tolerance: the value at which a 16-bit
+    run counts as having matched it.
     """
     for config in configs:
         config.reference = _reference(configs, config, BASELINE)
         if config.first.precision == FP8:
             config.bf16_reference = _reference(configs, config, BF16)
     for config in configs:
-        if target_acc is not None:
-            config.target = target_acc
+        spec = config.spec
+        if target is not None:
+            config.target = target / spec.scale
         elif config.reference is not None and config.reference.rows:
-            config.target = config.reference.val_acc_pct.value / 100 - config.tolerance / 100
+            slack = config.tolerance if spec.higher_is_better else -config.tolerance
+            config.target = (config.reference.result.value - slack) / spec.scale
 
 
 def _reference(configs: list[Config], config: Config, precision: str) -> Config | None:
@@ -501,8 +532,8 @@ class Report:
     out_dir: Path
     configs: list[Config]
     not_reported: list[tuple[str, Run]]
-    tolerance: float
-    target_acc: float | None = None  # --target-acc, as a fraction
+    tolerance: float | None  # --tolerance; None: each configuration's task's own
+    target: float | None = None  # --target, in the result's unit (percent of accuracy, nats)
     plots: dict[str, Path] = field(default_factory=dict)
 
     @property
@@ -539,33 +570,31 @@ class Report:
             f"Sweep report: {self.path} (runs reported: {len(self.rows)}, "
             f"configurations: {len(self.configs)})"
         ]
-        for c in self.worse:
-            d = c.d_val_acc_pts
+        for c, reference, d in [
+            *((c, "fp32", c.d_result) for c in self.worse),
+            *((c, "bf16", c.d_result_vs_bf16) for c in self.worse_than_bf16),
+        ]:
+            unit = c.spec.unit
             lines.append(
-                f"  below fp32 by more than {self.tolerance:g} points: {c.label} "
-                f"({d.value:+.2f} ± {d.half_width:.2f} points)"
-            )
-        for c in self.worse_than_bf16:
-            d = c.d_val_acc_vs_bf16_pts
-            lines.append(
-                f"  below bf16 by more than {self.tolerance:g} points: {c.label} "
-                f"({d.value:+.2f} ± {d.half_width:.2f} points)"
+                f"  worse than {reference} by more than {c.tolerance:g} {unit} of "
+                f"{c.spec.metric}: {c.label} ({d.value:+.2f} ± {d.half_width:.2f} {unit})"
             )
         if self.diverged:
             names = ", ".join(r.label for r in self.diverged)
-            lines.append(f"  diverged (final val loss or accuracy not finite): {names}")
+            lines.append(f"  diverged (final val loss or result not finite): {names}")
         lines += [f"  not reported: {label}: {run.problem}" for label, run in self.not_reported]
         return lines
 
 
 def build_report(
     paths: list[Path],
-    tolerance: float,
+    tolerance: float | None = None,
     out_dir: Path | None = None,
-    target_acc: float | None = None,
+    target: float | None = None,
 ) -> Report:
     """Read every run under `paths` and compute the tables; nothing is written yet.
-    `target_acc` is in percent, as on the command line."""
+    `tolerance` (None: each task's own) and `target` are in the result's unit, as on the command
+    line: points and percent of accuracy, nats of a language model's loss."""
     runs = [load_run(p) for p in find_run_dirs(paths)]
     if out_dir is None:
         out_dir = Path(os.path.commonpath([p.resolve() for p in paths]))
@@ -580,10 +609,23 @@ def build_report(
             except KeyError as missing:
                 run.problem = f"metrics.jsonl has no {missing.args[0]} values"
         not_reported.append((label, run))
-    target = None if target_acc is None else target_acc / 100
     configs = group_configs(rows, tolerance)
+    _check_target(target, configs)
     attach_references(configs, target)
     return Report(out_dir, configs, not_reported, tolerance, target)
+
+
+def _check_target(target: float | None, configs: list[Config]) -> None:
+    """A target that a configuration's result cannot take: an accuracy outside (0, 100] %."""
+    if target is None:
+        return
+    for config in configs:
+        spec = config.spec
+        if spec.value_unit == "%" and not 0 < target <= 100:
+            raise UserError(
+                f"--target {target:g} is not a {spec.metric} in percent (0 to 100]: "
+                f"`{config.label}` is judged by {spec.metric}."
+            )
 
 
 def _labels(runs: list[Run], out_dir: Path) -> dict[Path, tuple[str, str]]:

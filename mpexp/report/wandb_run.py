@@ -53,7 +53,7 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
             mode=mode,
             config={
                 "tolerance": report.tolerance,
-                "target_acc": report.target_acc,
+                "target": report.target,
                 "report": str(report.path),
             },
             settings=wandb.Settings(init_timeout=90, silent=True),

@@ -52,8 +52,32 @@ def resumed_run_dir(resume: str | None, default: str) -> str:
     return default  # a wrong path is reported by RunChecks, not created
 
 
+def result_direction(dataset_target: str) -> str:
+    """Optuna's direction for a dataset's runs: "maximize" a classifier's val/acc, "minimize" a
+    language model's val/loss (the result metric of the task the dataset serves)."""
+    from hydra.utils import get_class  # the dataset's module imports torch: only when asked
+
+    return get_class(dataset_target).task_type.result.direction
+
+
+def sweep_precisions() -> str:
+    """The precisions worth comparing on this machine: fp32, tf32, fp16 and bf16, and fp8 where a
+    GPU with fp8 tensor cores (compute capability 8.9 or newer) and torchao are there."""
+    modes = "fp32,tf32,fp16,bf16"
+    import importlib.util
+
+    import torch
+
+    from mpexp.precision.fp8_support import FP8_CAPABILITY
+
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() >= FP8_CAPABILITY
+    return modes + ",fp8" if hopper and importlib.util.find_spec("torchao") else modes
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("mpexp.run_dir", resumed_run_dir, replace=True)
+    OmegaConf.register_new_resolver("mpexp.result_direction", result_direction, replace=True)
+    OmegaConf.register_new_resolver("mpexp.sweep_precisions", sweep_precisions, replace=True)
 
 
 # what the writability check writes: on a full disk an empty file may still be created, while

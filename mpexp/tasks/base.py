@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:  # torch is imported once a run starts: the tracker imports this module early
@@ -37,11 +37,22 @@ class Result:
     tolerance: float
     unit: str  # what a difference is shown in, e.g. "points" (of accuracy) or "nats"
     scale: float = 1.0  # the metric times this is in `unit` (100 for a fraction in points)
+    value_unit: str | None = None  # what a value is shown in ("%" for accuracy); None: `unit`
+    title: str = "Result"  # what the sweep report's section calls it
 
     @property
     def direction(self) -> str:
         """Optuna's word for it: "maximize" or "minimize"."""
         return "maximize" if self.higher_is_better else "minimize"
+
+    @property
+    def name(self) -> str:
+        """The metric in words: "val acc", "val loss"."""
+        return self.metric.replace("/", " ").replace("_", " ")
+
+    @property
+    def shown_in(self) -> str:
+        return self.value_unit or self.unit
 
     def better(self, value: float, than: float | None) -> bool:
         """Whether `value` beats `than` (None: nothing yet); a NaN never does."""
@@ -51,8 +62,27 @@ class Result:
             return True
         return value > than if self.higher_is_better else value < than
 
+    def reached(self, value: float, target: float) -> bool:
+        """Whether `value` is as good as `target` or better."""
+        return value >= target if self.higher_is_better else value <= target
+
     def record(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_record(cls, task: dict[str, Any] | None) -> Result:
+        """The Result a run recorded under `ran.task`; runs recorded before mpexp had tasks were
+        all image classifiers, judged by val accuracy."""
+        if not task:
+            return ACCURACY
+        return cls(**{f.name: task[f.name] for f in fields(cls) if f.name in task})
+
+
+# an image classifier's result: final val accuracy, compared in points; half a point is about the
+# seed-to-seed spread of the tutorial's MNIST runs
+ACCURACY = Result(
+    "val/acc", True, tolerance=0.5, unit="points", scale=100.0, value_unit="%", title="Accuracy"
+)
 
 
 class Task(ABC):

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from mpexp.tasks.base import Result, Task
+from mpexp.tasks.base import ACCURACY, Task
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,7 @@ class Classification(Task):
     num_classes: int
 
     name = "classification"
-    # half a point of accuracy: about the seed-to-seed spread of the tutorial's MNIST runs
-    result = Result("val/acc", higher_is_better=True, tolerance=0.5, unit="points", scale=100.0)
+    result = ACCURACY
     summaries: ClassVar[dict[str, str]] = {"val/acc": "max,last", "val/loss": "min,last"}
 
     def model_kwargs(self) -> dict[str, Any]:

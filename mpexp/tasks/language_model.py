@@ -21,7 +21,9 @@ class LanguageModelling(Task):
 
     name = "language_model"
     # 0.02 nats per token: about 2 % in perplexity, finer than seed-to-seed noise of short runs
-    result = Result("val/loss", higher_is_better=False, tolerance=0.02, unit="nats")
+    result = Result(
+        "val/loss", higher_is_better=False, tolerance=0.02, unit="nats", title="Validation loss"
+    )
     summaries: ClassVar[dict[str, str]] = {
         "val/loss": "min,last",
         "val/ppl": "min,last",

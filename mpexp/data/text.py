@@ -1,0 +1,312 @@
+"""Text as byte-level tokens for language models: a UTF-8 file or a folder of them, of any size.
+
+Tokens are bytes (a vocabulary of 256: no tokenizer to download or train, and bits per token are
+bits per byte). The source is written once into one binary file of tokens in a cache folder,
+beside a key that records the source (its files, sizes and modification times) and the token
+count; a run reads the tokens through `numpy.memmap`, so a corpus larger than memory trains, and
+only the windows a batch needs are read from disk. A cache file that does not match its key
+(truncated, or made from another source, or from an edited one) is rebuilt, never trusted.
+
+The first (1 - `val_fraction`) of the tokens train and the tail validates. A training sample is
+a window of `block_size + 1` tokens at a random offset (the input is its first `block_size`
+tokens, the target the same window shifted by one); an epoch is `train_size` windows whose offsets
+are drawn from the run's seed and the epoch, so a resumed run continues with the same windows and
+the ranks of a distributed run take every world_size-th of them. Validation is `val_size` windows
+spread evenly over the tail, the same every epoch.
+
+With no `path`, the corpus is the source code of the running Python's standard library: real
+text that every machine has.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import logging
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mpexp.data.base import Batch, TrainingData, epoch_seed
+from mpexp.errors import DataError
+from mpexp.tasks.language_model import LanguageModelling
+
+log = logging.getLogger(__name__)
+
+VOCAB_SIZE = 256  # byte-level tokens
+CACHE_VERSION = 1  # bump when the token file's layout changes: older caches are rebuilt
+CHUNK = 1 << 20  # bytes copied at a time: a corpus is never read into memory whole
+# folders a corpus folder's walk does not enter: version control, caches, environments
+SKIPPED_FOLDERS = {"__pycache__", "site-packages", "dist-packages", "node_modules"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """The files a corpus is made of, in the order their bytes are concatenated."""
+
+    name: str  # for messages and the run's first line
+    root: Path
+    files: tuple[Path, ...]
+
+    def key(self) -> dict:
+        """What the cache must match: each file with its size and modification time."""
+        return {
+            "version": CACHE_VERSION,
+            "root": str(self.root),
+            "files": [
+                [str(f.relative_to(self.root)) if f != self.root else "", *_stamp(f)]
+                for f in self.files
+            ],
+        }
+
+    @property
+    def size(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+def stdlib_source() -> Source:
+    """The running Python's standard library, its .py files (no installed packages)."""
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    files = sorted(
+        (f for f in root.rglob("*.py") if not SKIPPED_FOLDERS.intersection(f.parts)),
+        key=lambda f: f.relative_to(root).parts,
+    )
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return Source(f"Python {version}'s standard library ({root})", root, tuple(files))
+
+
+def path_source(path: str) -> Source:
+    """A text file, or every file below a folder (hidden ones and caches left out), sorted."""
+    root = Path(path).expanduser().resolve()
+    if not root.exists():
+        raise DataError(
+            f"dataset.path={path} does not exist. Give a UTF-8 text file or a folder of them, or "
+            "leave dataset.path unset to train on Python's standard library."
+        )
+    if root.is_file():
+        return Source(str(root), root, (root,))
+    files = []
+    for top, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIPPED_FOLDERS)
+        files += [Path(top) / n for n in sorted(names) if not n.startswith(".")]
+    return Source(str(root), root, tuple(f for f in files if f.is_file()))
+
+
+class TokenCache:
+    """A source's bytes as one token file (`<name>.bin`) and its key (`<name>.json`)."""
+
+    def __init__(self, source: Source, folder: Path):
+        self.source = source
+        digest = hashlib.sha256(str(source.root).encode()).hexdigest()[:16]
+        stem = f"{source.root.name or 'corpus'}-{digest}"
+        self.tokens_path = folder / f"{stem}.bin"
+        self.key_path = folder / f"{stem}.json"
+
+    def open(self) -> np.memmap:
+        """The tokens, built first when the cache is missing or does not match the source."""
+        key = self.source.key()
+        problem = self._problem(key)
+        if problem is not None:
+            if problem != "missing":
+                log.warning("Token cache %s %s; rebuilding it.", self.tokens_path, problem)
+            self._build(key)
+        count = json.loads(self.key_path.read_text())["tokens"]
+        if count == 0:
+            return np.zeros(0, dtype=np.uint8)  # numpy cannot map an empty file
+        return np.memmap(self.tokens_path, dtype=np.uint8, mode="r", shape=(count,))
+
+    def _problem(self, key: dict) -> str | None:
+        """Why the cache cannot be used as it is, or None when it can."""
+        if not self.key_path.is_file() or not self.tokens_path.is_file():
+            return "missing"
+        try:
+            saved = json.loads(self.key_path.read_text())
+        except (OSError, ValueError):
+            return "has an unreadable key"
+        if not isinstance(saved, dict) or saved.get("source") != key:
+            return "was made from another source (or the files changed since)"
+        size = self.tokens_path.stat().st_size
+        if size != saved.get("tokens"):
+            return f"holds {size:,} of its {saved.get('tokens')} tokens (truncated)"
+        return None
+
+    def _build(self, key: dict) -> None:
+        """Copy the source's text files into the token file; files that are not UTF-8 text are
+        left out (and counted) when the source is a folder, refused when it is one file."""
+        folder = self.tokens_path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = self.tokens_path.with_suffix(f".bin.{os.getpid()}.partial")
+            skipped: list[Path] = []
+            with partial.open("wb") as out:
+                for path in self.source.files:
+                    if not _copy_text(path, out):
+                        skipped.append(path)
+                tokens = out.tell()
+            if skipped and self.source.files == (self.source.root,):
+                partial.unlink()
+                raise DataError(
+                    f"{self.source.root} is not UTF-8 text (it holds bytes that UTF-8 does not "
+                    "allow, or NUL bytes). Convert it to UTF-8, e.g. `iconv -f latin1 -t utf-8`."
+                )
+            os.replace(partial, self.tokens_path)  # the tokens first, then the key that vouches
+            record = {"source": key, "tokens": tokens, "skipped": [str(p) for p in skipped]}
+            written = self.key_path.with_suffix(f".json.{os.getpid()}.partial")
+            written.write_text(json.dumps(record))
+            os.replace(written, self.key_path)
+        except OSError as err:
+            raise DataError(
+                f"The token cache cannot be written in {folder} ({err.strerror or err}). Point "
+                "dataset.cache_dir at a writable folder with room for the corpus."
+            ) from None
+        if skipped:
+            shown = ", ".join(str(p.relative_to(self.source.root)) for p in skipped[:3])
+            more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+            log.warning(
+                "%d files in %s are not UTF-8 text and were left out: %s%s.",
+                len(skipped),
+                self.source.root,
+                shown,
+                more,
+            )
+
+
+def _copy_text(path: Path, out) -> bool:
+    """Append a file's bytes to `out` if it is UTF-8 text (checked as it is copied, in chunks);
+    otherwise leave `out` as it was and return False."""
+    start = out.tell()
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                decoder.decode(chunk)
+                if b"\0" in chunk:  # valid UTF-8, but no text file holds NUL bytes
+                    raise UnicodeDecodeError("utf-8", chunk, 0, 1, "NUL byte")
+                out.write(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        out.seek(start)
+        out.truncate()
+        return False
+    return True
+
+
+class TextData(TrainingData):
+    """Random windows of byte tokens from a text corpus (see the module's docstring)."""
+
+    task_type = LanguageModelling
+
+    def __init__(
+        self,
+        path: str | None = None,
+        block_size: int | None = None,
+        train_size: int = 4096,
+        val_size: int = 256,
+        val_fraction: float = 0.1,
+        cache_dir: str = "~/.cache/mpexp/data/text",
+        batch_size: int = 32,
+        drop_last: bool = True,
+    ):
+        super().__init__(batch_size, drop_last)
+        self.path = path
+        self.block_size = block_size
+        self.sizes = (train_size, val_size)
+        self.val_fraction = val_fraction
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.tokens: np.ndarray | None = None
+        self.split = 0  # the first validation token
+        self.source: Source | None = None
+
+    def corpus(self) -> Source:
+        """Where the text comes from (a subclass may fetch it first)."""
+        return stdlib_source() if self.path is None else path_source(self.path)
+
+    def setup(
+        self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
+    ) -> LanguageModelling:
+        if self.block_size is None:
+            raise DataError(
+                "dataset=text needs the window length: a model with a context length "
+                "(model=gpt sets model.block_size) or dataset.block_size=<tokens>."
+            )
+        self.source = self.corpus()
+        if not self.source.files:
+            raise DataError(
+                f"{self.source.name} holds no files to read. Give a UTF-8 text file or a folder "
+                "with text files in it (hidden files and __pycache__ are left out)."
+            )
+        self.tokens = TokenCache(self.source, self.cache_dir).open()
+        self.split = round(len(self.tokens) * (1 - self.val_fraction))
+        self._check_sizes()
+        self.task = LanguageModelling(vocab_size=VOCAB_SIZE, block_size=self.block_size)
+        return self.task
+
+    def _check_sizes(self) -> None:
+        n = len(self.tokens)
+        if n == 0:
+            what = "is empty" if self.source.files == (self.source.root,) else "has no text files"
+            raise DataError(
+                f"{self.source.name} {what}: there is nothing to train on. Give a UTF-8 text "
+                "file or a folder of them with dataset.path=<file or folder>."
+            )
+        window = self.block_size + 1
+        for part, tokens in (("training", self.split), ("validation", n - self.split)):
+            if tokens < window:
+                raise DataError(
+                    f"{self.source.name} has {n:,} tokens (bytes): its {part} part "
+                    f"({tokens:,} tokens with dataset.val_fraction={self.val_fraction}) is "
+                    f"shorter than one window of model.block_size + 1 = {window} tokens. Use a "
+                    "longer text, a smaller block_size or another dataset.val_fraction."
+                )
+
+    @property
+    def train_size(self) -> int:
+        return self.sizes[0]
+
+    def describe(self) -> str:
+        size = self.source.size / 1e6
+        return (
+            f"{self.train_size:,} windows of {self.block_size} tokens per epoch from "
+            f"{len(self.tokens):,} byte tokens ({size:,.1f} MB) of {self.source.name}"
+        )
+
+    def train_batches(
+        self, epoch: int, seed: int, device: torch.device, static: bool = False, start: int = 0
+    ) -> Iterator[Batch]:
+        """Windows at offsets drawn from (seed, epoch); this rank's every world_size-th one."""
+        n, world = self.train_size, self.world_size
+        generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+        offsets = torch.randint(self.split - self.block_size, (n,), generator=generator)
+        offsets = offsets[: n - n % world][self.rank :: world].numpy()
+        b = self.batch_size
+        stop = len(offsets) - len(offsets) % b if self.drop_last else len(offsets)
+        for first in range(start * b, stop, b):
+            yield self._windows(offsets[first : first + b], device)
+
+    def val_batches(self, device: torch.device) -> Iterator[Batch]:
+        """`val_size` windows spread evenly over the validation tail, in order."""
+        last = len(self.tokens) - self.block_size - 1  # the last offset with a whole window
+        offsets = np.linspace(self.split, last, self.sizes[1]).round().astype(np.int64)
+        for first in range(0, len(offsets), self.batch_size):
+            yield self._windows(offsets[first : first + self.batch_size], device)
+
+    def _windows(self, offsets: np.ndarray, device: torch.device) -> Batch:
+        """(inputs, targets) of the windows at `offsets`: read from the memory map (only these
+        tokens come off the disk), pinned and copied without blocking on CUDA."""
+        index = offsets[:, None] + np.arange(self.block_size + 1)
+        windows = torch.from_numpy(self.tokens[index].astype(np.int64))
+        if device.type == "cuda":
+            windows = windows.pin_memory().to(device, non_blocking=True)
+        return windows[:, :-1], windows[:, 1:]

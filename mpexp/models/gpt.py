@@ -1,0 +1,134 @@
+"""A decoder-only transformer (GPT) for language modelling, written for mpexp.
+
+Pre-LayerNorm blocks (LayerNorm before attention and before the MLP, on the residual branch), causal
+self-attention through `F.scaled_dot_product_attention` (a fused kernel where the device has one),
+a GELU MLP four times the width, learned position embeddings, and an output layer that shares the
+token embedding's weights (tied: the logits are the final states times the embedding matrix).
+
+Its matrix products are nn.Linear layers whose sizes are multiples of 16 when `n_embd` is (the
+presets' are), so `precision=fp8` converts every one of them; the tied output product is no
+Linear layer and stays in bf16, as language models usually keep their head.
+
+Each attention layer can measure the range of its attention logits (q.k / sqrt(head width)) on the
+steps the diagnostics ask it to: the place where fp16 overflows first in a transformer. It does so
+only when `measure_logits` is set, in float32 from the step's own q and k (mpexp/step/diagnostics.py
+sets and reads it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpexp.errors import ConfigError
+
+INIT_STD = 0.02  # GPT-2's initialisation of weights and embeddings
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention in which a position sees itself and the positions before it."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
+        super().__init__()
+        self.n_head = n_head
+        self.dropout = dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.measure_logits = False  # set by the diagnostics for the steps they inspect
+        self.logit_absmax: torch.Tensor | None = None  # that step's largest |logit|, on device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, length, width = x.shape
+        # (n, length, 3 * width) -> q, k, v, each (n, heads, length, width / heads)
+        qkv = self.qkv(x).view(n, length, 3, self.n_head, width // self.n_head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        if self.measure_logits:
+            self.logit_absmax = causal_logit_absmax(q, k)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(n, length, width)))
+
+
+def causal_logit_absmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The largest |q.k| / sqrt(head width) over the pairs a causal mask keeps, in float32 (the
+    true value, whatever the autocast dtype would have made of it). A 0-d tensor, detached."""
+    length = q.shape[-2]
+    logits = (q.detach().float() @ k.detach().float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+    return logits.masked_fill(future, 0.0).abs().amax()
+
+
+class Block(nn.Module):
+    """x + attention(LayerNorm(x)), then x + MLP(LayerNorm(x))."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd),
+            nn.GELU(),
+            nn.Linear(4 * n_embd, n_embd),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token windows (n, length) in, next-token logits (n, length, vocab_size) out."""
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 64,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 64,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if n_embd % n_head:
+            raise ConfigError(
+                f"model.n_embd={n_embd} must be a multiple of model.n_head={n_head}: each head "
+                "takes n_embd / n_head channels."
+            )
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self._init_weights(n_layer)
+
+    def _init_weights(self, n_layer: int) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, std=INIT_STD)
+            if isinstance(module, nn.Linear):
+                nn.init.zeros_(module.bias)
+        # the layers that write into the residual stream: their outputs add up over 2 x n_layer
+        # branches, so GPT-2 scales their initial weights down to keep the stream's variance
+        for block in self.blocks:
+            for layer in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(layer.weight, std=INIT_STD / math.sqrt(2 * n_layer))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.block_size:
+            raise ValueError(
+                f"a window of {length} tokens is longer than model.block_size={self.block_size}"
+            )
+        positions = torch.arange(length, device=tokens.device)
+        x = self.drop(self.wte(tokens) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln_f(x), self.wte.weight)  # tied: the embedding's weights
