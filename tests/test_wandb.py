@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 import mpexp
+from mpexp.errors import LogError
 from mpexp.models.simplecnn import SimpleCNN
 from mpexp.run.runner import train
 from mpexp.tasks.classification import Classification
@@ -208,18 +209,34 @@ def test_users_own_values_reach_metrics_and_the_wandb_run(tmp_path, monkeypatch)
     assert "user/after" not in (tmp_path / "metrics.jsonl").read_text()
 
 
-def test_own_values_that_cannot_be_logged_are_named(tmp_path):
-    tracker = offline_tracker(tmp_path)
+def disabled_tracker(run_dir: Path) -> Tracker:
+    return Tracker(RunContext(run_dir), {}, OmegaConf.create({"mode": "disabled"}), Classification)
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        ({"my/x": [1.0]}, "the value of 'my/x' is a list; pass a number"),
+        ({3: 1.0}, "3 cannot be a key; name values with strings"),
+        ({"step": 3}, "'step' is one of mpexp's own metric names"),
+        ({"train/loss": "oops"}, "'train/loss' is one of mpexp's own metric names"),
+        ({"val/my_acc": 0.5}, "choose another prefix for your values, e.g. 'my/val/my_acc'"),
+        ({"lr": torch.ones(())}, "'lr' is one of mpexp's own metric names"),
+        ([0.5], "it takes a dict of values, not list"),
+    ],
+    ids=["list", "key", "step", "train", "val", "lr", "not-a-dict"],
+)
+def test_own_values_that_cannot_be_logged_are_named_with_the_call(tmp_path, values, said):
+    tracker = disabled_tracker(tmp_path)
     try:
-        with pytest.raises(TypeError, match="the value of 'my/x' is a Tensor; pass a number"):
-            mpexp.log({"my/x": torch.ones(())})
-        with pytest.raises(TypeError, match="'step' cannot be a key"):
-            mpexp.log({"step": 3})
-        mpexp.log({"my/x": 0.5}, step=7)
+        with pytest.raises(LogError) as refused:
+            mpexp.log(values)  # the call the message names
     finally:
         tracker.close()
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [{"step": 7, "my/x": 0.5}]
+    assert said in str(refused.value)
+    call = refused.traceback[0]  # this test's line that called mpexp.log
+    assert str(refused.value).endswith(f"(mpexp.log called at {call.path}:{call.lineno + 1})")
+    assert not (tmp_path / "metrics.jsonl").read_text()  # nothing of the call was written
 
 
 def test_the_training_process_never_imports_wandb(tmp_path):

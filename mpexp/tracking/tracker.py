@@ -16,7 +16,7 @@ Metric names are a contract read by dashboards and the report:
              `ran` is the run's config (not its summary), and the task's validation metrics are
              summarised as their best epoch's (`.max`, `.min`) and their last (`.last`)
   yours      `mpexp.log(values)` from the user's own code: `step` and the values, plotted in W&B
-             against `step`
+             against `step`; never under mpexp's own names above (OWN_PREFIXES, OWN_KEYS)
 metrics.jsonl deleted (or replaced) while the run trains is written again, whole, from the file the
 tracker holds open. W&B is optional at every point: if it cannot start or stops accepting data,
 training goes on with the local files and one warning.
@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mpexp.errors import LogError
 from mpexp.tasks.base import Result, Task
 from mpexp.tracking.records import write_json_atomically
 from mpexp.tracking.wandb_mode import new_wandb_id, resolve_wandb_mode
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 STEP_METRICS = ("train/loss", "amp/*", "lr", "diag/*")
 EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
 CHECK_FILE_EVERY_S = 1.0  # how often logging rows looks whether metrics.jsonl is still there
+# mpexp's own metric names, refused to mpexp.log: a value of the user's under one of them would sit
+# among mpexp's rows, where the report reads it as the loss or the accuracy and W&B plots it on
+# mpexp's axes
+OWN_PREFIXES = ("train/", "val/", "amp/", "perf/", "mem/", "diag/")
+OWN_KEYS = ("step", "epoch", "lr")
 
 
 @dataclass(frozen=True)
@@ -431,9 +437,10 @@ def log_values(values: Mapping[str, Any], step: int | None = None) -> None:
     into the run's metrics.jsonl as a row `{"step": ..., **values}` and into its W&B run, plotted
     against `step`. `step` defaults to the training step in progress (0 before the first). Values
     are numbers, booleans, strings or `mpexp.tracking.Histogram`s; a tensor must be turned into a
-    number first (`.item()`, which waits for the device: do it no more often than you need). Does
-    nothing outside a run, in processes other than the run's (DataLoader workers), and on ranks
-    other than 0 of a distributed run, which write no metrics.
+    number first (`.item()`, which waits for the device: do it no more often than you need). Keys
+    under mpexp's own names (`train/`, `val/`, `amp/`, `perf/`, `mem/`, `diag/`, `lr`, `step`,
+    `epoch`) are refused. Does nothing outside a run, in processes other than the run's
+    (DataLoader workers), and on ranks other than 0 of a distributed run, which write no metrics.
     """
     if _user_logs is None or _user_logs[1] != os.getpid():
         return
@@ -441,22 +448,35 @@ def log_values(values: Mapping[str, Any], step: int | None = None) -> None:
 
 
 def _checked(values: Mapping[str, Any]) -> Mapping[str, Any]:
-    """`values` as mpexp.log takes them, or a TypeError naming the key and the fix."""
+    """`values` as mpexp.log takes them, or a LogError naming the key, the fix and the call."""
     if not isinstance(values, Mapping):
-        raise TypeError(f"mpexp.log takes a dict of values, not {type(values).__name__}.")
+        raise _log_error(f"it takes a dict of values, not {type(values).__name__}.")
     for key, value in values.items():
-        if not isinstance(key, str) or key in ("step", "epoch"):
-            raise TypeError(
-                f"mpexp.log: {key!r} cannot be a key (step and epoch are mpexp's own); name "
-                "values with strings such as 'my/value', and pass the step as step=..."
+        if not isinstance(key, str):
+            raise _log_error(f"{key!r} cannot be a key; name values with strings, e.g. 'my/value'.")
+        if key in OWN_KEYS or key.startswith(OWN_PREFIXES):
+            names = ", ".join([*OWN_PREFIXES, *OWN_KEYS])
+            step = " (a row's step is mpexp.log's step=...)" if key == "step" else ""
+            raise _log_error(
+                f"{key!r} is one of mpexp's own metric names ({names}){step}; choose another "
+                f"prefix for your values, e.g. 'my/{key}'."
             )
         if not isinstance(value, bool | int | float | str | Histogram):
-            raise TypeError(
-                f"mpexp.log: the value of {key!r} is a {type(value).__name__}; pass a number "
-                "(a tensor's .item(), which waits for the device), a bool, a string or a "
+            raise _log_error(
+                f"the value of {key!r} is a {type(value).__name__}; pass a number (a tensor's "
+                ".item(), which waits for the device), a bool, a string or a "
                 "mpexp.tracking.Histogram."
             )
     return values
+
+
+def _log_error(text: str) -> LogError:
+    """A LogError that names where mpexp.log was called: the first frame outside this module."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    where = f" (mpexp.log called at {frame.f_code.co_filename}:{frame.f_lineno})" if frame else ""
+    return LogError(f"mpexp.log: {text}{where}")
 
 
 def _now() -> str:
