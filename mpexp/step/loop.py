@@ -33,7 +33,7 @@ from mpexp.precision.scaling import LossScaler, min_scale_error
 from mpexp.run.stopping import StopSignals
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.flops import Throughput
-from mpexp.step.history import StepHistory, StepRow
+from mpexp.step.history import OwnRows, StepHistory, StepRow
 from mpexp.step.performance import Speed
 from mpexp.step.rollback import BufferRollback
 from mpexp.step.step_graph import WARMUP_STEPS, CudaGraph, StepGraph
@@ -438,6 +438,7 @@ class Fit:
             device=self.device,
             reduce_loss=world.mean if world.distributed else None,
         )
+        self.own = OwnRows()  # the user's tensors from mpexp.log
         self.memory = PeakMemory(self.device)
         self.steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss, parts.scaler)
         self.diagnostics = Diagnostics(
@@ -628,7 +629,15 @@ class Fit:
 
     def _flush(self, wait: bool = False) -> None:
         """Read back what the device has gathered (all of it with wait=True: one sync)."""
-        self.steps.write(self.history.flush(wait))
+        # the user's tensors are queued for the host before the history's copy, whose wait then
+        # covers them too
+        self.own.start(self.tracker.take_waiting())
+        rows = self.history.flush(wait)
+        # before the step rows, which may stop the run: values logged up to a non-finite loss are
+        # what explains it
+        for row in self.own.done(wait):
+            self.tracker.log(row)
+        self.steps.write(rows)
         self.diagnostics.flush(wait)
 
     def _show_progress(self, bar: tqdm, start: float) -> None:
