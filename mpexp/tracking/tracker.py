@@ -31,8 +31,9 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -293,8 +294,7 @@ class Tracker:
 
     def _values_to_keep(self, tensors: list[Any]) -> bool:
         """Whether a call's tensors hold values: not on the meta device (a pass that only works
-        out shapes, as the FLOP count's), nor in a CUDA graph's capture, whose replays run no
-        Python (said once)."""
+        out shapes), nor in a CUDA graph's capture, whose replays run no Python (said once)."""
         if any(t.is_meta for t in tensors):
             return False
         if not (any(t.is_cuda for t in tensors) and _capturing()):
@@ -479,6 +479,19 @@ class NullTracker:
 # The run that `mpexp.log` logs into, and the process it belongs to: a process forked from it (a
 # DataLoader worker) holds a copy whose files and W&B pipe are not its own.
 _user_logs: tuple[Tracker | NullTracker, int] | None = None
+_passes = threading.local()  # `off`: this thread runs a pass of the model that is no step
+
+
+@contextlib.contextmanager
+def user_logs_off() -> Iterator[None]:
+    """`mpexp.log` does nothing in this thread meanwhile: for passes of the model that are no
+    training step, as the FLOP count's on the meta device (mpexp/step/flops.py), whose values
+    would land at whatever step trains meanwhile."""
+    was, _passes.off = getattr(_passes, "off", False), True
+    try:
+        yield
+    finally:
+        _passes.off = was
 
 
 def _take_user_logs(tracker: Tracker | NullTracker | None, closing: Any = None) -> None:
@@ -503,7 +516,7 @@ def log_values(values: Mapping[str, Any], step: int | None = None) -> None:
     outside a run, in processes other than the run's (DataLoader workers), and on ranks other than
     0 of a distributed run, which write no metrics.
     """
-    if _user_logs is None or _user_logs[1] != os.getpid():
+    if _user_logs is None or _user_logs[1] != os.getpid() or getattr(_passes, "off", False):
         return
     _user_logs[0].log_own(values, step)
 
