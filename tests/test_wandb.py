@@ -323,6 +323,27 @@ def test_own_values_wait_in_call_order_and_are_written_at_the_end(tmp_path):
     assert rows == [{"step": 7, "my/x": 0.5}, {"step": 8, "my/x": 0.25}, {"step": 9, "my/x": 0.125}]
 
 
+class LogsItsInput(torch.nn.Module):
+    def forward(self, x):
+        mpexp.log({"my/absmax": x.abs().max()})
+        return x * 2
+
+
+def test_a_call_from_a_compiled_forward_runs_as_python_and_quietly(tmp_path, recwarn):
+    """torch.compile does not trace into mpexp.log (it warned about os.getpid): the call is a
+    graph break that runs it as plain Python, with the value the eager forward logs."""
+    compiled = torch.compile(LogsItsInput(), backend="eager")
+    x = torch.randn(4, 3)
+    tracker = disabled_tracker(tmp_path)
+    try:
+        compiled(x)
+    finally:
+        tracker.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 0, "my/absmax": x.abs().max().item()}]
+    assert not [str(w.message) for w in recwarn if "trace" in str(w.message)]
+
+
 def test_the_training_process_never_imports_wandb(tmp_path):
     """wandb's import and start (over a second of work) run in the W&B process, on another core,
     not in the training process, where they held up its start and first epoch."""

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from mpexp.checkpoints.checkpoint import Checkpointer, Position, Resume
 from mpexp.data.base import TrainingData
 from mpexp.distributed import World
-from mpexp.errors import NumericsError
+from mpexp.errors import NumericsError, UserError
 from mpexp.precision.modes import Precision
 from mpexp.precision.scaling import LossScaler, min_scale_error
 from mpexp.run.stopping import StopSignals
@@ -187,6 +187,8 @@ class Stepper:
         saved.save()
         try:
             self._device_work(inputs, targets, inspect)
+        except UserError:  # a mistake in the user's code (mpexp.log's): eager would make it too
+            raise
         except Exception as err:  # any compiler failure: the eager model instead
             saved.restore_if(torch.ones((), device=inputs.device))
             self._forget_step()

@@ -560,9 +560,13 @@ def _check_tensor(key: str, value: Any) -> None:
 
 
 def _log_error(text: str) -> LogError:
-    """A LogError that names where mpexp.log was called: the first frame outside this module."""
+    """A LogError that names where mpexp.log was called: the first frame outside this module and
+    torch (whose wrapper keeps torch.compile out of mpexp.log: mpexp/__init__.py)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == __file__:
+    while frame is not None and (
+        frame.f_code.co_filename == __file__
+        or frame.f_globals.get("__name__", "").startswith("torch.")
+    ):
         frame = frame.f_back
     where = f" (mpexp.log called at {frame.f_code.co_filename}:{frame.f_lineno})" if frame else ""
     return LogError(f"mpexp.log: {text}{where}")
