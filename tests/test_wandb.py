@@ -276,6 +276,32 @@ def test_tensor_values_are_logged_as_computed_without_a_read_per_step(tmp_path, 
     assert special == [("NaN", "-Infinity")] * 32
 
 
+class FailsAtStep7(SimpleCNN):
+    """A user's model that logs a tensor every step and fails in the 7th step's forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = 0
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            if self.steps == 7:
+                raise RuntimeError("the user's model failed")
+            mpexp.log({"my/absmax": x.abs().max()})
+        return super().forward(x)
+
+
+def test_a_failing_run_writes_the_values_logged_before_it_failed(tmp_path):
+    """Steps 1-4 are on their way to the host (read at the next flush, which never comes), steps
+    5-6 wait in the tracker: all are written, in order, as the run fails."""
+    model = "model._target_=tests.test_wandb.FailsAtStep7"
+    with pytest.raises(RuntimeError, match="the user's model failed"):
+        train(make_cfg(*TINY, model), RunContext(tmp_path))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "my/absmax" in r] == [1, 2, 3, 4, 5, 6]
+
+
 def disabled_tracker(run_dir: Path) -> Tracker:
     return Tracker(RunContext(run_dir), {}, OmegaConf.create({"mode": "disabled"}), Classification)
 

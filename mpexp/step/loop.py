@@ -482,9 +482,15 @@ class Fit:
     def run(self) -> dict:
         """Train the remaining epochs; return the final metrics."""
         self.parts.model.train()
-        for epoch in range(self.position.epoch, self.trainer.epochs + 1):
-            self.row = self._epoch(epoch)
-            self._checkpoint(Position(epoch + 1, 0, self.position.step), 0.0, self._stop_agreed())
+        try:
+            for epoch in range(self.position.epoch, self.trainer.epochs + 1):
+                self.row = self._epoch(epoch)
+                self._checkpoint(
+                    Position(epoch + 1, 0, self.position.step), 0.0, self._stop_agreed()
+                )
+        except Exception:
+            self._write_own_values()
+            raise
         steps = self.steps
         return {
             **self.row,
@@ -641,6 +647,17 @@ class Fit:
             self.tracker.log(row)
         self.steps.write(rows)
         self.diagnostics.flush(wait)
+
+    def _write_own_values(self) -> None:
+        """The user's values on their way to the host, written as the run fails: the values that
+        lead up to a failure explain it (the tracker writes those logged since, at its end)."""
+        try:
+            rows = self.own.done(wait=True)
+        except RuntimeError as err:  # a device that failed: the error that ends the run says so
+            log.warning("mpexp.log's values of the last steps could not be read (%s).", err)
+            return
+        for row in rows:
+            self.tracker.log(row)
 
     def _show_progress(self, bar: tqdm, start: float) -> None:
         if self.steps.losses:
