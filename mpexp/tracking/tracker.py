@@ -513,8 +513,9 @@ def log_values(values: Mapping[str, Any], step: int | None = None) -> None:
     on its device as float32 and read with the loop's own values, once per `trainer.log_every`
     steps, so logging it never waits for the device. Keys under mpexp's own names (`train/`,
     `val/`, `amp/`, `perf/`, `mem/`, `diag/`, `lr`, `step`, `epoch`) are refused. Does nothing
-    outside a run, in processes other than the run's (DataLoader workers), and on ranks other than
-    0 of a distributed run, which write no metrics.
+    outside a run, in processes other than the run's (DataLoader workers), on ranks other than 0
+    of a distributed run, which write no metrics, and in the FLOP count's pass (user_logs_off).
+    See docs/wandb.md, "Your own values".
     """
     if _user_logs is None or _user_logs[1] != os.getpid() or getattr(_passes, "off", False):
         return
