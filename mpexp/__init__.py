@@ -10,7 +10,14 @@ def __getattr__(name: str):
     # on first use: `python -m mpexp.train` imports this package first, and catches stop signals
     # before it imports Hydra (which mpexp.tracking does)
     if name == "log":
+        import torch
+
         from mpexp.tracking.tracker import log_values
 
-        return log_values
+        # called from a model that torch.compile compiles, it runs as Python: a graph break that
+        # is taken quietly, where tracing into it warned about the calls it cannot trace. Kept
+        # as the module's attribute, so that this runs once
+        global log
+        log = torch.compiler.disable(log_values)
+        return log
     raise AttributeError(f"module 'mpexp' has no attribute {name!r}")

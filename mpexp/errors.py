@@ -34,3 +34,8 @@ class NumericsError(UserError):
 
     Raised when the per-step values are read back, so the message names the step it happened at.
     """
+
+
+class LogError(UserError):
+    """A call to `mpexp.log` that cannot be logged: a key of mpexp's own, or a value it cannot
+    write. Raised at the call, so the message names the line that made it."""

@@ -23,6 +23,7 @@
 | metrics.jsonl deleted while the run trains | one warning; the file written again | every row |
 | NaN or inf in the images | one warning at setup naming the split | the run |
 | impossible config values | one line naming the key | - |
+| `mpexp.log` under a name of mpexp's own | one line naming the key and the call, exit 2 | - |
 | resume of a finished run | one line saying how to train on | the run |
 | a checkpoint with flipped bytes | one line: corrupt; another one if kept | the run |
 | a checkpoint missing a part, or not fitting the model | one line, exit 2 | the run, every file |
@@ -691,6 +692,33 @@ def test_images_too_small_for_the_model_get_one_line(tmp_path, model):
     output = one_line_failure(result)
     assert f"model={model} on dataset=synthetic cannot take the dataset's 1x2x2 images" in output
     assert result.returncode == 2
+
+
+def test_a_users_value_under_mpexps_own_name_is_refused_at_the_call(tmp_path):
+    """A model of the user's that logs `train/loss` would overwrite the loss the report reads; the
+    run ends failed, with one line naming the key and the line that logged it."""
+    (tmp_path / "my_models.py").write_text(
+        "import mpexp\n"
+        "from mpexp.models.simplecnn import SimpleCNN\n\n\n"
+        "class LossLoggingCNN(SimpleCNN):\n"
+        "    def forward(self, x):\n"
+        "        if self.training:\n"
+        "            mpexp.log({'train/loss': 'oops'})\n"
+        "        return super().forward(x)\n"
+    )
+    run_dir = tmp_path / "run"
+    result = run_cli("mpexp.train", *TINY, "model._target_=my_models.LossLoggingCNN",
+                     f"hydra.run.dir={run_dir}", cwd=tmp_path, pythonpath=tmp_path)  # fmt: skip
+    said = (
+        "mpexp.log: 'train/loss' is one of mpexp's own metric names (train/, val/, amp/, perf/, "
+        "mem/, diag/, step, epoch, lr); choose another prefix for your values, e.g. "
+        f"'my/train/loss'. (mpexp.log called at {tmp_path / 'my_models.py'}:8)"
+    )
+    assert said in one_line_failure(result)
+    assert result.returncode == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == said
+    assert "oops" not in (run_dir / "metrics.jsonl").read_text()
 
 
 # --- resuming what cannot be resumed -----------------------------------------------------------

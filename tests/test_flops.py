@@ -7,12 +7,14 @@ from typing import ClassVar
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+import mpexp
 from mpexp.models.deepcnn import DeepCNN
 from mpexp.run.runner import train
 from mpexp.step.flops import Throughput, device_peak_tflops, flops_per_sample, throughput
 from mpexp.tasks.classification import Classification
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.tracker import RunContext, Tracker
 from tests.conftest import TINY, make_cfg
 from tests.test_training import read_metrics
 
@@ -143,3 +145,29 @@ def test_a_model_that_cannot_be_counted_trains_without_tflops(caplog):
     assert counted.flops_per_sample is None
     assert counted.metrics(1000.0) == {}  # no perf/tflops, and no MFU from a missing count
     assert "perf/tflops is not logged" in caplog.text
+
+
+class LogsAValue(torch.nn.Module):
+    """A user's model that logs from its forward pass, under a name mpexp.log refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        mpexp.log({"train/absmax": x.abs().max(), "my/calls": 1})
+        return self.fc(x.flatten(1))
+
+
+def test_what_the_model_logs_in_the_counts_pass_is_not_logged(tmp_path):
+    """The count's pass on the meta device is no training step: the model's mpexp.log calls do
+    nothing there, neither a row at whatever step trains meanwhile nor a refusal (which the
+    training step's own call makes)."""
+    task = Classification(1, 2, 2, 2)  # 4 values, flattened
+    tracker = Tracker(RunContext(tmp_path), {}, OmegaConf.create({"mode": "disabled"}), task)
+    try:
+        counted = throughput(LogsAValue(), task, 8, peak_tflops=None, devices=1).result()
+    finally:
+        tracker.close()
+    assert counted.flops_per_sample == 2 * (2 * 4 * 2)  # the Linear layer: forward, weight grad
+    assert not (tmp_path / "metrics.jsonl").read_text()

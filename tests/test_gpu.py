@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
+import mpexp
 from mpexp.errors import ConfigError
 from mpexp.precision.fp8 import convert_to_fp8
 from mpexp.precision.fp8_support import FP8_CAPABILITY
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import DynamicLossScaler
 from mpexp.run.runner import train
-from mpexp.tracking.tracker import RunContext
+from mpexp.step.step_graph import WARMUP_STEPS
+from mpexp.tasks.classification import Classification
+from mpexp.tracking.tracker import RunContext, Tracker
 from tests.conftest import TINY, TINY_VIT, VIT_FP8_LAYERS, make_cfg, precision_of
 from tests.test_step_cost import Dispatched
 from tests.test_step_graph import CASE_IDS, CASES, assert_replayed_as_eager, batches, run_steps
@@ -290,3 +295,36 @@ def test_a_captured_run_logs_what_the_eager_run_logs_on_cuda(tmp_path):
     steps = {n: [[r.get(k) for k in keys] for r in rows if "step" in r] for n, rows in runs.items()}
     assert steps["graph"] == steps["eager"]
     assert any(r.get("amp/skipped_steps") for r in runs["graph"])
+
+
+def test_own_tensor_values_never_wait_on_the_gpu_and_replayed_steps_log_none(tmp_path, caplog):
+    """mpexp.log of CUDA tensors never synchronises (CUDA's sync-debug mode set to error). In a
+    run whose step is a CUDA graph (CUDA's default), the eager warm-up steps log their values;
+    the capture logs none, and says so once, as its replays run no Python."""
+    calls = tmp_path / "calls"
+    disabled = OmegaConf.create({"mode": "disabled"})
+    tracker = Tracker(RunContext(calls), {}, disabled, Classification(1, 2, 2, 2))
+    x = torch.randn(64, device="cuda")
+    try:
+        mpexp.log({"my/warm": x.abs().max().half()})  # lazy initialisation first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                mpexp.log({"my/absmax": x.abs().max(), "my/count": (x > 0).sum()})
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        tracker.close()
+    rows = [json.loads(line) for line in (calls / "metrics.jsonl").read_text().splitlines()]
+    expected = {"my/absmax": x.abs().max().item(), "my/count": (x > 0).sum().item()}
+    assert [r for r in rows if "my/absmax" in r] == [{"step": 0, **expected}] * 3
+
+    model = "model._target_=tests.test_host_reads.LoggingCNN"
+    with caplog.at_level(logging.WARNING):
+        train(make_cfg(*TINY, "trainer.device=cuda", model), RunContext(tmp_path / "run"))
+    ran = json.loads((tmp_path / "run" / "summary.json").read_text())["ran"]
+    assert ran["cuda_graph"] and ran["graph_replays"] > 0
+    logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "my/absmax" in r] == list(range(1, WARMUP_STEPS + 1))
+    assert caplog.text.count("captured as a CUDA graph") == 1

@@ -6,6 +6,7 @@ makes the CPU wait for the GPU. On any device each such read is one `aten._local
 call, so counting those calls over the real training loop on CPU stands in, in every CI run, for
 the GPU's sync-debug test (tests/test_gpu.py). Two runs take the same number of metric flushes,
 epochs and checkpoints but one takes twice the steps: any read per step shows as a difference.
+A user's model that logs tensors every step (`mpexp.log`) adds none either.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import mpexp
+from mpexp.models.simplecnn import SimpleCNN
 from mpexp.run.runner import train
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import make_cfg
@@ -30,6 +33,19 @@ class HostReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class LoggingCNN(SimpleCNN):
+    """A user's model that logs values of its forward pass every step, as tensors (no .item())."""
+
+    def forward(self, x):
+        if self.training:
+            # under fp16 autocast a float16 value, and an integer count: any dtype is taken
+            mpexp.log({"my/absmax": x.abs().max(), "my/nonzero": (x != 0).sum()})
+        out = super().forward(x)
+        if self.training:
+            mpexp.log({"my/out_absmax": out.abs().max(), "my/note": "ok"})
+        return out
 
 
 BASE = [
@@ -86,6 +102,11 @@ def reads(tmp_path, name: str, steps: int, flushes: int, *overrides: str) -> int
             "model=resnet18",
             "dataset.height=8",
             "dataset.width=8",
+        ],
+        [
+            "precision=fp16",
+            "loss_scaling=dynamic",
+            "model._target_=tests.test_host_reads.LoggingCNN",
         ],
     ],
     ids=lambda o: ",".join(x.split(".")[-1] for x in o),

@@ -17,7 +17,9 @@ import pytest
 import torch
 from torch import nn
 
+import mpexp
 from mpexp.data.synthetic import SyntheticData
+from mpexp.errors import LogError
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
 from mpexp.run.runner import train
@@ -237,3 +239,29 @@ def test_a_model_that_cannot_be_compiled_trains_eagerly_with_one_warning(
     assert len(warned) == 1 and "CompilationError" in warned[0]
     assert summary["ran"]["compile"] is False
     assert summary["val/loss"] < 2.3  # it trained (and evaluated) the eager model
+
+
+class LogsUnderMpexpsName(nn.Module):
+    """A compiled model whose forward makes a mistake of the user's: mpexp.log under train/."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        mpexp.log({"train/absmax": x.abs().max()})
+        return self.model(x)
+
+
+def test_a_users_mistake_in_the_first_compiled_step_is_not_taken_for_a_compiler_failure(
+    monkeypatch, tmp_path, caplog
+):
+    """The first step's errors but the user's mean the model cannot be compiled, and it trains
+    eagerly; the user's own (mpexp.log refusing a key) stops the run, with its one message."""
+    monkeypatch.setattr(
+        performance.torch, "compile", lambda model, mode: LogsUnderMpexpsName(model)
+    )
+    cfg = make_cfg(*TINY, "trainer.compile=true", "trainer.epochs=1")
+    with caplog.at_level(logging.WARNING, logger="mpexp"), pytest.raises(LogError, match="train/"):
+        train(cfg, RunContext(tmp_path / "run"))
+    assert "could not compile" not in caplog.text

@@ -4,7 +4,9 @@ a killed training run, and whose loss does not stop training."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -12,13 +14,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 import mpexp
+from mpexp.errors import LogError
 from mpexp.models.simplecnn import SimpleCNN
+from mpexp.report.runs import load_run
 from mpexp.run.runner import train
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
@@ -178,7 +183,7 @@ class SelfLoggingCNN(SimpleCNN):
         self.forwards = 0
 
     def forward(self, x):
-        if self.training and x.device.type != "meta":  # not the FLOP count's pass
+        if self.training:  # the FLOP count's pass, also in training mode, logs nothing
             self.forwards += 1
             mpexp.log({"user/forwards": self.forwards, "user/note": "ok"})
         return super().forward(x)
@@ -208,18 +213,161 @@ def test_users_own_values_reach_metrics_and_the_wandb_run(tmp_path, monkeypatch)
     assert "user/after" not in (tmp_path / "metrics.jsonl").read_text()
 
 
-def test_own_values_that_cannot_be_logged_are_named(tmp_path):
-    tracker = offline_tracker(tmp_path)
+class TensorLoggingCNN(SimpleCNN):
+    """A user's model that logs values of its forward pass as tensors, as they are (no .item()):
+    each step a float32 absmax, a bfloat16 mean and a counter buffer that changes in place after
+    the call, then a second row with a NaN and infinities; in validation an absmax of its own.
+    What the values were when logged is kept on the class, read eagerly, for the test."""
+
+    logged: ClassVar[list[tuple[float, float]]] = []  # (absmax, mean) of each training step
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def forward(self, x):
+        if self.training:
+            absmax, mean = x.abs().max(), x.mean().to(torch.bfloat16)
+            self.calls += 1
+            mpexp.log({"my/absmax": absmax, "my/mean": mean, "my/calls": self.calls})
+            self.calls += 100  # after the call: the row keeps the value it was logged with
+            mpexp.log({"my/nan": torch.full((), math.nan), "my/inf": -math.inf, "my/note": "ok"})
+            if x.device.type != "meta":  # the FLOP count's pass has no values to read
+                TensorLoggingCNN.logged.append((absmax.item(), mean.item()))
+        else:
+            mpexp.log({"my/val_absmax": x.abs().max()})
+        return super().forward(x)
+
+
+def test_tensor_values_are_logged_as_computed_without_a_read_per_step(tmp_path, monkeypatch):
+    """Each step's tensors, read back once per trainer.log_every steps (tests/test_host_reads.py
+    counts the reads), land in metrics.jsonl and the W&B run with the values they had when
+    logged; NaN and infinities as they are, readable by the report; values logged in validation
+    by the checkpoint that follows it."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    # the class the run builds: pytest imports this file under another module name
+    made = importlib.import_module("tests.test_wandb").TensorLoggingCNN
+    monkeypatch.setattr(made, "logged", [])
+    model = "model._target_=tests.test_wandb.TensorLoggingCNN"
+    train(make_cfg(*TINY, model, "wandb.mode=offline"), RunContext(tmp_path))
+
+    local = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    own = [r for r in local if "my/absmax" in r]
+    steps = range(1, 33)
+    assert [r["step"] for r in own] == list(steps)
+    assert [(r["my/absmax"], r["my/mean"]) for r in own] == made.logged
+    assert [r["my/calls"] for r in own] == [1 + 101 * (s - 1) for s in steps]
+    special = [r for r in local if "my/nan" in r]
+    assert [r["step"] for r in special] == list(steps)
+    assert all(math.isnan(r["my/nan"]) and r["my/inf"] == -math.inf for r in special)
+    assert all(r["my/note"] == "ok" for r in special)
+    # two validation batches an epoch, at the epoch's last step, written by its checkpoint
+    assert [r["step"] for r in local if "my/val_absmax" in r] == [16, 16, 32, 32]
+    assert "NaN" in (tmp_path / "metrics.jsonl").read_text()  # as Python's json writes it
+    assert load_run(tmp_path).problem is None  # the report reads the file, NaN and all
+
+    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    logged = history(leet_records(wandb_dir))
+    assert [(r["step"], r["my/absmax"], r["my/calls"]) for r in logged if "my/absmax" in r] == [
+        (r["step"], r["my/absmax"], r["my/calls"]) for r in own
+    ]
+    # in the W&B run as numbers that are not finite, which its JSON dump spells as strings
+    special = [(r["my/nan"], r["my/inf"]) for r in logged if "my/nan" in r]
+    assert special == [("NaN", "-Infinity")] * 32
+
+
+class FailsAtStep7(SimpleCNN):
+    """A user's model that logs a tensor every step and fails in the 7th step's forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps = 0
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            if self.steps == 7:
+                raise RuntimeError("the user's model failed")
+            mpexp.log({"my/absmax": x.abs().max()})
+        return super().forward(x)
+
+
+def test_a_failing_run_writes_the_values_logged_before_it_failed(tmp_path):
+    """Steps 1-4 are on their way to the host (read at the next flush, which never comes), steps
+    5-6 wait in the tracker: all are written, in order, as the run fails."""
+    model = "model._target_=tests.test_wandb.FailsAtStep7"
+    with pytest.raises(RuntimeError, match="the user's model failed"):
+        train(make_cfg(*TINY, model), RunContext(tmp_path))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "my/absmax" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def disabled_tracker(run_dir: Path) -> Tracker:
+    return Tracker(RunContext(run_dir), {}, OmegaConf.create({"mode": "disabled"}), Classification)
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        ({"my/x": torch.ones(3)}, "'my/x' is a tensor of shape (3,); pass one value, a 0-d tensor"),
+        ({"my/x": torch.ones((), dtype=torch.complex64)}, "'my/x' is a torch.complex64 tensor"),
+        ({"my/x": [1.0]}, "the value of 'my/x' is a list; pass a number, a 0-d tensor"),
+        ({3: 1.0}, "3 cannot be a key; name values with strings"),
+        ({"step": 3}, "'step' is one of mpexp's own metric names"),
+        ({"train/loss": "oops"}, "'train/loss' is one of mpexp's own metric names"),
+        ({"val/my_acc": 0.5}, "choose another prefix for your values, e.g. 'my/val/my_acc'"),
+        ({"lr": torch.ones(())}, "'lr' is one of mpexp's own metric names"),
+        ([0.5], "it takes a dict of values, not list"),
+    ],
+    ids=["shape", "complex", "list", "key", "step", "train", "val", "lr", "not-a-dict"],
+)
+def test_own_values_that_cannot_be_logged_are_named_with_the_call(tmp_path, values, said):
+    tracker = disabled_tracker(tmp_path)
     try:
-        with pytest.raises(TypeError, match="the value of 'my/x' is a Tensor; pass a number"):
-            mpexp.log({"my/x": torch.ones(())})
-        with pytest.raises(TypeError, match="'step' cannot be a key"):
-            mpexp.log({"step": 3})
+        with pytest.raises(LogError) as refused:
+            mpexp.log(values)  # the call the message names
+    finally:
+        tracker.close()
+    assert said in str(refused.value)
+    call = refused.traceback[0]  # this test's line that called mpexp.log
+    assert str(refused.value).endswith(f"(mpexp.log called at {call.path}:{call.lineno + 1})")
+    assert not (tmp_path / "metrics.jsonl").read_text()  # nothing of the call was written
+
+
+def test_own_values_wait_in_call_order_and_are_written_at_the_end(tmp_path):
+    """Outside the loop (no flush to read them), rows held behind a tensor are written by the
+    end of the run, in the order they were logged; a `step=` of the call's own is kept."""
+    tracker = disabled_tracker(tmp_path)
+    try:
         mpexp.log({"my/x": 0.5}, step=7)
+        mpexp.log({"my/x": torch.tensor(0.25, dtype=torch.float16)}, step=8)
+        mpexp.log({"my/x": 0.125}, step=9)
+        mpexp.log({"my/x": torch.ones((), device="meta")}, step=10)  # a shapes-only pass: left out
     finally:
         tracker.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows == [{"step": 7, "my/x": 0.5}]
+    assert rows == [{"step": 7, "my/x": 0.5}, {"step": 8, "my/x": 0.25}, {"step": 9, "my/x": 0.125}]
+
+
+class LogsItsInput(torch.nn.Module):
+    def forward(self, x):
+        mpexp.log({"my/absmax": x.abs().max()})
+        return x * 2
+
+
+def test_a_call_from_a_compiled_forward_runs_as_python_and_quietly(tmp_path, recwarn):
+    """torch.compile does not trace into mpexp.log (it warned about os.getpid): the call is a
+    graph break that runs it as plain Python, with the value the eager forward logs."""
+    compiled = torch.compile(LogsItsInput(), backend="eager")
+    x = torch.randn(4, 3)
+    tracker = disabled_tracker(tmp_path)
+    try:
+        compiled(x)
+    finally:
+        tracker.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 0, "my/absmax": x.abs().max().item()}]
+    assert not [str(w.message) for w in recwarn if "trace" in str(w.message)]
 
 
 def test_the_training_process_never_imports_wandb(tmp_path):

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from mpexp.tasks.base import Task
+from mpexp.tracking.tracker import user_logs_off
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,9 @@ def throughput(
 
     def count() -> Throughput:
         try:
-            per_sample = flops_per_sample(meta, task, batch)
+            # the count's pass is no training step: what the model logs there is not logged
+            with user_logs_off():
+                per_sample = flops_per_sample(meta, task, batch)
         except Exception as err:
             log.warning("perf/tflops is not logged: counting the model's FLOPs failed (%s).", err)
             per_sample = None

@@ -5,7 +5,8 @@ queued work, which stalls the pipeline if done every step. Instead, each step wr
 a row of a small device tensor; `flush()` copies everything recorded so far to pinned host memory
 without waiting, and hands back the rows of the *previous* flush, whose copy has long finished. The
 complete scale history (every step's scale and skip flag) survives this way, also from steps
-replayed as a CUDA graph (mpexp/step/step_graph.py).
+replayed as a CUDA graph (mpexp/step/step_graph.py). The user's own tensors (`mpexp.log`) are read
+back the same way (`OwnRows`).
 """
 
 from __future__ import annotations
@@ -47,14 +48,7 @@ class DeviceRows:
             values = torch.cat(self._values)
             if self._reduce is not None:
                 values = self._reduce(values)
-            event = None
-            if values.is_cuda:
-                host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-                host.copy_(values, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                values = host
-            self._pending.append((self._meta, values, event))
+            self._pending.append((self._meta, *_copy_to_host(values)))
             self._meta, self._values = [], []
 
         rows: list[tuple[Any, list[float]]] = []
@@ -63,6 +57,67 @@ class DeviceRows:
             if event is not None:
                 event.synchronize()
             rows.extend(zip(meta, values.tolist(), strict=True))
+        return rows
+
+
+def _copy_to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying `values` to pinned host memory without waiting; return the copy and the event
+    that marks it done (none for values not on a GPU, which `tolist` reads as they are)."""
+    if not values.is_cuda:
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(values.device))
+    return host, event
+
+
+class OwnRows:
+    """The user's rows from `mpexp.log` whose values include tensors, read back in batches.
+
+    `start` stacks the tensors of the rows handed to it (one block per device they are on) and
+    starts copying them to the host without waiting; `done` returns the rows whose copy has
+    finished, their tensors replaced by numbers: those of earlier starts, or all with wait=True.
+    """
+
+    def __init__(self) -> None:
+        # rows whose tensors are replaced by their device, and each device's block on its way
+        self._pending: list[tuple[list[dict], dict[torch.device, tuple]]] = []
+
+    def start(self, rows: list[dict[str, Any]]) -> None:
+        """Start reading the tensors of `rows` (mpexp.log's, in call order); no synchronisation."""
+        if not rows:
+            return
+        blocks: dict[torch.device, list[torch.Tensor]] = {}
+        for row in rows:
+            for value in row.values():
+                if isinstance(value, torch.Tensor):
+                    blocks.setdefault(value.device, []).append(value)
+                    if value.is_cuda:
+                        # it may come from another stream (a CUDA graph's warm-up steps run on
+                        # one): its memory must not be handed out there before the stack reads it
+                        value.record_stream(torch.cuda.current_stream(value.device))
+        copies = {device: _copy_to_host(torch.stack(values)) for device, values in blocks.items()}
+        placed = [
+            {k: v.device if isinstance(v, torch.Tensor) else v for k, v in row.items()}
+            for row in rows
+        ]  # the device tensors can go once stacked
+        self._pending.append((placed, copies))
+
+    def done(self, wait: bool = False) -> list[dict[str, Any]]:
+        """The rows whose copy has finished, as numbers (every row with wait=True: one wait)."""
+        rows: list[dict[str, Any]] = []
+        while len(self._pending) > (0 if wait else 1):
+            placed, copies = self._pending.pop(0)
+            numbers = {}
+            for device, (values, event) in copies.items():
+                if event is not None:
+                    event.synchronize()
+                numbers[device] = iter(values.tolist())
+            rows += [
+                {k: next(numbers[v]) if isinstance(v, torch.device) else v for k, v in row.items()}
+                for row in placed
+            ]
         return rows
 
 

@@ -27,13 +27,13 @@ from tqdm import tqdm
 from mpexp.checkpoints.checkpoint import Checkpointer, Position, Resume
 from mpexp.data.base import TrainingData
 from mpexp.distributed import World
-from mpexp.errors import NumericsError
+from mpexp.errors import NumericsError, UserError
 from mpexp.precision.modes import Precision
 from mpexp.precision.scaling import LossScaler, min_scale_error
 from mpexp.run.stopping import StopSignals
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.flops import Throughput
-from mpexp.step.history import StepHistory, StepRow
+from mpexp.step.history import OwnRows, StepHistory, StepRow
 from mpexp.step.performance import Speed
 from mpexp.step.rollback import BufferRollback
 from mpexp.step.step_graph import WARMUP_STEPS, CudaGraph, StepGraph
@@ -187,6 +187,8 @@ class Stepper:
         saved.save()
         try:
             self._device_work(inputs, targets, inspect)
+        except UserError:  # a mistake in the user's code (mpexp.log's): eager would make it too
+            raise
         except Exception as err:  # any compiler failure: the eager model instead
             saved.restore_if(torch.ones((), device=inputs.device))
             self._forget_step()
@@ -438,6 +440,7 @@ class Fit:
             device=self.device,
             reduce_loss=world.mean if world.distributed else None,
         )
+        self.own = OwnRows()  # the user's tensors from mpexp.log
         self.memory = PeakMemory(self.device)
         self.steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss, parts.scaler)
         self.diagnostics = Diagnostics(
@@ -479,9 +482,15 @@ class Fit:
     def run(self) -> dict:
         """Train the remaining epochs; return the final metrics."""
         self.parts.model.train()
-        for epoch in range(self.position.epoch, self.trainer.epochs + 1):
-            self.row = self._epoch(epoch)
-            self._checkpoint(Position(epoch + 1, 0, self.position.step), 0.0, self._stop_agreed())
+        try:
+            for epoch in range(self.position.epoch, self.trainer.epochs + 1):
+                self.row = self._epoch(epoch)
+                self._checkpoint(
+                    Position(epoch + 1, 0, self.position.step), 0.0, self._stop_agreed()
+                )
+        except Exception:
+            self._write_own_values()
+            raise
         steps = self.steps
         return {
             **self.row,
@@ -628,8 +637,27 @@ class Fit:
 
     def _flush(self, wait: bool = False) -> None:
         """Read back what the device has gathered (all of it with wait=True: one sync)."""
-        self.steps.write(self.history.flush(wait))
+        # the user's tensors are queued for the host before the history's copy, whose wait then
+        # covers them too
+        self.own.start(self.tracker.take_waiting())
+        rows = self.history.flush(wait)
+        # before the step rows, which may stop the run: values logged up to a non-finite loss are
+        # what explains it
+        for row in self.own.done(wait):
+            self.tracker.log(row)
+        self.steps.write(rows)
         self.diagnostics.flush(wait)
+
+    def _write_own_values(self) -> None:
+        """The user's values on their way to the host, written as the run fails: the values that
+        lead up to a failure explain it (the tracker writes those logged since, at its end)."""
+        try:
+            rows = self.own.done(wait=True)
+        except RuntimeError as err:  # a device that failed: the error that ends the run says so
+            log.warning("mpexp.log's values of the last steps could not be read (%s).", err)
+            return
+        for row in rows:
+            self.tracker.log(row)
 
     def _show_progress(self, bar: tqdm, start: float) -> None:
         if self.steps.losses:

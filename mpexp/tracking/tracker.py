@@ -16,7 +16,8 @@ Metric names are a contract read by dashboards and the report:
              `ran` is the run's config (not its summary), and the task's validation metrics are
              summarised as their best epoch's (`.max`, `.min`) and their last (`.last`)
   yours      `mpexp.log(values)` from the user's own code: `step` and the values, plotted in W&B
-             against `step`
+             against `step`; never under mpexp's own names above (OWN_PREFIXES, OWN_KEYS). Tensor
+             values wait on their device and are read with the loop's own, once per log interval
 metrics.jsonl deleted (or replaced) while the run trains is written again, whole, from the file the
 tracker holds open. W&B is optional at every point: if it cannot start or stops accepting data,
 training goes on with the local files and one warning.
@@ -30,13 +31,15 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mpexp.errors import LogError
 from mpexp.tasks.base import Result, Task
 from mpexp.tracking.records import write_json_atomically
 from mpexp.tracking.wandb_mode import new_wandb_id, resolve_wandb_mode
@@ -47,6 +50,11 @@ log = logging.getLogger(__name__)
 STEP_METRICS = ("train/loss", "amp/*", "lr", "diag/*")
 EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
 CHECK_FILE_EVERY_S = 1.0  # how often logging rows looks whether metrics.jsonl is still there
+# mpexp's own metric names, refused to mpexp.log: a value of the user's under one of them would sit
+# among mpexp's rows, where the report reads it as the loss or the accuracy and W&B plots it on
+# mpexp's axes
+OWN_PREFIXES = ("train/", "val/", "amp/", "perf/", "mem/", "diag/")
+OWN_KEYS = ("step", "epoch", "lr")
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,10 @@ class Tracker:
         self._logged = False  # any metrics row yet
         self.step = 0  # the step being trained, set by the loop: where `mpexp.log` logs
         self._own_keys: set[str] = set()  # keys that mpexp.log has defined in W&B
+        # mpexp.log's rows from the first one holding a tensor on, in call order, until the loop
+        # reads them with its own values (take_waiting), or a checkpoint or the end writes them
+        self._waiting: list[dict[str, Any]] = []
+        self._warned_capture = False
         # a resumed run's earlier epochs count towards the `best` checkpoint
         self._validations = Validations.read(self.run_dir / "metrics.jsonl", task.result)
         if self.wandb_mode != "disabled":
@@ -215,7 +227,9 @@ class Tracker:
             self._wandb.send("tags", wandb_tags(ran, self._run.choices, list(self._run.tags)))
 
     def flush(self) -> int:
-        """Push metrics.jsonl to disk; return its size in bytes (a checkpoint's place in it)."""
+        """Push metrics.jsonl to disk, with the user's rows still held; return its size in bytes
+        (a checkpoint's place in it)."""
+        self._write_waiting()
         self._keep_metrics_file()
         self._metrics.flush()
         os.fsync(self._metrics.fileno())
@@ -252,13 +266,61 @@ class Tracker:
             self._wandb.send("log", (plain, histograms))
 
     def log_own(self, values: Mapping[str, Any], step: int | None = None) -> None:
-        """`mpexp.log`: the user's values as a row at `step` (default: the step being trained)."""
-        row = {"step": self.step if step is None else step, **_checked(values)}
+        """`mpexp.log`: the user's values as a row at `step` (default: the step being trained).
+
+        A row holding tensors is not read here: it waits, with every row logged after it (so that
+        rows stay in call order), for the loop to read its tensors with the step's own values.
+        """
+        values = _checked(values)
+        tensors = [value for value in values.values() if _is_tensor(value)]
+        if tensors and not self._values_to_keep(tensors):
+            return
+        row = {"step": self.step if step is None else step}
+        row.update((k, _copied(v) if _is_tensor(v) else v) for k, v in values.items())
         new = [key for key in values if key not in self._own_keys]
         if new and self._wandb is not None:  # W&B plots them against `step`, as the step rows
             self._wandb.send("metrics", [(key, {"step_metric": "step"}) for key in new])
         self._own_keys.update(new)
-        self.log(row)
+        if tensors or self._waiting:
+            self._waiting.append(row)
+        else:
+            self.log(row)
+
+    def take_waiting(self) -> list[dict[str, Any]]:
+        """The user's rows held since the last call, in call order, their tensors still on the
+        device: the loop reads them with its own values and logs them (mpexp/step/loop.py)."""
+        rows, self._waiting = self._waiting, []
+        return rows
+
+    def _values_to_keep(self, tensors: list[Any]) -> bool:
+        """Whether a call's tensors hold values: not on the meta device (a pass that only works
+        out shapes), nor in a CUDA graph's capture, whose replays run no Python (said once)."""
+        if any(t.is_meta for t in tensors):
+            return False
+        if not (any(t.is_cuda for t in tensors) and _capturing()):
+            return True
+        if not self._warned_capture:
+            log.warning(
+                "mpexp.log was called inside the training step as it was captured as a CUDA "
+                "graph: a replayed step runs no Python, so values logged from inside the step "
+                "(the model's forward, say) are logged only from the steps that run eagerly (the "
+                "warm-up steps before the capture, and steps that cannot be replayed). "
+                "trainer.cuda_graph=false logs them at every step."
+            )
+            self._warned_capture = True
+        return False
+
+    def _write_waiting(self) -> None:
+        """Write the user's rows still held, reading their tensors one by one: at a checkpoint
+        and at the end, which wait for the device anyway."""
+        rows, self._waiting = self._waiting, []
+        try:
+            rows = [{k: float(v) if _is_tensor(v) else v for k, v in row.items()} for row in rows]
+        except RuntimeError as err:  # a device that failed: the error that ends the run says so
+            log.warning("%d rows of mpexp.log could not be read (%s).", len(rows), err)
+            return
+        for row in rows:
+            self.log(row)
 
     def update_summary(self, values: dict[str, Any]) -> None:
         self._summary.update(values)
@@ -273,6 +335,7 @@ class Tracker:
     def close(self, status: str = "finished", error: str | None = None) -> None:
         _take_user_logs(None, self)
         try:
+            self._write_waiting()
             ended = {"status": status, "ended_at": _now(), **({"error": error} if error else {})}
             self.update_summary(ended)
         finally:  # even when summary.json cannot be written (a full disk)
@@ -394,6 +457,9 @@ class NullTracker:
     def log_own(self, values: Mapping[str, Any], step: int | None = None) -> None:
         _checked(values)  # the same mistakes fail on every rank
 
+    def take_waiting(self) -> list[dict[str, Any]]:
+        return []
+
     def update_summary(self, values: dict[str, Any]) -> None:
         pass
 
@@ -413,6 +479,19 @@ class NullTracker:
 # The run that `mpexp.log` logs into, and the process it belongs to: a process forked from it (a
 # DataLoader worker) holds a copy whose files and W&B pipe are not its own.
 _user_logs: tuple[Tracker | NullTracker, int] | None = None
+_passes = threading.local()  # `off`: this thread runs a pass of the model that is no step
+
+
+@contextlib.contextmanager
+def user_logs_off() -> Iterator[None]:
+    """`mpexp.log` does nothing in this thread meanwhile: for passes of the model that are no
+    training step, as the FLOP count's on the meta device (mpexp/step/flops.py), whose values
+    would land at whatever step trains meanwhile."""
+    was, _passes.off = getattr(_passes, "off", False), True
+    try:
+        yield
+    finally:
+        _passes.off = was
 
 
 def _take_user_logs(tracker: Tracker | NullTracker | None, closing: Any = None) -> None:
@@ -430,33 +509,91 @@ def log_values(values: Mapping[str, Any], step: int | None = None) -> None:
     For code of yours that mpexp runs (a model, dataset, loss scaler or schedule): the values go
     into the run's metrics.jsonl as a row `{"step": ..., **values}` and into its W&B run, plotted
     against `step`. `step` defaults to the training step in progress (0 before the first). Values
-    are numbers, booleans, strings or `mpexp.tracking.Histogram`s; a tensor must be turned into a
-    number first (`.item()`, which waits for the device: do it no more often than you need). Does
-    nothing outside a run, in processes other than the run's (DataLoader workers), and on ranks
-    other than 0 of a distributed run, which write no metrics.
+    are numbers, booleans, strings, `mpexp.tracking.Histogram`s or 0-d tensors: a tensor is copied
+    on its device as float32 and read with the loop's own values, once per `trainer.log_every`
+    steps, so logging it never waits for the device. Keys under mpexp's own names (`train/`,
+    `val/`, `amp/`, `perf/`, `mem/`, `diag/`, `lr`, `step`, `epoch`) are refused. Does nothing
+    outside a run, in processes other than the run's (DataLoader workers), on ranks other than 0
+    of a distributed run, which write no metrics, and in the FLOP count's pass (user_logs_off).
+    See docs/wandb.md, "Your own values".
     """
-    if _user_logs is None or _user_logs[1] != os.getpid():
+    if _user_logs is None or _user_logs[1] != os.getpid() or getattr(_passes, "off", False):
         return
     _user_logs[0].log_own(values, step)
 
 
 def _checked(values: Mapping[str, Any]) -> Mapping[str, Any]:
-    """`values` as mpexp.log takes them, or a TypeError naming the key and the fix."""
+    """`values` as mpexp.log takes them, or a LogError naming the key, the fix and the call."""
     if not isinstance(values, Mapping):
-        raise TypeError(f"mpexp.log takes a dict of values, not {type(values).__name__}.")
+        raise _log_error(f"it takes a dict of values, not {type(values).__name__}.")
     for key, value in values.items():
-        if not isinstance(key, str) or key in ("step", "epoch"):
-            raise TypeError(
-                f"mpexp.log: {key!r} cannot be a key (step and epoch are mpexp's own); name "
-                "values with strings such as 'my/value', and pass the step as step=..."
+        if not isinstance(key, str):
+            raise _log_error(f"{key!r} cannot be a key; name values with strings, e.g. 'my/value'.")
+        if key in OWN_KEYS or key.startswith(OWN_PREFIXES):
+            names = ", ".join([*OWN_PREFIXES, *OWN_KEYS])
+            step = " (a row's step is mpexp.log's step=...)" if key == "step" else ""
+            raise _log_error(
+                f"{key!r} is one of mpexp's own metric names ({names}){step}; choose another "
+                f"prefix for your values, e.g. 'my/{key}'."
             )
-        if not isinstance(value, bool | int | float | str | Histogram):
-            raise TypeError(
-                f"mpexp.log: the value of {key!r} is a {type(value).__name__}; pass a number "
-                "(a tensor's .item(), which waits for the device), a bool, a string or a "
-                "mpexp.tracking.Histogram."
+        if _is_tensor(value):
+            _check_tensor(key, value)
+        elif not isinstance(value, bool | int | float | str | Histogram):
+            raise _log_error(
+                f"the value of {key!r} is a {type(value).__name__}; pass a number, a 0-d tensor, "
+                "a bool, a string or a mpexp.tracking.Histogram."
             )
     return values
+
+
+def _check_tensor(key: str, value: Any) -> None:
+    if value.dim() != 0:
+        raise _log_error(
+            f"the value of {key!r} is a tensor of shape {tuple(value.shape)}; pass one value, "
+            "a 0-d tensor: reduce it first (.mean(), .max(), .norm()), or log a "
+            "mpexp.tracking.Histogram of it."
+        )
+    if value.is_complex() or value.is_quantized:
+        raise _log_error(
+            f"the value of {key!r} is a {value.dtype} tensor; pass a real one (.abs(), .real, "
+            ".dequantize())."
+        )
+
+
+def _log_error(text: str) -> LogError:
+    """A LogError that names where mpexp.log was called: the first frame outside this module and
+    torch (whose wrapper keeps torch.compile out of mpexp.log: mpexp/__init__.py)."""
+    frame = sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename == __file__
+        or frame.f_globals.get("__name__", "").startswith("torch.")
+    ):
+        frame = frame.f_back
+    where = f" (mpexp.log called at {frame.f_code.co_filename}:{frame.f_lineno})" if frame else ""
+    return LogError(f"mpexp.log: {text}{where}")
+
+
+def _is_tensor(value: Any) -> bool:
+    # without importing torch, which the command line leaves out until a run starts: a tensor
+    # exists only once torch is loaded
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _copied(value: Any) -> Any:
+    """A 0-d tensor's value as it is now, as float32 on its device: one small copy, no wait. A
+    copy, not the tensor itself: it may change in place before it is read (a buffer, a
+    parameter), or be overwritten (an output of CUDA graphs); detached, it keeps no autograd
+    graph alive."""
+    import torch
+
+    return value.detach().to(torch.float32, copy=True)
+
+
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
 
 
 def _now() -> str:
