@@ -567,8 +567,7 @@ def build_report(
     """Read every run under `paths` and compute the tables; nothing is written yet.
     `target_acc` is in percent, as on the command line."""
     runs = [load_run(p) for p in find_run_dirs(paths)]
-    if out_dir is None:
-        out_dir = Path(os.path.commonpath([p.resolve() for p in paths]))
+    out_dir = report_dir(paths, out_dir)
     labels = _labels(runs, out_dir.resolve())
     rows, not_reported = [], []
     for run in runs:
@@ -584,6 +583,12 @@ def build_report(
     configs = group_configs(rows, tolerance)
     attach_references(configs, target)
     return Report(out_dir, configs, not_reported, tolerance, target)
+
+
+def report_dir(paths: list[Path], out_dir: Path | None = None) -> Path:
+    """Where the report on `paths` goes: `out_dir` (--out), else the folder given, or the common
+    parent of several."""
+    return out_dir or Path(os.path.commonpath([p.resolve() for p in paths]))
 
 
 def _labels(runs: list[Run], out_dir: Path) -> dict[Path, tuple[str, str]]:

@@ -48,6 +48,7 @@ EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
 # W&B summarises these as the best epoch's and the last: the report and Optuna's sweeper use the
 # last (the run's result), a dashboard's "best" the other
 SUMMARIES = {"val/acc": "max,last", "val/loss": "min,last"}
+JOB_TYPE = "train"  # a training run's W&B job_type; the sweep report's run is `report`
 CHECK_FILE_EVERY_S = 1.0  # how often logging rows looks whether metrics.jsonl is still there
 
 
@@ -160,7 +161,7 @@ class Tracker:
                 "entity": wandb_cfg.entity,
                 "group": run.group,
                 "name": run.name,
-                "job_type": "train",
+                "job_type": JOB_TYPE,
                 "tags": wandb_tags(None, run.choices, list(run.tags)),
                 "config": config,
                 "dir": str(self.run_dir),
