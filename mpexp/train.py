@@ -34,6 +34,7 @@ from mpexp.run.rundir import RunDirTaken, checkpoint_files, rerun_command, resum
 from mpexp.run.stopping import Preempted, preemption_signal
 from mpexp.tracking.records import record_end
 from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.wandb_mode import sweep_group
 
 log = logging.getLogger("mpexp")
 config.register()  # the schemas behind conf/ (mpexp/config.py)
@@ -48,7 +49,7 @@ def run_context(cfg: DictConfig) -> RunContext:
     sweep = hc.mode == RunMode.MULTIRUN
     group = cfg.wandb.group
     if group is None and sweep:
-        group = "sweep-" + "_".join(Path(hc.sweep.dir).parts[-2:])
+        group = sweep_group(Path(hc.sweep.dir))
     return RunContext(
         run_dir=Path(hc.runtime.output_dir),
         name=sweep_job_name(hc) if sweep else choices.get("experiment") or "train",

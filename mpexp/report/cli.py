@@ -1,19 +1,24 @@
 """`python -m mpexp.report` / `mpexp-report`: write the report for run folders, and log it to W&B.
 
 mpexp-report <run dir or multirun dir> [more dirs] [--tolerance 0.5] [--target 98] [--out DIR]
+mpexp-report <multirun dir> --wandb-view    the sweep's W&B view, from the report's wandb-view.json
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from pathlib import Path
 
 from mpexp.errors import UserError
+from mpexp.report import wandb_view
 from mpexp.report.markdown import render_markdown
-from mpexp.report.table import Report, build_report
-from mpexp.report.wandb_run import log_to_wandb
+from mpexp.report.table import Report, build_report, report_dir
+from mpexp.report.wandb_run import log_to_wandb, resolved_mode
+
+log = logging.getLogger(__name__)
 
 
 def write_report(report: Report) -> Path:
@@ -40,14 +45,22 @@ def make_report(
     wandb_mode: str = "auto",
     target: float | None = None,
 ) -> Report:
-    """Build, write and (when the runs were online) log the report; print where it is.
+    """Build, write and (when the runs were online) log the report and create the sweep's W&B
+    view; print where they are.
     `tolerance` (None: the task's own) and `target`, the result to reach for the time to target
     (None: per fp32 reference), are in the result's unit: points and percent of val accuracy,
     nats of a language model's val loss."""
     report = build_report(paths, tolerance, out_dir, target)
     write_report(report)
+    try:
+        view = wandb_view.write_spec(report)
+    except OSError as err:  # report.md was written: the view is a convenience beside it
+        log.warning("The W&B view's spec was not written (%s).", err)
+        view = None
     print("\n".join(report.console_lines()))
-    log_to_wandb(report, wandb_mode)
+    mode = resolved_mode(report, wandb_mode)
+    wandb_view.after_report(view, report.out_dir, mode)  # its line beside the report's path
+    log_to_wandb(report, mode)
     return report
 
 
@@ -100,8 +113,19 @@ def main(argv: list[str] | None = None) -> int:
         "the runs were logged (online, or offline into <out>/wandb-report for a later wandb "
         "sync), not at all when they were not",
     )
+    parser.add_argument(
+        "--wandb-view",
+        action="store_true",
+        help="only create the sweep's W&B view, from the wandb-view.json the report wrote "
+        "(after `wandb sync` of an offline sweep), and print its URL; the runs are not read "
+        "again, and a view created before is not made twice",
+    )
     args = parser.parse_args(argv)
     try:
+        if args.wandb_view:
+            out_dir = report_dir(args.dirs, args.out)
+            wandb_view.open_view(wandb_view.read_spec(out_dir), out_dir)
+            return 0
         make_report(args.dirs, args.tolerance, args.out, args.wandb, args.target)
     except UserError as err:
         print(f"mpexp.report: {err}", file=sys.stderr)

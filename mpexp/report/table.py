@@ -596,8 +596,7 @@ def build_report(
     `tolerance` (None: each task's own) and `target` are in the result's unit, as on the command
     line: points and percent of accuracy, nats of a language model's loss."""
     runs = [load_run(p) for p in find_run_dirs(paths)]
-    if out_dir is None:
-        out_dir = Path(os.path.commonpath([p.resolve() for p in paths]))
+    out_dir = report_dir(paths, out_dir)
     labels = _labels(runs, out_dir.resolve())
     rows, not_reported = [], []
     for run in runs:
@@ -613,6 +612,12 @@ def build_report(
     _check_target(target, configs)
     attach_references(configs, target)
     return Report(out_dir, configs, not_reported, tolerance, target)
+
+
+def report_dir(paths: list[Path], out_dir: Path | None = None) -> Path:
+    """Where the report on `paths` goes: `out_dir` (--out), else the folder given, or the common
+    parent of several."""
+    return out_dir or Path(os.path.commonpath([p.resolve() for p in paths]))
 
 
 def _check_target(target: float | None, configs: list[Config]) -> None:

@@ -27,14 +27,10 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
     per output folder: its id comes from the folder, so a report written again updates that run
     (online) or replaces its offline copy, instead of adding a second `report` run to the group.
     """
-    targets = [r.run.summary.get("wandb") for r in report.rows if r.run.summary.get("wandb")]
-    if mode == "auto":
-        modes = {t["mode"] for t in targets}
-        mode = next((m for m in ("online", "offline") if m in modes), "disabled")
+    mode = resolved_mode(report, mode)
     if mode == "disabled" or not report.rows:
         return
-    first = report.rows[0].run
-    where = targets[0] if targets else first.config.get("wandb", {})
+    where = wandb_target(report)
     try:
         import wandb
 
@@ -86,6 +82,27 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
         offline = [p for r in report.rows for p in _offline_runs(r.run)]
         paths = " ".join(shlex.quote(str(p)) for p in [*offline, report_run])
         print(f"W&B runs kept offline: upload them with `wandb sync {paths}`")
+
+
+def resolved_mode(report: Report, mode: str) -> str:
+    """`auto` as the sweep's own runs were logged: online if any was, else offline if any was,
+    else disabled; any other mode as given."""
+    if mode != "auto":
+        return mode
+    modes = {t["mode"] for t in _targets(report)}
+    return next((m for m in ("online", "offline") if m in modes), "disabled")
+
+
+def wandb_target(report: Report) -> dict:
+    """Where the sweep's runs went in W&B (`project`, `entity`, `group`): the first run's record,
+    or its `wandb` config where none logged to W&B. The report must have runs."""
+    targets = _targets(report)
+    return targets[0] if targets else report.rows[0].run.config.get("wandb", {})
+
+
+def _targets(report: Report) -> list[dict]:
+    """The W&B runs that the reported runs recorded in their summary.json."""
+    return [r.run.summary["wandb"] for r in report.rows if r.run.summary.get("wandb")]
 
 
 def report_run_id(out_dir: Path) -> str:

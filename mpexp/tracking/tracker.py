@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 STEP_METRICS = ("train/loss", "amp/*", "lr", "diag/*")
 EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
+JOB_TYPE = "train"  # a training run's W&B job_type; the sweep report's run is `report`
 CHECK_FILE_EVERY_S = 1.0  # how often logging rows looks whether metrics.jsonl is still there
 # mpexp's own metric names, refused to mpexp.log: a value of the user's under one of them would sit
 # among mpexp's rows, where the report reads it as the loss or the accuracy and W&B plots it on
@@ -181,7 +182,7 @@ class Tracker:
                 "entity": wandb_cfg.entity,
                 "group": run.group,
                 "name": run.name,
-                "job_type": "train",
+                "job_type": JOB_TYPE,
                 "tags": wandb_tags(None, run.choices, list(run.tags)),
                 "config": config,
                 "dir": str(self.run_dir),

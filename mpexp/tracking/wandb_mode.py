@@ -1,5 +1,5 @@
-"""Which W&B a run logs to: online where a key is configured, else offline (wandb.mode=auto); and
-the ids of new W&B runs."""
+"""Which W&B a run logs to: online where a key is configured, else offline (wandb.mode=auto); the
+ids of new W&B runs, and the group a sweep's runs share."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import netrc
 import os
 import secrets
 import string
+from pathlib import Path
 from urllib.parse import urlparse
 
 
@@ -32,3 +33,9 @@ def new_wandb_id() -> str:
     """A fresh W&B run id: 8 characters of [a-z0-9], as W&B makes them."""
     alphabet = string.ascii_lowercase + string.digits
     return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def sweep_group(sweep_dir: Path) -> str:
+    """The W&B group of a sweep's runs when `wandb.group` is not set: named after its folder,
+    `sweep-<date>_<time>` for outputs/multirun/<date>/<time>."""
+    return "sweep-" + "_".join(Path(sweep_dir).parts[-2:])

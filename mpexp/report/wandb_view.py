@@ -1,0 +1,309 @@
+"""The sweep's W&B view: its runs grouped by what the sweep varied, seeds collapsed into bands.
+
+The view is written twice over. Its spec, plain data, goes to `wandb-view.json` in the report's
+folder whatever the W&B mode, so that an offline sweep keeps it and `mpexp-report <dir>
+--wandb-view` creates it after `wandb sync` without reading the runs again. The view itself, a
+saved workspace of the W&B project, is made from the spec with the `wandb-workspaces` package
+(the `wandb-view` extra), imported only then, and saved when the runs are online. Without the
+package or the network the report is written all the same, and one line says how to create the
+view later.
+
+The spec:
+
+    name        the sweep's W&B group (groups, joined by ", ", for runs of several sweeps)
+    entity, project   where the runs went
+    runs        {"groups": [...], "job_type": "train"}: the runset's filter
+    group_by    W&B config keys, precision first (`ran.precision`), then any other key that
+                varies across the runs; never the seed, so that seeds collapse into a group
+    seeds       how a group is drawn: {"line": "mean", "band": "minmax"}
+    max_runs    lines (groups) a panel shows at most
+    sections    [{"name", "open", "panels": [{"kind": "line" | "bar", "title", "x", "y",
+                "log_y"}]}], in the order a reader asks: result, loss scale, speed, memory,
+                diagnostics (closed, present only when logged)
+    url         the saved view's address, once it has been created
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from mpexp.errors import UserError
+from mpexp.report.runs import Run
+from mpexp.report.table import MEMORY_KEYS, NOT_CONFIG, Report
+from mpexp.report.wandb_run import wandb_target
+from mpexp.tasks.base import Result
+from mpexp.tracking.records import write_json_atomically
+from mpexp.tracking.tracker import JOB_TYPE
+from mpexp.tracking.wandb_mode import has_wandb_key, sweep_group
+
+SPEC_FILE = "wandb-view.json"
+INSTALL = 'pip install -e ".[wandb-view]"'
+SEEDS = {"line": "mean", "band": "minmax"}
+WALL_TIME = "RelativeTime(Wall)"  # W&B's x-axis of wall-clock time since the run started
+SPEED = ("perf/epoch_time_s", "perf/samples_per_s", "perf/tflops", "perf/mfu")
+# what ran, `auto` resolved: the names the report and the runs' tags give them
+RAN_KEYS = {"precision": "ran.precision", "loss_scaling": "ran.loss_scaling"}
+MIN_PANEL_RUNS = 10  # W&B's own default
+
+
+class ViewNotCreated(Exception):
+    """The view could not be saved; the message says why, in a few words."""
+
+
+def result_metric(run: Run) -> str:
+    """The metric that is the run's result: its task's, or `val/acc` for runs from before tasks."""
+    return Result.from_record(run.ran.get("task")).metric
+
+
+def write_spec(report: Report) -> dict | None:
+    """Write the view's spec into the report's folder and return it; None, and no file, for runs
+    in no W&B group (single runs). A view created before keeps its URL in the file."""
+    spec = view_spec(report)
+    if spec is None:
+        return None
+    path = report.out_dir / SPEC_FILE
+    with contextlib.suppress(UserError):
+        before = read_spec(report.out_dir)
+        if before.get("url") and before.get("name") == spec["name"]:
+            spec["url"] = before["url"]
+    write_json_atomically(spec, path)
+    return spec
+
+
+def read_spec(out_dir: Path) -> dict:
+    """The spec written with the report into `out_dir`."""
+    path = out_dir / SPEC_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(
+            f"{path} does not exist: write the report first (mpexp-report {out_dir}); runs "
+            "that are in no W&B group (single runs) have no view."
+        ) from None
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path} cannot be read ({err}); write the report again.") from None
+
+
+def view_spec(report: Report) -> dict | None:
+    """The view of the report's runs, as plain data (the module's docstring lists its keys)."""
+    runs = [row.run for row in report.rows]
+    groups = sorted({group for group in map(wandb_group, runs) if group})
+    if not groups:
+        return None
+    where = wandb_target(report)
+    results = list(dict.fromkeys(map(result_metric, runs)))
+    return {
+        "name": ", ".join(groups),  # W&B refuses symbols such as "+" in a view's name
+        "entity": where.get("entity"),
+        "project": where.get("project"),
+        "runs": {"groups": groups, "job_type": JOB_TYPE},
+        "group_by": group_by(runs),
+        "seeds": SEEDS,
+        "max_runs": max(len(runs), MIN_PANEL_RUNS),
+        "sections": sections(results, logged_keys(runs)),
+    }
+
+
+def wandb_group(run: Run) -> str | None:
+    """The run's W&B group: as it recorded it, or as its config set it, or, for a sweep's job
+    that logged nothing to W&B, the group training would have given it."""
+    where = run.summary.get("wandb") or run.config.get("wandb") or {}
+    if where.get("group"):
+        return where["group"]
+    if (run.path.parent / "multirun.yaml").is_file():  # Hydra's record of the sweep
+        return sweep_group(run.path.parent)
+    return None
+
+
+def group_by(runs: list[Run]) -> list[str]:
+    """The W&B config keys that tell configurations apart: precision first, then every other key
+    whose override differs between the runs, in the order given; the seed and resume never."""
+    given = [dict(_split(o) for o in run.overrides) for run in runs]
+    keys = dict.fromkeys(key for overrides in given for key in overrides)
+    varying = [
+        key
+        for key in keys
+        if key not in NOT_CONFIG and len({overrides.get(key) for overrides in given}) > 1
+    ]
+    wandb_keys = [_wandb_key(key, runs[0]) for key in ["precision", *varying]]
+    return list(dict.fromkeys(wandb_keys))
+
+
+def _split(override: str) -> tuple[str, str]:
+    """`+optimizer.lr=1e-3` -> (`optimizer.lr`, `1e-3`)."""
+    key, _, value = override.lstrip("+~").partition("=")
+    return key, value
+
+
+def _wandb_key(key: str, run: Run) -> str:
+    """Where an override's value is in the W&B run's config, which holds the composed config
+    nested by its dots (`optimizer.lr`) and what ran under `ran`. A config group's override picks
+    an option, recorded in `ran.choices`; the config holds only that option's keys."""
+    if key in RAN_KEYS:
+        return RAN_KEYS[key]
+    if key in run.choices:
+        return f"ran.choices.{key}"
+    return key
+
+
+def logged_keys(runs: list[Run]) -> set[str]:
+    """The metrics with numbers in the runs' rows (text and histograms cannot be plotted)."""
+    return {
+        key
+        for run in runs
+        for row in (*run.steps, *run.epochs, *run.diagnostics)
+        for key, value in row.items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+
+
+def sections(results: list[str], logged: set[str]) -> list[dict]:
+    """The view's sections, in the order a reader asks; those with nothing to show are left out."""
+    result = [
+        panel
+        for metric in results
+        for panel in (
+            _line(f"{metric} by epoch", "epoch", metric),
+            _line(f"{metric} by wall-clock time", WALL_TIME, metric),
+        )
+    ]
+    scale = [
+        # halvings and doublings are even steps on a log axis; on a linear one the back-offs
+        # below the first vanish into the floor
+        _line("loss scale (log axis)", "step", "amp/scale", log_y=True),
+        _line("skipped steps", "step", "amp/skipped_steps"),
+    ]
+    found = [
+        ("Result", True, result),
+        ("Loss scale", True, scale),
+        ("Speed", True, [_bar(key) for key in SPEED if key in logged]),
+        ("Memory", True, [_bar(key) for key in MEMORY_KEYS if key in logged]),
+        ("Diagnostics", False, [_line(k, "step", k) for k in sorted(logged) if _diagnostic(k)]),
+    ]
+    return [
+        {"name": name, "open": open_, "panels": panels} for name, open_, panels in found if panels
+    ]
+
+
+def _line(title: str, x: str, y: str, log_y: bool = False) -> dict:
+    return {"kind": "line", "title": title, "x": x, "y": [y], "log_y": log_y}
+
+
+def _bar(metric: str) -> dict:
+    # a bar is the run's summary value, which W&B keeps as the last epoch's
+    return {"kind": "bar", "title": f"{metric} (last epoch)", "y": [metric]}
+
+
+def _diagnostic(key: str) -> bool:
+    """Whole-model diagnostics: `diag/total/...`, `diag/<count>` and the non-finite guards'
+    counts. The per-layer `diag/<layer>/...` are many; report.md's underflow plot has them."""
+    whole = key.startswith("diag/") and key.count("/") == 1
+    return whole or key.startswith(("diag/total/", "amp/nonfinite_"))
+
+
+def after_report(spec: dict | None, out_dir: Path, mode: str) -> None:
+    """The report's one line on its view: its URL (the view is created when the runs are online),
+    or how to create it later. Nothing for runs in no group or with W&B disabled."""
+    if spec is None or mode == "disabled":
+        return
+    if mode == "online" or spec.get("url"):
+        open_view(spec, out_dir)
+    else:
+        missing = _workspaces_missing()
+        needs = f" ({missing}: {INSTALL})" if missing else ""
+        print(f"W&B view: once the runs are synced, create it with `{_later(out_dir)}`{needs}")
+
+
+def open_view(spec: dict, out_dir: Path) -> None:
+    """Print the view's URL, creating the view unless the spec records one made before (a second
+    view of the same runs would only clutter the project); or one line saying why it could not
+    be created and how to try again."""
+    if spec.get("url"):
+        print(f"W&B view: {spec['url']}")
+        return
+    try:
+        url = create_view(spec, out_dir)
+    except ViewNotCreated as why:
+        print(f"W&B view not created ({why}); create it later with `{_later(out_dir)}`")
+    else:
+        print(f"W&B view: {url}")
+
+
+def create_view(spec: dict, out_dir: Path) -> str:
+    """Save the spec as a view of its W&B project and record its URL in the spec's file; the URL.
+    Raises ViewNotCreated: without the package, an API key or W&B's API."""
+    missing = _workspaces_missing()
+    if missing:
+        raise ViewNotCreated(f"{missing}: {INSTALL}")
+    if not has_wandb_key():  # W&B's client would ask for one on a terminal
+        raise ViewNotCreated("no W&B API key here: `wandb login`")
+    try:
+        import wandb
+
+        entity = spec["entity"] or wandb.Api().default_entity
+        workspace = to_workspace(spec, entity)
+        with contextlib.redirect_stderr(io.StringIO()):  # W&B's own "View saved" line
+            url = workspace.save().url
+    except Exception as err:  # W&B's API failing costs the view, never the report
+        said = str(err).strip().splitlines() or [type(err).__name__]
+        raise ViewNotCreated(said[0][:200]) from None
+    with contextlib.suppress(OSError):  # the view stands; only a later report might add another
+        write_json_atomically({**spec, "url": url}, out_dir / SPEC_FILE)
+    return url
+
+
+def to_workspace(spec: dict, entity: str) -> Any:
+    """The spec as a `wandb_workspaces` Workspace of `entity`, not yet saved (no network)."""
+    import wandb_workspaces.reports.v2 as wr
+    import wandb_workspaces.workspaces as ws
+
+    groups = spec["runs"]["groups"]
+    in_group = (
+        ws.Metric("Group") == groups[0] if len(groups) == 1 else ws.Metric("Group").isin(groups)
+    )
+    return ws.Workspace(
+        entity=entity,
+        project=spec["project"],
+        name=spec["name"],
+        sections=[
+            ws.Section(
+                name=section["name"],
+                is_open=section["open"],
+                panels=[_panel(wr, panel, spec["seeds"]) for panel in section["panels"]],
+            )
+            for section in spec["sections"]
+        ],
+        settings=ws.WorkspaceSettings(max_runs=spec["max_runs"]),
+        runset_settings=ws.RunsetSettings(
+            filters=[in_group, ws.Metric("JobType") == spec["runs"]["job_type"]],
+            groupby=[ws.Config(key) for key in spec["group_by"]],
+        ),
+    )
+
+
+def _panel(wr: Any, panel: dict, seeds: dict) -> Any:
+    """One panel; a group's runs (its seeds) drawn as their mean with a band from min to max."""
+    grouped = {"groupby_aggfunc": seeds["line"], "groupby_rangefunc": seeds["band"]}
+    if panel["kind"] == "bar":
+        return wr.BarPlot(title=panel["title"], metrics=panel["y"], **grouped)
+    return wr.LinePlot(
+        title=panel["title"], x=panel["x"], y=panel["y"], log_y=panel["log_y"], **grouped
+    )
+
+
+def _workspaces_missing() -> str | None:
+    """Why the `wandb_workspaces` package cannot be used here, or None when it can."""
+    try:
+        import wandb_workspaces.workspaces  # noqa: F401
+    except ImportError:
+        return "it needs the wandb-workspaces package"
+    return None
+
+
+def _later(out_dir: Path) -> str:
+    return f"mpexp-report {shlex.quote(str(out_dir))} --wandb-view"

@@ -1,0 +1,287 @@
+"""The sweep's W&B view (mpexp/report/wandb_view.py): the spec that a real sweep writes into
+wandb-view.json, checked against its offline W&B runs; the wandb_workspaces Workspace a spec
+becomes; the one line printed when W&B cannot be reached or the package is missing; and the save
+itself, against a stand-in for W&B's GraphQL API on this machine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from mpexp.report.runs import Run
+from mpexp.report.wandb_view import (
+    INSTALL,
+    SPEC_FILE,
+    WALL_TIME,
+    result_metric,
+    sections,
+    to_workspace,
+)
+from tests.conftest import TINY, run_cli
+from tests.test_wandb import final_run, leet_records
+
+# TINY for one short epoch, W&B and the sweep's keys left to each test
+SWEEP = [
+    *(o for o in TINY if not o.startswith(("wandb.mode", "optimizer.lr", "trainer.epochs"))),
+    "dataset.train_size=256",
+    "trainer.epochs=1",
+]
+FAKE_KEY = "a" * 40
+
+
+def sweep_of(cwd: Path, *overrides: str) -> tuple[Path, str]:
+    result = run_cli("mpexp.train", "-m", *SWEEP, *overrides, cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    (sweep,) = (cwd / "outputs" / "multirun").glob("*/*")
+    return sweep, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def offline_sweep(tmp_path_factory) -> tuple[Path, str]:
+    """fp32 and bf16, two seeds each, W&B offline (as without network): the sweep and its output."""
+    cwd = tmp_path_factory.mktemp("offline")
+    return sweep_of(cwd, "wandb.mode=offline", "precision=fp32,bf16", "trainer.seed=0,1")
+
+
+def view_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "W&B view" in line]
+
+
+def spec_of(sweep: Path) -> dict:
+    return json.loads((sweep / SPEC_FILE).read_text())
+
+
+def panels(spec: dict, section: str) -> list[dict]:
+    (found,) = [s["panels"] for s in spec["sections"] if s["name"] == section]
+    return found
+
+
+def config_value(config: dict, key: str):
+    """A dotted key's value in a nested config, as W&B's grouping reads it."""
+    for part in key.split("."):
+        config = config[part]
+    return config
+
+
+@pytest.mark.slow
+def test_a_sweeps_view_groups_by_precision_not_seed_in_the_sweeps_group(offline_sweep):
+    sweep, output = offline_sweep
+    spec = spec_of(sweep)
+    runs = [final_run(leet_records(next((sweep / str(j) / "wandb").glob("offline-run-*"))))
+            for j in range(4)]  # fmt: skip
+
+    # filtered to the group and job type the W&B runs have, named after the group
+    assert spec["runs"] == {"groups": [runs[0]["run_group"]], "job_type": "train"}
+    assert {(r["run_group"], r["job_type"]) for r in runs} == {(spec["name"], "train")}
+    # grouped by a config key that the W&B runs hold, whose values are the precisions; the seed,
+    # which also varied, is no grouping key, so each precision's seeds make one group
+    assert spec["group_by"] == ["ran.precision"]
+    assert [config_value(r["config"], "ran.precision") for r in runs] == [
+        "fp32", "fp32", "bf16", "bf16"
+    ]  # fmt: skip
+    assert {config_value(r["config"], "trainer.seed") for r in runs} == {0, 1}
+    assert spec["seeds"] == {"line": "mean", "band": "minmax"}
+
+    assert [s["name"] for s in spec["sections"]] == ["Result", "Loss scale", "Speed", "Memory"]
+    result = panels(spec, "Result")
+    assert [(p["x"], p["y"]) for p in result] == [("epoch", ["val/acc"]), (WALL_TIME, ["val/acc"])]
+    (scale,) = [p for p in panels(spec, "Loss scale") if p["y"] == ["amp/scale"]]
+    assert (scale["x"], scale["log_y"]) == ("step", True)
+    speed = [p["y"][0] for p in panels(spec, "Speed")]
+    assert speed == ["perf/epoch_time_s", "perf/samples_per_s", "perf/tflops"]  # no MFU on a CPU
+    assert {p["kind"] for p in panels(spec, "Speed") + panels(spec, "Memory")} == {"bar"}
+
+    # offline (no network): the sweep ends as before, and one line says how to create the view
+    (line,) = view_lines(output)
+    assert f"`mpexp-report {sweep} --wandb-view`" in line
+    assert "wandb sync" not in line  # the one sync command stays the report's
+
+    # its Workspace groups by the key as W&B stores nested config: {"ran": {"value": {...}}}
+    pytest.importorskip("wandb_workspaces")
+    model = to_workspace(spec, "someone")._to_model()
+    (runset,) = model.spec.section.run_sets
+    assert [(k.section, k.name) for k in runset.grouping] == [("config", "ran.value.precision")]
+
+
+@pytest.mark.slow
+def test_a_sweep_that_varied_the_learning_rate_groups_by_both(tmp_path):
+    sweep, output = sweep_of(tmp_path, "precision=fp32,bf16", "optimizer.lr=1e-3,3e-3",
+                             "wandb.mode=disabled")  # fmt: skip
+    spec = spec_of(sweep)  # written with W&B disabled too
+    assert spec["group_by"] == ["ran.precision", "optimizer.lr"]
+    # the group its runs would have had in W&B
+    assert spec["runs"]["groups"] == [f"sweep-{sweep.parent.name}_{sweep.name}"]
+    # the config W&B is sent, summary.json's, holds the learning rate where the view looks
+    summaries = [json.loads((sweep / str(j) / "summary.json").read_text()) for j in range(4)]
+    assert [config_value(s["config"], "optimizer.lr") for s in summaries] == [1e-3, 3e-3] * 2
+    assert view_lines(output) == []  # W&B disabled: nothing to say about a view
+
+
+@pytest.mark.slow
+def test_without_network_the_view_costs_one_line(offline_sweep, monkeypatch):
+    sweep, _ = offline_sweep
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("WANDB_HTTP_TIMEOUT", "1")
+    result = run_cli("mpexp.report", str(sweep), "--wandb-view", cwd=sweep, timeout=60)
+    assert result.returncode == 0, result.stderr
+    (line,) = view_lines(result.stdout + result.stderr)
+    assert line.startswith("W&B view not created (") and line.endswith(" --wandb-view`")
+    assert "url" not in spec_of(sweep)
+
+
+@pytest.mark.slow
+def test_without_the_extra_the_view_costs_one_line(offline_sweep, tmp_path):
+    sweep, _ = offline_sweep
+    # a wandb_workspaces that cannot be imported, ahead of the installed one
+    (tmp_path / "wandb_workspaces").mkdir()
+    (tmp_path / "wandb_workspaces" / "__init__.py").write_text(
+        "raise ImportError('No module named wandb_workspaces')\n"
+    )
+    result = run_cli("mpexp.report", str(sweep), "--wandb-view", cwd=tmp_path, pythonpath=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (line,) = view_lines(result.stdout + result.stderr)
+    assert line.startswith("W&B view not created (") and INSTALL in line
+
+    # the report written again says so too, beside how to create the view later
+    out = tmp_path / "report"
+    again = run_cli("mpexp.report", str(sweep), "--out", str(out), cwd=tmp_path,
+                    pythonpath=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    (line,) = view_lines(again.stdout)
+    assert INSTALL in line and f"`mpexp-report {out} --wandb-view`" in line
+
+
+class FakeWandb(BaseHTTPRequestHandler):
+    """W&B's GraphQL API as far as saving a view needs it: the signed-in user is `me`, and every
+    view sent is kept in `views`."""
+
+    views: ClassVar[list[dict]] = []
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        query = json.loads(body) if self.path == "/graphql" else {}
+        if "upsertView" in query.get("query", ""):
+            FakeWandb.views.append(query["variables"])
+            data = {"upsertView": {"view": {"id": "v1", "name": query["variables"]["name"]}}}
+        else:  # the viewer: who the API key belongs to
+            data = {"viewer": {"id": "u1", "entity": "me", "username": "me", "email": None,
+                               "flags": "{}", "teams": {"edges": []}}}  # fmt: skip
+        answer = json.dumps({"data": data}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeWandb)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.server_port}")
+    FakeWandb.views = []
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.slow
+def test_the_view_is_saved_once_and_its_url_printed(offline_sweep, fake_wandb, tmp_path):
+    pytest.importorskip("wandb_workspaces")
+    sweep = tmp_path / "sweep"
+    shutil.copytree(offline_sweep[0], sweep, symlinks=True)
+    result = run_cli("mpexp.report", str(sweep), "--wandb-view", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    (line,) = view_lines(result.stdout + result.stderr)
+    assert line.startswith(f"W&B view: {fake_wandb}/me/mpexp?nw=")
+    url = line.removeprefix("W&B view: ")
+    assert spec_of(sweep)["url"] == url
+
+    (view,) = FakeWandb.views
+    spec = spec_of(sweep)
+    assert (view["entityName"], view["projectName"]) == ("me", "mpexp")
+    assert view["displayName"] == spec["name"]
+    saved = json.loads(view["spec"])["section"]
+    (runset,) = saved["runSets"]
+    assert [(f["key"]["name"], f["value"]) for f in runset["filters"]["filters"]] == [
+        ("group", spec["name"]),
+        ("jobType", "train"),
+    ]
+    assert runset["grouping"] == [{"section": "config", "name": "ran.value.precision"}]
+    bank = saved["panelBankConfig"]["sections"]
+    assert [(s["name"], s["isOpen"]) for s in bank] == [(s["name"], True) for s in spec["sections"]]
+    configs = [p["config"] for s in bank for p in s["panels"]]
+    (scale,) = [c for c in configs if c["metrics"] == ["amp/scale"]]
+    assert scale["yLogScale"] is True
+    assert {(c["groupAgg"], c["groupArea"]) for c in configs} == {("mean", "minmax")}
+
+    # the report written again prints the view it has, and adds no second one to the project
+    again = run_cli("mpexp.report", str(sweep), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert view_lines(again.stdout) == [f"W&B view: {url}"]
+    assert len(FakeWandb.views) == 1 and spec_of(sweep)["url"] == url
+
+
+def test_a_spec_becomes_a_workspace_with_closed_diagnostics():
+    pytest.importorskip("wandb_workspaces")
+    logged = {"perf/epoch_time_s", "mem/peak_rss_mib", "diag/total/underflow", "diag/fc/underflow"}
+    spec = {
+        "name": "sweep-a, sweep-b",
+        "entity": None,
+        "project": "mpexp",
+        "runs": {"groups": ["sweep-a", "sweep-b"], "job_type": "train"},
+        "group_by": ["ran.precision", "optimizer.lr"],
+        "seeds": {"line": "mean", "band": "minmax"},
+        "max_runs": 24,
+        "sections": sections(["val/loss"], logged),
+    }
+    workspace = to_workspace(spec, "someone")
+    assert (workspace.entity, workspace.project, workspace.name) == (
+        "someone",
+        "mpexp",
+        spec["name"],
+    )
+    assert [(s.name, s.is_open) for s in workspace.sections] == [
+        ("Result", True), ("Loss scale", True), ("Speed", True), ("Memory", True),
+        ("Diagnostics", False),
+    ]  # fmt: skip
+    # the whole model's diagnostics; the per-layer ones are report.md's underflow plot
+    (diagnostic,) = workspace.sections[-1].panels
+    assert diagnostic.y == ["diag/total/underflow"]
+    lines = [p for s in workspace.sections for p in s.panels]
+    assert {(p.groupby_aggfunc, p.groupby_rangefunc) for p in lines} == {("mean", "minmax")}
+    assert [p.y for p in workspace.sections[0].panels] == [["val/loss"], ["val/loss"]]
+    assert workspace.settings.max_runs == 24
+
+    model = workspace._to_model()  # what save() would send
+    (runset,) = model.spec.section.run_sets
+    group, job_type = runset.filters["filters"]
+    assert (group["key"]["name"], group["op"], group["value"]) == (
+        "group",
+        "IN",
+        spec["runs"]["groups"],
+    )
+    assert (job_type["key"]["name"], job_type["value"]) == ("jobType", "train")
+    assert [k.name for k in runset.grouping] == ["ran.value.precision", "optimizer.value.lr"]
+
+
+def test_diagnostics_appear_only_when_logged():
+    names = [s["name"] for s in sections(["val/acc"], {"perf/epoch_time_s", "mem/peak_rss_mib"})]
+    assert names == ["Result", "Loss scale", "Speed", "Memory"]
+
+
+def test_the_result_is_the_tasks_metric_or_val_acc():
+    task = {"name": "lm", "result": "val/loss", "higher_is_better": False}
+    assert result_metric(Run(Path("lm"), "finished", summary={"ran": {"task": task}})) == "val/loss"
+    assert result_metric(Run(Path("cnn"), "finished", summary={"ran": {}})) == "val/acc"
