@@ -46,8 +46,10 @@ class CausalSelfAttention(nn.Module):
         # (n, length, 3 * width) -> q, k, v, each (n, heads, length, width / heads)
         qkv = self.qkv(x).view(n, length, 3, self.n_head, width // self.n_head)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        if self.measure_logits:
-            self.logit_absmax = causal_logit_absmax(q, k)
+        if self.measure_logits:  # the largest over the step's micro-batches
+            value = causal_logit_absmax(q, k)
+            before = self.logit_absmax
+            self.logit_absmax = value if before is None else torch.maximum(before, value)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )

@@ -28,6 +28,13 @@
   non-zero overflow fraction means a non-finite tensor. The weights are what torchao casts to
   e4m3; the weight gradients are not cast by torchao (the gradients flowing between layers are),
   so theirs say how much of their range each format would keep.
+- Attention logits (the same `diagnostics.grad_stats_every=N`, on models whose attention layers
+  can measure them, such as model=gpt): every N steps, per attention layer and over all of them
+  (`total`), the largest |q.k| / sqrt(head width) of the step's forward pass, in float32. fp16
+  holds at most 65504: in a transformer the attention logits are where it overflows first, as
+  they grow with the weights' norms during training. A layer offers this by an attribute
+  `measure_logits`, which the diagnostics set for the steps they inspect, and
+  `logit_absmax`, the 0-d tensor that forward pass left there.
 - Overflow attribution (`diagnostics.overflow_attribution=true`): the names of the parameters whose
   gradients were not finite, on each step where any was (a skipped step, under loss scaling).
 - The loss-scale floor of dynamic and hysteresis scaling, checked here because it is read back the
@@ -227,11 +234,17 @@ class Diagnostics:
         self.fp8_recipe = fp8.recipe if fp8 else None
         self._fp8 = DeviceRows()
 
+        # attention layers that can measure their logits' range on the steps inspected
+        self.attention = [(n, m) for n, m in root.named_modules() if hasattr(m, "measure_logits")]
+        self._logits = DeviceRows()
+
     def inspector(self, step: int) -> Callable[[], None] | None:
         """What to run on the step's unscaled gradients, or None when nothing is due."""
         stats = self.every > 0 and step % self.every == 0
         if not (stats or self.attribute):
             return None
+        for _, layer in self.attention:  # this step's forward pass measures its logits
+            layer.measure_logits = stats
         return partial(self._inspect, step, stats)
 
     def _inspect(self, step: int, stats: bool) -> None:
@@ -241,6 +254,8 @@ class Diagnostics:
         ]
         if self.attribute:
             self._flags = self._nonfinite(grads)
+        if stats and self.attention:
+            self._logits.append(step, self._logit_absmax())
         if stats and self.fp8_layers:
             self._fp8.append(step, self._fp8_counts())
         elif stats:
@@ -251,6 +266,15 @@ class Diagnostics:
             )
             per_layer.index_add_(0, self._layer_of, per_param)
             self._stats.append(step, per_layer.flatten())
+
+    def _logit_absmax(self) -> torch.Tensor:
+        """Each attention layer's largest |logit| of this step, and the layers' switch off."""
+        values = []
+        for _, layer in self.attention:
+            layer.measure_logits = False
+            values.append(layer.logit_absmax.float())
+            layer.logit_absmax = None
+        return torch.stack(values)
 
     def _fp8_counts(self) -> torch.Tensor:
         rows = []
@@ -282,6 +306,10 @@ class Diagnostics:
             self.tracker.log(self._stats_row(step, counts))
         for step, counts in self._fp8.flush(wait):
             self.tracker.log(self._fp8_row(step, counts))
+        for step, values in self._logits.flush(wait):
+            names = [name for name, _ in self.attention]
+            row = {f"diag/{n}/attn_logit_absmax": v for n, v in zip(names, values, strict=True)}
+            self.tracker.log({"step": step, **row, "diag/total/attn_logit_absmax": max(values)})
 
     def _attribute(self, step: int, flags: list[float]) -> None:
         names = [name for (name, _), bad in zip(self.params, flags, strict=True) if bad]
