@@ -345,7 +345,8 @@ def test_a_killed_gpt_run_resumes_with_the_same_windows(tmp_path):
 def test_attention_logits_are_measured_on_the_diagnostics_steps(tmp_path):
     cfg = make_cfg(*tiny_lm(tmp_path, "diagnostics.grad_stats_every=8", "trainer.epochs=1"))
     train(cfg, RunContext(tmp_path / "run"))
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    rows = [json.loads(line) for line in metrics.splitlines()]
     logits = [r for r in rows if "diag/total/attn_logit_absmax" in r]
     assert [r["step"] for r in logits] == [8, 16]
     for row in logits:
