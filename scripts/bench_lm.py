@@ -1,0 +1,186 @@
+"""Benchmark mpexp on a language model against a plain loop that trains the same GPT on the same
+windows, per precision.
+
+For each precision, one after the other on one device:
+  mpexp  `python -m mpexp.train model=<model> dataset=text precision=<p> ...` in a process of its
+         own, exactly as a user's command runs (W&B off); tokens/s from its metrics.jsonl;
+  plain  the same model (mpexp/models/gpt.py, built from the same config and seed), the same
+         optimizer and learning rate, the same windows of the same token file (the offsets drawn
+         as mpexp draws them), the same autocast dtype and, where mpexp compiled, torch.compile:
+         a loop with nothing else (no metrics, no loss scaling but fp16's GradScaler, no
+         checkpoints).
+Both time each epoch's training steps (validation and compilation left out) and report the
+median tokens/s over the epochs after the first; the ratio mpexp / plain says what mpexp costs.
+The validation loss each mpexp run reached in its fixed number of steps is reported beside it.
+
+    python scripts/bench_lm.py                                  # CPU: the tiny GPT, fp32 and bf16
+    python scripts/bench_lm.py --json bench_lm.json
+    python scripts/bench_lm.py --device cuda --model gpt2_small --precisions bf16,fp16,fp8 \\
+        --batch-size 16 --train-size 2048 --epochs 3 trainer.compile=true
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch.nn.functional as F  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from mpexp.data.base import epoch_seed  # noqa: E402
+from mpexp.models.gpt import GPT  # noqa: E402
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+
+def overrides(args, precision: str, run_dir: Path) -> list[str]:
+    return [
+        f"model={args.model}",
+        "dataset=text",
+        f"precision={precision}",
+        f"trainer.device={args.device}",
+        f"trainer.epochs={args.epochs}",
+        f"dataset.train_size={args.train_size}",
+        f"dataset.batch_size={args.batch_size}",
+        f"dataset.cache_dir={args.cache_dir}",
+        f"trainer.seed={args.seed}",
+        "trainer.progress=false",
+        "wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+        *args.extra,
+    ]
+
+
+def run_mpexp(args, precision: str, tmp: Path) -> dict:
+    """The user's command in a process of its own; its timed epochs and what ran."""
+    run_dir = tmp / f"mpexp-{precision}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "mpexp.train", *overrides(args, precision, run_dir)]
+    subprocess.run(command, check=True, env=env, cwd=tmp, capture_output=True, text=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if "epoch" in r]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {
+        "tokens_per_s": statistics.median(e["perf/tokens_per_s"] for e in epochs[1:]),
+        "epoch_time_s": statistics.median(e["perf/epoch_time_s"] for e in epochs[1:]),
+        "val_loss": epochs[-1]["val/loss"],
+        "steps": epochs[-1]["step"],
+        "tflops": statistics.median(e.get("perf/tflops", 0.0) for e in epochs[1:]),
+        "mfu": statistics.median(e.get("perf/mfu", 0.0) for e in epochs[1:]),
+        "ran": summary["ran"],
+        "cfg": summary["config"],
+    }
+
+
+def run_plain(args, precision: str, mpexp: dict) -> dict:
+    """The plain loop, with what mpexp's run used: config, token file, compile switch."""
+    cfg = mpexp["cfg"]
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    model_cfg = {k: v for k, v in cfg["model"].items() if k != "_target_"}
+    model = GPT(vocab_size=256, **model_cfg).to(device)
+    if precision == "fp8":  # every Linear layer of the GPT is fp8-convertible, as in mpexp
+        import torchao.float8 as float8
+
+        recipe = float8.Float8LinearConfig.from_recipe_name(cfg["precision"]["fp8"]["recipe"])
+        recipe = dataclasses.replace(recipe, emulate=device.type == "cpu")
+        model = float8.convert_to_float8_training(model, config=recipe)
+    optimizer_cfg = OmegaConf.create({**cfg["optimizer"], "fused": device.type == "cuda"})
+    optimizer = instantiate(optimizer_cfg)(model.parameters())
+    forward = torch.compile(model) if mpexp["ran"].get("compile") else model
+    dtype = DTYPES.get(precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    (tokens_file,) = Path(args.cache_dir).glob("*.bin")  # the cache mpexp's run wrote
+    tokens = np.memmap(tokens_file, dtype=np.uint8, mode="r")
+    block, batch, n = model_cfg["block_size"], args.batch_size, args.train_size
+    split = round(len(tokens) * (1 - cfg["dataset"]["val_fraction"]))
+    rates = []
+    for epoch in range(1, args.epochs + 1):
+        generator = torch.Generator().manual_seed(epoch_seed(args.seed, epoch))
+        offsets = torch.randint(split - block, (n,), generator=generator).numpy()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for first in range(0, n - n % batch, batch):
+            index = offsets[first : first + batch, None] + np.arange(block + 1)
+            windows = torch.from_numpy(tokens[index].astype(np.int64))
+            if device.type == "cuda":
+                windows = windows.pin_memory().to(device, non_blocking=True)
+            x, y = windows[:, :-1], windows[:, 1:]
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                logits = forward(x)
+                loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates.append((n - n % batch) * block / (time.perf_counter() - start))
+    return {"tokens_per_s": statistics.median(rates[1:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="gpt")
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--train-size", type=int, default=4096, help="windows per epoch")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-dir", default=None, help="token cache (default: a temp dir)")
+    parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument("extra", nargs="*", help="more overrides for the mpexp runs")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        args.cache_dir = args.cache_dir or str(tmp / "cache")
+        for precision in args.precisions.split(","):
+            mpexp = run_mpexp(args, precision, tmp)
+            plain = run_plain(args, precision, mpexp)
+            ratio = mpexp["tokens_per_s"] / plain["tokens_per_s"]
+            row = {
+                "precision": precision,
+                "mpexp_tokens_per_s": mpexp["tokens_per_s"],
+                "plain_tokens_per_s": plain["tokens_per_s"],
+                "mpexp_over_plain": ratio,
+                "val_loss": mpexp["val_loss"],
+                "steps": mpexp["steps"],
+                "tflops": mpexp["tflops"],
+                "mfu": mpexp["mfu"],
+                "device_name": mpexp["ran"]["device_name"],
+                "compile": mpexp["ran"].get("compile"),
+                "emulated": mpexp["ran"].get("emulated"),
+            }
+            results.append(row)
+            print(
+                f"{precision:5s} mpexp {row['mpexp_tokens_per_s']:10,.0f} tok/s | plain "
+                f"{row['plain_tokens_per_s']:10,.0f} tok/s | ratio {ratio:.3f} | val loss "
+                f"{row['val_loss']:.4f} after {row['steps']} steps | {row['tflops']:.3g} TFLOP/s"
+                + (f", MFU {100 * row['mfu']:.1f} %" if row["mfu"] else ""),
+                flush=True,
+            )
+    summary = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "results": results}
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
