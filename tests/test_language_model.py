@@ -369,3 +369,12 @@ def test_a_two_precision_sweep_is_judged_by_the_validation_loss(tmp_path):
     text = (sweep / "report.md").read_text()
     assert "## Validation loss against fp32" in text
     assert "Δ val loss (nats)" in text and "0.02 nats" in text
+
+
+def test_fp8_converts_every_linear_layer_of_the_gpt(tmp_path):
+    args = tiny_lm(tmp_path, "precision=fp8", "trainer.epochs=1", "dataset.train_size=64")
+    summary = train(make_cfg(*args), RunContext(tmp_path / "run"))
+    ran = summary["ran"]
+    assert ran["precision"] == "fp8" and ran["fp8_converted_count"] == 2 * 4  # 2 blocks x 4
+    assert ran["fp8_unconverted"] == {}
+    assert math.isfinite(summary["val/loss"])
