@@ -16,6 +16,7 @@ import pytest
 
 from mpexp.report.runs import Run
 from mpexp.report.wandb_view import (
+from mpexp.tasks.language_model import LanguageModelling
     INSTALL,
     SPEC_FILE,
     WALL_TIME,
@@ -282,6 +283,6 @@ def test_diagnostics_appear_only_when_logged():
 
 
 def test_the_result_is_the_tasks_metric_or_val_acc():
-    task = {"name": "lm", "result": "val/loss", "higher_is_better": False}
+    task = {"name": "language_model", **LanguageModelling.result.record(), "block_size": 64}
     assert result_metric(Run(Path("lm"), "finished", summary={"ran": {"task": task}})) == "val/loss"
     assert result_metric(Run(Path("cnn"), "finished", summary={"ran": {}})) == "val/acc"
