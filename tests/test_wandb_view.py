@@ -16,7 +16,6 @@ import pytest
 
 from mpexp.report.runs import Run
 from mpexp.report.wandb_view import (
-from mpexp.tasks.language_model import LanguageModelling
     INSTALL,
     SPEC_FILE,
     WALL_TIME,
@@ -24,6 +23,7 @@ from mpexp.tasks.language_model import LanguageModelling
     sections,
     to_workspace,
 )
+from mpexp.tasks.language_model import LanguageModelling
 from tests.conftest import TINY, run_cli
 from tests.test_wandb import final_run, leet_records
 
