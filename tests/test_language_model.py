@@ -22,7 +22,7 @@ from mpexp.run.hydra_hooks import result_direction
 from mpexp.run.runner import train
 from mpexp.step.flops import flops_per_sample
 from mpexp.tasks.language_model import LanguageModelling
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.tracker import RunContext, Validations
 from tests.conftest import CPU, make_cfg, run_cli
 from tests.test_faults import one_line_failure
 from tests.test_resume import assert_bitwise_equal, comparable, start_cli, status, wait_for
@@ -395,3 +395,13 @@ def test_a_gpt_under_two_rank_ddp_matches_one_process_with_the_same_global_batch
     assert steps[0] == pytest.approx(steps[1], rel=1e-4)
     ran = json.loads((tmp_path / "ddp" / "summary.json").read_text())["ran"]
     assert ran["replicas_identical"] is True and ran["world_size"] == 2
+
+
+def test_the_best_checkpoint_of_a_language_model_is_its_lowest_val_loss():
+    validations = Validations(LanguageModelling.result)
+    best = []
+    for epoch, loss in enumerate([3.0, 2.5, 2.7, 2.4, float("nan")], start=1):
+        validations.add({"epoch": epoch, "step": 10 * epoch, "val/loss": loss, "val/ppl": 1.0})
+        best.append(validations.last["best"])
+    assert best == [True, True, False, True, False]
+    assert validations.last["metrics"]["val/ppl"] == 1.0  # what the artifact's metadata holds
