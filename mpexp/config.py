@@ -154,19 +154,32 @@ class DatasetConfig:
     num_workers: int = 2
 
 
+@dataclass
+class CropFlipConfig:
+    """The training batches' augmentation, done on the device (mpexp/data/augment.py)."""
+
+    crop_padding: int = 0  # zeros around each image, then a random crop of its size; 0: none
+    flip: bool = False  # mirror half of the images left to right
+
+
+@dataclass
+class InMemoryDatasetConfig(DatasetConfig):
+    augment: CropFlipConfig = field(default_factory=CropFlipConfig)
+
+
 # Where downloaded datasets live: one folder per user, not a `data/` in every folder a run starts
 # from; MPEXP_DATA_DIR moves it (a shared or faster disk), dataset.root=... overrides both
 DATA_ROOT = "${oc.env:MPEXP_DATA_DIR,'~/.cache/mpexp/data'}"
 
 
 @dataclass
-class TorchvisionDatasetConfig(DatasetConfig):
+class TorchvisionDatasetConfig(InMemoryDatasetConfig):
     root: str = DATA_ROOT
     download: bool = True
 
 
 @dataclass
-class SyntheticDatasetConfig(DatasetConfig):
+class SyntheticDatasetConfig(InMemoryDatasetConfig):
     train_size: int = 8192
     val_size: int = 1024
     channels: int = 1

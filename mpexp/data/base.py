@@ -15,6 +15,9 @@ conventional path.
 In a distributed run each rank trains on its shard of every epoch: both loaders draw the same
 seeded permutation and rank r takes every world_size-th sample of it from position r, as
 DistributedSampler does, so together the ranks see each sample once per epoch.
+
+`augment` crops and flips the training batches on the device, both loaders alike
+(mpexp/data/augment.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import ClassVar
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from mpexp.data.augment import CropFlip
 from mpexp.data.checks import warn_nonfinite
 from mpexp.tasks.base import Task
 from mpexp.tasks.classification import Classification
@@ -128,10 +132,12 @@ class InMemoryData(TrainingData):
         drop_last: bool = True,
         loader: str = "device",
         num_workers: int = 0,
+        augment: dict | None = None,
     ):
         super().__init__(batch_size, drop_last)
         self.loader = loader
         self.num_workers = num_workers
+        self.augment = CropFlip(**(augment or {}))  # of the training batches, on the device
         self.memory_format = torch.contiguous_format  # setup() takes the step's
         self.train: Batch | None = None
         self.val: Batch | None = None
@@ -195,17 +201,20 @@ class InMemoryData(TrainingData):
         """Shuffled training batches; with `loader=device` and `static`, every full batch is
         gathered into the same two tensors."""
         n, world = self.train_size, self.world_size
+        draws = self.augment.draws(n, seed, epoch, device) if self.augment.active else None
         if self.loader == "device":
             generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
             order = torch.randperm(n, generator=generator)
             order = order[: n - n % world][self.rank :: world][start * self.batch_size :]
-            yield from self._gather(self._ready["train"], order.to(device), static)
+            yield from self._gather(self._ready["train"], order.to(device), static, draws)
             return
         # a captured step copies a DataLoader's batches into its own inputs (step_graph.py);
         # batches of in-memory tensors are cheap to skip: slices, no decoding
-        yield from islice(self._loader_batches(epoch, seed, device), start, None)
+        yield from islice(self._loader_batches(epoch, seed, device, draws), start, None)
 
-    def _loader_batches(self, epoch: int, seed: int, device: torch.device) -> Iterator[Batch]:
+    def _loader_batches(
+        self, epoch: int, seed: int, device: torch.device, draws: torch.Tensor | None
+    ) -> Iterator[Batch]:
         world = self.world_size
         if world > 1:
             # DistributedSampler seeds its permutation with seed + epoch: the device path's order
@@ -217,10 +226,14 @@ class InMemoryData(TrainingData):
                 drop_last=True,
             )
             sampler.set_epoch(epoch)
-            yield from self._dataloader(self.train, device, shuffle=False, sampler=sampler)
+            yield from self._dataloader(
+                self.train, device, shuffle=False, sampler=sampler, draws=draws
+            )
         else:
             generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
-            yield from self._dataloader(self.train, device, shuffle=True, generator=generator)
+            yield from self._dataloader(
+                self.train, device, shuffle=True, generator=generator, draws=draws
+            )
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
         """The validation set in order, every sample once."""
@@ -232,7 +245,9 @@ class InMemoryData(TrainingData):
         else:
             yield from self._dataloader(self.val, device, shuffle=False)
 
-    def _gather(self, data: Batch, order: torch.Tensor, static: bool) -> Iterator[Batch]:
+    def _gather(
+        self, data: Batch, order: torch.Tensor, static: bool, draws: torch.Tensor | None = None
+    ) -> Iterator[Batch]:
         images, labels = data
         n, b = len(order), self.batch_size
         stop = n - n % b if self.drop_last else n
@@ -243,17 +258,22 @@ class InMemoryData(TrainingData):
                     self._static = (images.new_empty((b, *images.shape[1:])), labels.new_empty(b))
                 torch.index_select(images, 0, idx, out=self._static[0])
                 torch.index_select(labels, 0, idx, out=self._static[1])
-                yield self._batch_view(self._static[0]), self._static[1]
+                batch = self._batch_view(self._static[0]), self._static[1]
             else:
-                yield self._batch_view(images[idx]), labels[idx]
+                batch = self._batch_view(images[idx]), labels[idx]
+            if draws is not None:
+                self.augment.apply_(batch[0], draws[idx])
+            yield batch
 
     def _dataloader(
-        self, data: Batch, device, shuffle: bool, generator=None, sampler=None
+        self, data: Batch, device, shuffle: bool, generator=None, sampler=None, draws=None
     ) -> Iterator[Batch]:
         pin = device.type == "cuda"
         train = shuffle or sampler is not None
+        # with augmentation each batch brings its samples' indices, to take their draws by
+        indexed = (*data, torch.arange(len(data[1]))) if draws is not None else data
         loader = DataLoader(
-            TensorDataset(*data),
+            TensorDataset(*indexed),
             batch_size=self.batch_size,
             shuffle=shuffle,
             sampler=sampler,
@@ -263,8 +283,8 @@ class InMemoryData(TrainingData):
             generator=generator,
             persistent_workers=False,
         )
-        for images, labels in loader:
-            yield (
-                to_float(images.to(device, non_blocking=pin), self.memory_format),
-                labels.to(device, non_blocking=pin),
-            )
+        for images, labels, *index in loader:
+            images = to_float(images.to(device, non_blocking=pin), self.memory_format)
+            if draws is not None:
+                self.augment.apply_(images, draws[index[0].to(device, non_blocking=pin)])
+            yield images, labels.to(device, non_blocking=pin)

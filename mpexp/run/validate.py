@@ -80,6 +80,8 @@ def validate(cfg: DictConfig) -> None:
             f"dataset.noise={data.noise} must lie in [0, 1): at 1 the images are noise alone and "
             "hold nothing to learn. 0.8 is the default."
         )
+    if "augment" in data:
+        _integer(data.augment.crop_padding, "dataset.augment.crop_padding", 0)
     if "width" in cfg.model:
         _integer(cfg.model.width, "model.width", 1)
 
