@@ -38,6 +38,7 @@ import fcntl
 import json
 import logging
 import math
+import multiprocessing
 import os
 import pickle
 import pty
@@ -49,6 +50,7 @@ import subprocess
 import sys
 import termios
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -283,6 +285,24 @@ def test_a_look_at_a_runs_lock_is_not_taken_for_a_run_holding_it(tmp_path):
     threading.Timer(0.05, look.close).start()
     with RunLock(run_dir):
         assert (run_dir / ".lock").read_text() == f"{os.getpid()}\n"
+
+
+def test_a_forked_child_of_a_run_does_not_keep_its_folder_locked(tmp_path):
+    # a DataLoader worker outlives a killed run for a few seconds: the run's folder is free for
+    # its resume as soon as the run itself is gone, not once the worker has noticed
+    run_dir = tmp_path / "run"
+    with RunLock(run_dir):
+        worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+        worker.start()
+    try:
+        with RunLock(run_dir):  # a new holder: flock refuses a second open file while one holds
+            pass
+        other = (run_dir / ".lock").open("r")
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free, though the worker lives
+        other.close()
+    finally:
+        worker.kill()
+        worker.join()
 
 
 def test_a_second_sweep_into_a_live_sweeps_folder_is_refused_before_it_writes(tmp_path):

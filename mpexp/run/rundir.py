@@ -177,6 +177,20 @@ def refuse_if_taken(run_dir: Path, restart: bool = False, key: str = "hydra.run.
 
 # the directories this process holds locked: directory -> [its lock file, how many hold it]
 _HELD: dict[Path, list] = {}
+
+
+def _let_go_in_child() -> None:
+    """In a forked child (a DataLoader worker), close the lock files it inherited. A flock lock
+    belongs to the open file, which a fork shares: a worker that outlives its killed run would
+    otherwise hold the run's directory, and refuse its resume, until the worker noticed and
+    exited. Closing the child's copy leaves the parent's lock as it is."""
+    for handle, _ in _HELD.values():
+        handle.close()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_let_go_in_child)
 # how long a claim waits out another process's look at the lock (check_not_locked holds it shared
 # for an instant), so that a look is not taken for a run that holds the folder
 LOOK_S = 0.25
