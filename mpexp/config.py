@@ -190,6 +190,37 @@ class SyntheticDatasetConfig(InMemoryDatasetConfig):
     seed: int = 0
 
 
+@dataclass
+class ResizedCropFlipConfig(CropFlipConfig):
+    """An image folder's augmentation: a random resized crop in the DataLoader's workers, then
+    the in-memory sets' crop and flip on the device."""
+
+    # the crop's share of the image's area, drawn from this range (aspect ratio 3/4 to 4/3); null:
+    # no random crop, training images resized and centre-cropped as validation's are
+    crop_scale: Optional[list[float]] = field(default_factory=lambda: [0.08, 1.0])
+    flip: bool = True
+
+
+@dataclass
+class ImageFolderDatasetConfig:
+    """dataset=image_folder: no `loader` key, for its images are always read by DataLoader
+    workers."""
+
+    _target_: str = MISSING
+    path: Optional[str] = None  # train/ and val/ class folders, or class folders to split
+    val_fraction: float = 0.1  # of each class, where there is no val/
+    split_seed: int = 0  # that split's draw: the same for every trainer.seed
+    image_size: int = 224  # the square the model sees
+    resize_size: Optional[int] = None  # validation's resize before its centre crop; null: 8/7 x
+    mean: Optional[list[float]] = None  # per channel (RGB), in [0, 1]; null: computed at setup
+    std: Optional[list[float]] = None
+    stats_images: int = 1000  # training images the mean and std are computed from
+    augment: ResizedCropFlipConfig = field(default_factory=ResizedCropFlipConfig)
+    batch_size: int = 256
+    drop_last: bool = True
+    num_workers: int = 4
+
+
 TEXT_CACHE = "${oc.env:MPEXP_DATA_DIR,'~/.cache/mpexp/data'}/text"
 
 
@@ -352,6 +383,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "dataset": {
         "torchvision": TorchvisionDatasetConfig,
         "synthetic": SyntheticDatasetConfig,
+        "image_folder": ImageFolderDatasetConfig,
         "text": TextDatasetConfig,
         "downloaded_text": DownloadedTextConfig,
     },

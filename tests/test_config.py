@@ -16,7 +16,7 @@ from mpexp.config import (
     TrainerConfig,
     unknown_keys,
 )
-from mpexp.data.base import InMemoryData
+from mpexp.data.base import TrainingData
 from mpexp.data.text import TextData
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
@@ -42,6 +42,7 @@ def test_groups_hold_the_documented_options():
     assert options("dataset") == [
         "cifar10",
         "fashion_mnist",
+        "image_folder",
         "mnist",
         "synthetic",
         "synthetic_cifar10",
@@ -153,7 +154,7 @@ def test_dataset_options_build(option):
         assert data.block_size is None  # model=deepcnn has no context length to take
         assert build(make_cfg(f"dataset={option}", "model=gpt").dataset).block_size == 64
     else:
-        assert isinstance(data, InMemoryData) and data.task_type is Classification
+        assert isinstance(data, TrainingData) and data.task_type is Classification
         assert data.batch_size == 256
 
 

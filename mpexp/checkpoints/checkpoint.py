@@ -54,10 +54,12 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 
 # What may change when a run is resumed: how long it trains, how often it reports and checkpoints,
-# the peak its MFU is measured against, how W&B connects. Any other change would make the resumed
-# run a different experiment.
+# the peak its MFU is measured against, how W&B connects, how many processes decode its data (the
+# batches are the same with any number). Any other change would make the resumed run a different
+# experiment.
 RESUMABLE_KEYS = frozenset(
     {
+        "dataset.num_workers",
         "trainer.resume",
         "trainer.epochs",
         "trainer.progress",

@@ -117,6 +117,11 @@ class TrainingData(ABC):
         """Warn about values that will spoil training (non-finite inputs); `name` is the
         dataset's option, for the message. Called once, on the main rank."""
 
+    def record(self) -> dict:
+        """What the run records about the data beyond its config (`ran.data`), e.g. an image
+        folder's classes; asked before training and again at its end."""
+        return {}
+
 
 class InMemoryData(TrainingData):
     """An image classification set held as (images, labels) tensors for training and validation.

@@ -117,6 +117,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
             **ran,
             **fit.speed_ran(),  # what compilation and the CUDA graph came to
             "final_scale": summary.pop("amp/final_scale"),
+            "data": built.data.record(),  # as training left it (an image folder's bad files)
             **scaler.outcome(),
             "flops_per_sample": counted.flops_per_sample,  # counted in the background
             "peak_tflops": counted.peak_tflops,
@@ -140,6 +141,7 @@ def ran_record(
         "mpexp_version": __version__,
         "choices": run.choices,
         "task": built.task.record(),
+        "data": built.data.record(),
         **built.precision.record(),
         **built.scaler.describe(),
         **performance.describe(optimizer, built.speed),

@@ -82,6 +82,8 @@ def validate(cfg: DictConfig) -> None:
         )
     if "augment" in data:
         _integer(data.augment.crop_padding, "dataset.augment.crop_padding", 0)
+    if "image_size" in data:  # dataset=image_folder (text sets have a val_fraction too)
+        _validate_image_folder(data)
     if "width" in cfg.model:
         _integer(cfg.model.width, "model.width", 1)
 
@@ -90,6 +92,49 @@ def validate(cfg: DictConfig) -> None:
     _validate_scaling(cfg.loss_scaling)
     _validate_training_loop(cfg)
     _validate_scheduler(cfg.scheduler)
+
+
+def _validate_image_folder(data: Mapping[str, Any]) -> None:
+    """dataset=image_folder's keys; its files are checked as it loads them."""
+    if data["path"] is None:
+        raise ConfigError(
+            "dataset=image_folder needs dataset.path=<folder>: one holding train/<class>/ and "
+            "val/<class>/ folders of images, or one folder per class to split."
+        )
+    if not 0 < _number(data["val_fraction"], "dataset.val_fraction") < 1:
+        raise ConfigError(
+            f"dataset.val_fraction={data['val_fraction']} must lie in (0, 1): the share of each "
+            "class's images that validates where there is no val/ folder, e.g. 0.1."
+        )
+    _integer(data["split_seed"], "dataset.split_seed", 0, MAX_SEED)
+    size = _integer(data["image_size"], "dataset.image_size", 1)
+    if data["resize_size"] is not None:
+        _integer(data["resize_size"], "dataset.resize_size", size)
+    _integer(data["stats_images"], "dataset.stats_images", 1)
+    given = [key for key in ("mean", "std") if data[key] is not None]
+    if len(given) == 1:
+        raise ConfigError(
+            f"dataset.{given[0]} is given without dataset.{({'mean', 'std'} - set(given)).pop()}:"
+            " give both (three numbers each, RGB), or neither to have them computed."
+        )
+    for key in given:
+        values = [_number(v, f"dataset.{key}") for v in data[key]]
+        low = 0 if key == "mean" else 1e-6  # a deviation divides
+        if len(values) != 3 or not all(low <= v <= 1 for v in values):
+            raise ConfigError(
+                f"dataset.{key}={values} must be three numbers in [{low:g}, 1], one per channel "
+                "(RGB) of images in [0, 1], e.g. dataset.mean=[0.485,0.456,0.406] "
+                "dataset.std=[0.229,0.224,0.225]."
+            )
+    scale = data["augment"]["crop_scale"]
+    if scale is not None:
+        values = [_number(v, "dataset.augment.crop_scale") for v in scale]
+        if len(values) != 2 or not 0 < values[0] <= values[1] <= 1:
+            raise ConfigError(
+                f"dataset.augment.crop_scale={values} must be two numbers 0 < low <= high <= 1, "
+                "the range of the random crop's share of the image's area, e.g. [0.08,1.0]; "
+                "null for no random crop."
+            )
 
 
 def _validate_optimizer(opt: Mapping[str, Any]) -> None:

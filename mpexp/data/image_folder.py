@@ -1,0 +1,514 @@
+"""A folder of image files, in the layout torchvision's ImageFolder reads: one folder per class,
+named after it. The images are decoded in DataLoader worker processes as batches are needed, so a
+set of any size trains; only the list of files is held in memory.
+
+`path/train/<class>/` and `path/val/<class>/` are the two splits. A folder of class folders alone
+(`path/<class>/`, or `path/train/<class>/` without `val/`) is split per class, `val_fraction` of
+each class's images validating, drawn by `split_seed`: the same split for every run, whatever its
+`trainer.seed`, so that seeds and precisions are compared on the same images.
+
+An epoch's order is a seeded permutation of the training images, sharded across ranks as the
+in-memory sets shard it (mpexp/data/base.py); a resumed run asks for the images from its batch on,
+and no skipped image is decoded. The workers decode (Pillow; a JPEG much larger than needed at a
+reduced scale) and take a random resized crop of each training image, seeded by the run's seed,
+the epoch and the image's index, so that an image gets the same crop whichever worker takes it and
+whether or not the run was resumed; validation images are resized and centre-cropped.
+Batches travel as uint8 in pinned memory; on the device they are converted to float32 in the step's
+memory format, cropped and flipped as the in-memory sets are (mpexp/data/augment.py) and normalised.
+On CUDA the next batch is copied on a stream of its own while the current step runs.
+
+An image that cannot be decoded is replaced by the next image of its split that can, counted,
+named in a warning once and recorded in `ran.data.undecodable`: a damaged file among many does not
+stop a long run, and every run on the same files sees the same images.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
+
+from mpexp.data.augment import CropFlip, mixed_seed
+from mpexp.data.base import Batch, TrainingData, epoch_seed
+from mpexp.errors import DataError
+from mpexp.tasks.classification import Classification
+
+log = logging.getLogger(__name__)
+
+# what Pillow reads; other files in the class folders are not images
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+# images tried in a row in place of one that cannot be decoded before the set is called unreadable
+MAX_TRIES = 64
+NAMED_UNDECODABLE = 5  # named in a warning each; the rest only counted
+LAYOUT = (
+    "train/<class>/ and val/<class>/ folders of images, or one folder per class to split by "
+    "dataset.val_fraction"
+)
+
+
+def decode(path: str, least: int | None = None) -> torch.Tensor:
+    """An image file as a 3 x H x W uint8 RGB tensor (greyscale repeated, alpha dropped, the first
+    frame of an animation), by Pillow; raises on a file it cannot decode, with Pillow's reason.
+
+    `least`: the shorter side the image is needed at. A larger JPEG is then decoded at 1/2, 1/4
+    or 1/8 of its size, the smallest that keeps that side (libjpeg's DCT scaling): a 12-megapixel
+    photo needed at 256 pixels decodes in a fraction of the time of its full size."""
+    with Image.open(path) as image:
+        if least is not None:
+            image.draft("RGB", (least, least))
+        if image.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit greyscale: its high byte
+            image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8))
+        return v2.functional.pil_to_tensor(image.convert("RGB"))
+
+
+def undecodable_reason(path: str) -> str | None:
+    """Why `path` cannot be decoded, or None when it can."""
+    try:
+        decode(path)
+    except Exception as err:  # Pillow raises many kinds (OSError, SyntaxError, ValueError, ...)
+        return str(err) or type(err).__name__
+    return None
+
+
+class Split(Dataset):
+    """One split as the DataLoader's workers read it: files relative to `root`, their labels, and
+    what each image becomes. A key is (index, seed, epoch); seed None: validation's view."""
+
+    def __init__(self, root: Path, files: list[str], labels: list[int], views: dict, size: int):
+        self.root = str(root)
+        # bytes in NumPy arrays, not a list of str: a forked worker that reads a Python object
+        # touches its reference count and so copies its memory page, list by list
+        self.files = np.array([f.encode() for f in files], dtype=np.bytes_)
+        self.labels = np.array(labels, dtype=np.int64)
+        self.views = views  # "train" and "val": (transform, the shorter side it needs)
+        self.size = size  # of the square a transform gives
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.root, self.files[index].decode())
+
+    def __getitem__(self, key: tuple[int, int | None, int]):
+        """(image, label, index, source): `source` is the index of the file decoded, the next
+        decodable one where `index`'s cannot be, -1 where none of MAX_TRIES could."""
+        index, seed, epoch = key
+        transform, least = self.views["val" if seed is None else "train"]
+        for tried in range(min(MAX_TRIES, len(self))):
+            source = (index + tried) % len(self)
+            try:
+                image = decode(self.path(source), least)
+            except Exception:  # Pillow raises many kinds; ImageFolderData._checked names them
+                continue
+            if seed is None:
+                return transform(image), int(self.labels[source]), index, source
+            # torchvision's random transforms draw from torch's global generator: set it from
+            # the image's own seed, and leave the process's (the main one, without workers) as
+            # it was
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(mixed_seed(seed, epoch, index))
+                return transform(image), int(self.labels[source]), index, source
+        return torch.zeros(3, self.size, self.size, dtype=torch.uint8), 0, index, -1
+
+
+class Keys:
+    """A DataLoader's sampler whose keys change from epoch to epoch: persistent workers keep the
+    DataLoader, and with it the sampler, across epochs."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[int, int | None, int]] = []
+
+    def __iter__(self):
+        return iter(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class ImageFolderData(TrainingData):
+    """Image classification on a folder of image files (see the module's docstring)."""
+
+    task_type = Classification
+
+    def __init__(
+        self,
+        path: str | None = None,
+        val_fraction: float = 0.1,
+        split_seed: int = 0,
+        image_size: int = 224,
+        resize_size: int | None = None,
+        mean: list[float] | None = None,
+        std: list[float] | None = None,
+        stats_images: int = 1000,
+        augment: dict | None = None,
+        batch_size: int = 256,
+        drop_last: bool = True,
+        num_workers: int = 4,
+    ):
+        super().__init__(batch_size, drop_last)
+        self.path = path
+        self.val_fraction, self.split_seed = val_fraction, split_seed
+        self.image_size = image_size
+        # validation's resize before its centre crop: ImageNet's 256 for 224
+        self.resize_size = resize_size or round(image_size / 0.875)
+        self.mean, self.std = mean, std
+        self.stats_images = stats_images
+        augment = dict(augment or {})
+        self.crop_scale = augment.pop("crop_scale", (0.08, 1.0))
+        self.augment = CropFlip(**augment)  # on the device, as for the in-memory sets
+        self.num_workers = num_workers
+        self.classes: list[str] = []
+        self.layout = ""
+        self.splits: dict[str, Split] = {}
+        self.undecodable: dict[str, str] = {}  # path: reason, as this process met them
+
+    # --- the files ---------------------------------------------------------------------------
+
+    def _root(self) -> Path:
+        if self.path is None:
+            raise DataError(f"dataset=image_folder needs dataset.path=<folder> holding {LAYOUT}.")
+        root = Path(self.path).expanduser()
+        if not root.exists():
+            raise DataError(
+                f"dataset.path={self.path} does not exist (from {Path.cwd()}). Give the folder "
+                f"that holds {LAYOUT}."
+            )
+        if not root.is_dir():
+            raise DataError(f"dataset.path={self.path} is a file, not a folder holding {LAYOUT}.")
+        return root
+
+    def _scan(self, root: Path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        """Each split's image files (relative to `root`) by class; warns once about files that are
+        not images."""
+        ignored: list[str] = []
+        train, val = root / "train", root / "val"
+        if train.is_dir() and val.is_dir():
+            self.layout = "train/ and val/"
+            splits = scan_classes(root, train, ignored), scan_classes(root, val, ignored)
+            check_same_classes(splits[0], splits[1], root)
+        else:
+            whole = train if train.is_dir() else root
+            self.layout = f"{'train/' if whole == train else 'class folders'} split by val_fraction"
+            splits = self._split(scan_classes(root, whole, ignored))
+        if ignored:
+            more = f" and {len(ignored) - 3} more" if len(ignored) > 3 else ""
+            log.warning(
+                "Ignored %d file(s) in %s that are not images (%s): %s%s. Move them out of the "
+                "class folders to silence this.",
+                len(ignored),
+                root,
+                ", ".join(IMAGE_EXTENSIONS),
+                ", ".join(ignored[:3]),
+                more,
+            )
+        return splits
+
+    def _split(self, classes: dict[str, list[str]]) -> tuple[dict, dict]:
+        """`val_fraction` of each class's images for validation (at least one left to train on),
+        drawn by `split_seed`."""
+        generator = torch.Generator().manual_seed(self.split_seed)
+        train, val = {}, {}
+        for name, files in classes.items():
+            order = torch.randperm(len(files), generator=generator).tolist()
+            held = min(int(len(files) * self.val_fraction + 0.5), len(files) - 1)
+            val[name] = sorted(files[i] for i in order[:held])
+            train[name] = sorted(files[i] for i in order[held:])
+        if not any(val.values()):
+            total = sum(map(len, classes.values()))
+            raise DataError(
+                f"dataset.val_fraction={self.val_fraction} of {total} images in "
+                f"{len(classes)} classes leaves no image to validate on. Raise dataset."
+                "val_fraction, add images, or give the validation images a val/ folder."
+            )
+        return train, val
+
+    # --- setup --------------------------------------------------------------------------------
+
+    def setup(
+        self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
+    ) -> Classification:
+        """Find the images and their classes, compute the normalisation where it is not given,
+        and make the DataLoaders (their workers start with the first epoch)."""
+        root = self._root()
+        train, val = self._scan(root)
+        self.classes = sorted(train)
+        views = self._views()
+        for name, split in (("train", train), ("val", val)):
+            files = [f for c in self.classes for f in split[c]]
+            labels = [i for i, c in enumerate(self.classes) for _ in split[c]]
+            self.splits[name] = Split(root, files, labels, views, self.image_size)
+        self.memory_format = memory_format
+        self._pin = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._keys = {"train": Keys(), "val": Keys()}
+        self._loaders = {
+            "train": self._loader("train", self._keys["train"], self.drop_last),
+            "val": self._loader("val", self._keys["val"], drop_last=False),
+        }
+        if self.mean is None or self.std is None:
+            self.mean, self.std = self._statistics()
+        # normalised as (x / 255 - mean) / std, with the 255 folded in
+        shape = (1, 3, 1, 1)
+        self._shift = torch.tensor(self.mean, device=device).mul(255).view(shape)
+        self._scale = torch.tensor(self.std, device=device).mul(255).view(shape)
+        self._static: Batch | None = None
+        s = self.image_size
+        self.task = Classification(channels=3, height=s, width=s, num_classes=len(self.classes))
+        return self.task
+
+    def _views(self) -> dict[str, tuple]:
+        """Training's and validation's transform of a decoded image, each with the shorter side
+        it needs the image at. Without a random resized crop, training sees validation's view
+        (and is cropped and flipped on the device)."""
+        size = (self.image_size, self.image_size)
+        val = v2.Compose([v2.Resize(self.resize_size), v2.CenterCrop(size)]), self.resize_size
+        if self.crop_scale is None:
+            return {"train": val, "val": val}
+        # the smallest crop is the share crop_scale[0] of the area: the image is needed at a
+        # size where that crop is still about image_size pixels across
+        least = math.ceil(self.image_size / math.sqrt(self.crop_scale[0]))
+        return {
+            "train": (v2.RandomResizedCrop(size, scale=tuple(self.crop_scale)), least),
+            "val": val,
+        }
+
+    def _loader(
+        self, split: str, keys: Keys, drop_last: bool, persistent: bool = True
+    ) -> DataLoader:
+        workers = self.num_workers
+        return DataLoader(
+            self.splits[split],
+            batch_size=self.batch_size,
+            sampler=keys,
+            drop_last=drop_last,
+            num_workers=workers,
+            pin_memory=self._pin,
+            # kept across epochs: no new processes, and no copy of the file list, each epoch
+            persistent_workers=persistent and workers > 0,
+            # the workers' seeds come from here, not from torch's global generator, which a
+            # checkpoint restores: a DataLoader's start must not shift the training's draws
+            generator=torch.Generator(),
+        )
+
+    def _statistics(self) -> tuple[list[float], list[float]]:
+        """Each channel's mean and standard deviation over `stats_images` training images (drawn
+        by split_seed), as validation sees them; logged, to be given next time."""
+        began = time.perf_counter()
+        train = self.splits["train"]
+        generator = torch.Generator().manual_seed(self.split_seed)
+        sample = torch.randperm(len(train), generator=generator)[: self.stats_images].tolist()
+        keys = Keys()
+        keys.keys = [(i, None, 0) for i in sorted(sample)]
+        sums = torch.zeros(2, 3, dtype=torch.float64)
+        loader = self._loader("train", keys, drop_last=False, persistent=False)
+        for images, _, _ in self._checked("train", loader):
+            pixels = images.double().div_(255).transpose(0, 1).flatten(1)
+            sums += torch.stack((pixels.sum(1), pixels.square().sum(1)))
+        count = len(sample) * self.image_size**2
+        mean = sums[0] / count
+        std = (sums[1] / count - mean.square()).clamp_(min=0).sqrt()
+        mean, std = [round(float(x), 4) for x in mean], [round(max(float(x), 1e-3), 4) for x in std]
+        log.info(
+            "Normalising by dataset.mean=[%s] dataset.std=[%s], computed from %d training images "
+            "in %.1f s; give both to skip this.",
+            ",".join(map(str, mean)),
+            ",".join(map(str, std)),
+            len(sample),
+            time.perf_counter() - began,
+        )
+        return mean, std
+
+    # --- batches -------------------------------------------------------------------------------
+
+    @property
+    def train_size(self) -> int:
+        """Training images, over all ranks."""
+        return len(self.splits["train"])
+
+    def train_batches(
+        self, epoch: int, seed: int, device: torch.device, static: bool = False, start: int = 0
+    ) -> Iterator[Batch]:
+        """The epoch's batches from batch `start` on; the images before it are not decoded."""
+        n, world = self.train_size, self.world_size
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
+        order = order[: n - n % world][self.rank :: world][start * self.batch_size :]
+        self._keys["train"].keys = [(i, seed, epoch) for i in order.tolist()]
+        draws = self.augment.draws(n, seed, epoch, device) if self.augment.active else None
+        batches = self._checked("train", self._loaders["train"])
+        yield from self._on_device(batches, device, static, draws)
+
+    def val_batches(self, device: torch.device) -> Iterator[Batch]:
+        """The validation images in a fixed order, each once, resized and centre-cropped."""
+        self._keys["val"].keys = [(i, None, 0) for i in range(len(self.splits["val"]))]
+        yield from self._on_device(self._checked("val", self._loaders["val"]), device)
+
+    def _checked(self, split: str, loader: Iterable) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The loader's host batches as (images, labels, indices), after noting the images that
+        had to be replaced (a comparison of two host tensors per batch: no device involved)."""
+        for images, labels, index, source in loader:
+            if not torch.equal(index, source):
+                self._replaced(self.splits[split], index.tolist(), source.tolist())
+            yield images, labels, index
+
+    def _replaced(self, split: Split, indices: list[int], sources: list[int]) -> None:
+        for index, source in zip(indices, sources, strict=True):
+            if source == index:
+                continue
+            if source < 0:
+                raise DataError(
+                    f"None of {min(MAX_TRIES, len(split))} images in a row from "
+                    f"{split.path(index)} on can be decoded "
+                    f"({undecodable_reason(split.path(index)) or 'unreadable at the time'}). Are "
+                    f"the files in "
+                    f"{split.root} images? Replace the damaged ones, or remove them."
+                )
+            for skipped in range(index, source if source > index else source + len(split)):
+                self._note_undecodable(split.path(skipped % len(split)))
+
+    def _note_undecodable(self, path: str) -> None:
+        if path in self.undecodable:
+            return
+        self.undecodable[path] = reason = undecodable_reason(path) or "unreadable at the time"
+        if len(self.undecodable) <= NAMED_UNDECODABLE:
+            log.warning(
+                "%s cannot be decoded (%s): the next image of its split stands in for it%s. "
+                "Replace it with an intact copy, or remove it.",
+                path,
+                reason,
+                "; further ones are counted, not named (ran.data.undecodable)"
+                if len(self.undecodable) == NAMED_UNDECODABLE
+                else "",
+            )
+
+    def _on_device(
+        self,
+        batches: Iterator[tuple[torch.Tensor, ...]],
+        device: torch.device,
+        static: bool = False,
+        draws: torch.Tensor | None = None,
+    ) -> Iterator[Batch]:
+        """Host batches made what the step reads. On CUDA each batch is copied on a stream of its
+        own as soon as it is there, one batch ahead: the copy overlaps the step before it."""
+        if self._copy_stream is None:
+            for images, labels, index in batches:
+                yield self._finish(images, labels, index, static, draws)
+            return
+        pending = None
+        for batch in batches:
+            with torch.cuda.stream(self._copy_stream):
+                moved = [t.to(device, non_blocking=True) for t in batch]
+                copied = torch.cuda.Event()
+                copied.record(self._copy_stream)
+            if pending is not None:
+                yield self._arrived(*pending, static, draws)
+            pending = moved, copied
+        if pending is not None:
+            yield self._arrived(*pending, static, draws)
+
+    def _arrived(self, moved, copied, static: bool, draws) -> Batch:
+        step_stream = torch.cuda.current_stream(moved[0].device)
+        step_stream.wait_event(copied)
+        for tensor in moved:  # used on the step's stream: not reused until it is done with them
+            tensor.record_stream(step_stream)
+        return self._finish(*moved, static, draws)
+
+    def _finish(self, images, labels, index, static: bool, draws) -> Batch:
+        """uint8 images to float32 in the step's memory format (into the static batch where one
+        is asked for), cropped and flipped, then normalised."""
+        if static and len(labels) == self.batch_size:
+            if self._static is None:
+                self._static = (self._new_images(images), labels.new_empty(len(labels)))
+            out, targets = self._static
+            targets.copy_(labels)
+        else:
+            out, targets = self._new_images(images), labels
+        out.copy_(images)
+        if draws is not None:
+            self.augment.apply_(out, draws[index])
+        return out.sub_(self._shift).div_(self._scale), targets
+
+    def _new_images(self, images: torch.Tensor) -> torch.Tensor:
+        return torch.empty(
+            images.shape,
+            dtype=torch.float32,
+            device=images.device,
+            memory_format=self.memory_format,
+        )
+
+    # --- what the run records ------------------------------------------------------------------
+
+    def describe(self) -> str:
+        shown = ", ".join(self.classes[:8]) + (", ..." if len(self.classes) > 8 else "")
+        return f"{self.train_size:,} training images, {len(self.classes)} classes: {shown}"
+
+    def record(self) -> dict:
+        """The classes (in label order), the split, the normalisation, the undecodable images."""
+        return {
+            "path": str(Path(self.path).expanduser().resolve()),
+            "layout": self.layout,
+            "classes": self.classes,
+            "train_images": self.train_size,
+            "val_images": len(self.splits["val"]),
+            "mean": self.mean,
+            "std": self.std,
+            "undecodable": sorted(self.undecodable),
+        }
+
+
+def scan_classes(root: Path, folder: Path, ignored: list[str]) -> dict[str, list[str]]:
+    """{class: its image files, relative to `root`} for the class folders in `folder` (sorted, at
+    any depth below them, hidden files and folders left out); other files go to `ignored`."""
+    entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    folders = [p for p in entries if p.is_dir()]
+    loose = [p for p in entries if not p.is_dir()]
+    if not folders:
+        what = f"holds {len(loose)} files but no class folder" if loose else "is empty"
+        raise DataError(
+            f"{folder} {what}. dataset.path={root} should hold {LAYOUT}, each class's images in a "
+            "folder named after the class."
+        )
+    ignored += [str(p.relative_to(root)) for p in loose]
+    classes = {}
+    for class_folder in folders:
+        images, others = [], []
+        for parent, subfolders, names in os.walk(class_folder, followlinks=True):
+            subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+            for name in sorted(names):
+                if name.startswith("."):
+                    continue
+                rel = str((Path(parent) / name).relative_to(root))
+                (images if name.lower().endswith(IMAGE_EXTENSIONS) else others).append(rel)
+        if not images:
+            held = f"only {len(others)} other files, e.g. {others[0]}" if others else "nothing"
+            raise DataError(
+                f"The class folder {class_folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})"
+                f", {held}. Put the class's images there, or remove the folder."
+            )
+        ignored += others
+        classes[class_folder.name] = images
+    return classes
+
+
+def check_same_classes(train: dict, val: dict, root: Path) -> None:
+    """train/ and val/ must name the same classes: a label is a class's place among them."""
+    only_train, only_val = sorted(train.keys() - val.keys()), sorted(val.keys() - train.keys())
+    if only_train or only_val:
+        differences = [
+            f"only in {where}/: {', '.join(names)}"
+            for where, names in (("train", only_train), ("val", only_val))
+            if names
+        ]
+        raise DataError(
+            f"The class folders of {root / 'train'} and {root / 'val'} differ ("
+            f"{'; '.join(differences)}). Each split needs a folder, with images, for every class: "
+            "add the missing ones, or remove the extra ones."
+        )

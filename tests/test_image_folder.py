@@ -1,0 +1,357 @@
+"""dataset=image_folder on folders of PNG and JPEG files written here: classes from the folder
+names, every image once per epoch in a seeded order, a resumed epoch that decodes only what it
+trains on, the same batches with and without worker processes, shards, the split, normalisation,
+one message for each kind of bad input; and whole runs: from the command line, killed and
+resumed, and on two DDP ranks."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mpexp.checkpoints import checkpoint
+from mpexp.checkpoints.checkpoint import checkpoint_files
+from mpexp.data import image_folder
+from mpexp.data.image_folder import ImageFolderData
+from mpexp.errors import ConfigError, DataError
+from mpexp.run.runner import train
+from mpexp.run.validate import validate
+from mpexp.tracking.tracker import RunContext
+from tests.conftest import make_cfg, run_cli
+from tests.test_distributed import TORCHRUN, losses, only_run_dir
+from tests.test_resume import assert_bitwise_equal, comparable, start_cli, status, wait_for
+
+CPU = torch.device("cpu")
+CLASSES = ("cat", "dog", "fox")
+
+
+def write_images(folder: Path, per_class: int, seed: int = 0, numbered: bool = False) -> None:
+    """`per_class` images of each class in `folder/<class>/`, of assorted sizes, alternately PNG
+    and JPEG. Numbered ones are PNGs of one colour each, whose red and green say which image
+    (within its class) and which class it is: a batch then tells what it holds."""
+    rng = np.random.default_rng(seed)
+    for c, name in enumerate(CLASSES):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            h, w = rng.integers(14, 40, 2)
+            if numbered:
+                pixels = np.empty((h, w, 3), np.uint8)
+                pixels[:] = (i, 100 * c, 7)
+                Image.fromarray(pixels).save(folder / name / f"{i:03d}.png")
+                continue
+            colour = np.roll([220, 30, 30], c)
+            pixels = np.clip(colour + rng.normal(0, 50, (h, w, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / name / f"{i:03d}.{('png', 'jpg')[i % 2]}")
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("photos")
+    write_images(root / "train", 16)
+    write_images(root / "val", 4, seed=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("numbered")
+    write_images(root / "train", 20, numbered=True)
+    write_images(root / "val", 3, numbered=True)
+    return root
+
+
+def open_folder(path: Path, **kwargs) -> ImageFolderData:
+    options = {"image_size": 8, "batch_size": 8, "num_workers": 0, "mean": [0.0] * 3,
+               "std": [1.0] * 3, **kwargs}  # fmt: skip
+    data = ImageFolderData(path=str(path), **options)
+    data.setup(CPU)
+    return data
+
+
+def ids(images: torch.Tensor) -> list[tuple[int, int]]:
+    """(class, image) of each numbered image in a batch (unnormalised: mean 0, std 1)."""
+    centre = (images[:, :, 4, 4] * 255).round().long()
+    return [(int(g) // 100, int(r)) for r, g, _ in centre]
+
+
+def epoch(data: ImageFolderData, number: int = 1, seed: int = 0, start: int = 0) -> list:
+    return [(x.clone(), y.clone()) for x, y in data.train_batches(number, seed, CPU, start=start)]
+
+
+def test_classes_are_the_sorted_folder_names_and_validation_is_every_image_in_order(numbered):
+    data = open_folder(numbered)
+    assert data.classes == ["cat", "dog", "fox"]
+    assert (data.task.channels, data.task.height, data.task.num_classes) == (3, 8, 3)
+    assert data.train_size == 60 and data.steps_per_epoch() == 7
+    seen = [(i, int(y)) for x, ys in data.val_batches(CPU) for i, y in zip(ids(x), ys, strict=True)]
+    assert seen == [((c, i), c) for c in range(3) for i in range(3)]  # labels follow the classes
+    record = data.record()
+    assert record["classes"] == ["cat", "dog", "fox"] and record["layout"] == "train/ and val/"
+    assert (record["train_images"], record["val_images"]) == (60, 9)
+    assert "60 training images, 3 classes: cat, dog, fox" in data.describe()
+
+
+def test_an_epoch_takes_every_image_once_in_an_order_set_by_seed_and_epoch(numbered):
+    data = open_folder(numbered, drop_last=False)
+
+    def order(number, seed):
+        return [i for x, _ in epoch(data, number, seed) for i in ids(x)]
+
+    first = order(1, 0)
+    assert sorted(first) == [(c, i) for c in range(3) for i in range(20)]
+    assert order(1, 0) == first and order(2, 0) != first and order(1, 1) != first
+
+
+def test_a_resumed_epoch_decodes_only_the_images_it_trains_on(photos, monkeypatch):
+    data = open_folder(photos)
+    whole = epoch(data, 3)
+    decoded = []
+    real = image_folder.decode
+    monkeypatch.setattr(image_folder, "decode", lambda *args: decoded.append(args) or real(*args))
+    resumed = epoch(data, 3, start=4)
+    assert len(resumed) == len(whole) - 4 and len(decoded) == len(resumed) * 8
+    for (x, y), (rx, ry) in zip(whole[4:], resumed, strict=True):
+        assert torch.equal(x, rx) and torch.equal(y, ry)  # the same crops and flips too
+
+
+def test_worker_processes_give_the_same_batches_as_the_main_process(photos):
+    alone = epoch(open_folder(photos, augment={"crop_padding": 2}))
+    workers = epoch(open_folder(photos, num_workers=2, augment={"crop_padding": 2}))
+    assert len(alone) == len(workers) == 6
+    for (x, y), (wx, wy) in zip(alone, workers, strict=True):
+        assert torch.equal(x, wx) and torch.equal(y, wy)
+
+
+def test_augmentation_changes_the_images_and_can_be_turned_off(photos):
+    augmented = epoch(open_folder(photos))
+    plain = epoch(open_folder(photos, augment={"crop_scale": None, "flip": False}))
+    again = epoch(open_folder(photos, augment={"crop_scale": None, "flip": False}))
+    assert all(torch.equal(a[1], p[1]) for a, p in zip(augmented, plain, strict=True))
+    assert not any(torch.equal(a[0], p[0]) for a, p in zip(augmented, plain, strict=True))
+    assert all(torch.equal(a[0], p[0]) for a, p in zip(again, plain, strict=True))
+    validation = [x for x, _ in open_folder(photos).val_batches(CPU)]
+    assert all(torch.equal(a, b) for a, b in zip(validation, validation, strict=True))
+
+
+def test_ranks_share_an_epoch_without_overlap(numbered):
+    seen = []
+    for rank in (0, 1):
+        data = open_folder(numbered, batch_size=5)
+        data.shard(rank, 2)
+        assert data.steps_per_epoch() == 6
+        seen += [i for x, _ in epoch(data, 2, 7) for i in ids(x)]
+    assert len(seen) == len(set(seen)) == 60
+
+
+def test_one_folder_of_classes_is_split_per_class_by_the_split_seed(tmp_path):
+    write_images(tmp_path, 20, numbered=True)
+
+    def split(**kwargs):
+        data = open_folder(tmp_path, val_fraction=0.25, **kwargs)
+        return data, [i for x, _ in data.val_batches(CPU) for i in ids(x)]
+
+    data, held = split()
+    assert data.record()["layout"] == "class folders split by val_fraction"
+    assert data.train_size == 45 and len(held) == 15
+    assert [c for c, _ in held] == [0] * 5 + [1] * 5 + [2] * 5  # a quarter of each class
+    trained = {i for x, _ in epoch(data) for i in ids(x)}
+    assert not trained & set(held)
+    assert split()[1] == held and split(split_seed=1)[1] != held
+
+
+def test_the_normalisation_is_computed_from_training_images_when_not_given(numbered, caplog):
+    with caplog.at_level(logging.INFO, logger="mpexp.data.image_folder"):
+        data = open_folder(numbered, mean=None, std=None)
+    pixels = torch.tensor([[i, 100 * c, 7] for c in range(3) for i in range(20)]) / 255
+    assert data.mean == pytest.approx(pixels.mean(0).tolist(), abs=1e-4)
+    assert data.std == pytest.approx(pixels.std(0, unbiased=False).clamp(min=1e-3).tolist(),
+                                     abs=1e-4)  # fmt: skip
+    assert "computed from 60 training images" in caplog.text
+    images, _ = next(iter(data.val_batches(CPU)))
+    first = (torch.tensor([0, 0, 7]) / 255 - torch.tensor(data.mean)) / torch.tensor(data.std)
+    assert torch.allclose(images[0, :, 4, 4], first)  # the first cat, (0, 0, 7), normalised
+
+
+def test_a_file_that_cannot_be_decoded_is_replaced_counted_and_named_once(photos, tmp_path,
+                                                                           caplog):  # fmt: skip
+    root = tmp_path / "photos"
+    write_images(root / "train", 16)
+    write_images(root / "val", 4, seed=1)
+    broken = root / "train" / "dog" / "broken.jpg"
+    broken.write_bytes(b"<html>not found</html>")
+    with caplog.at_level(logging.WARNING):
+        data = open_folder(root)
+        for number in (1, 2):
+            epoch(data, number)
+    warned = [r.getMessage() for r in caplog.records if "cannot be decoded" in r.getMessage()]
+    assert len(warned) == 1 and str(broken) in warned[0] and "stands in" in warned[0]
+    assert data.record()["undecodable"] == [str(broken)]
+
+
+def test_files_that_are_not_images_are_left_out_with_one_warning(photos, tmp_path, caplog):
+    write_images(tmp_path / "train", 2)
+    write_images(tmp_path / "val", 1)
+    (tmp_path / "train" / "cat" / "notes.txt").write_text("taken in May")
+    (tmp_path / "train" / "dog" / ".DS_Store").write_bytes(b"\0")
+    (tmp_path / "train" / ".ipynb_checkpoints").mkdir()  # hidden: no class
+    with caplog.at_level(logging.WARNING):
+        data = open_folder(tmp_path, batch_size=2)
+    assert data.classes == ["cat", "dog", "fox"] and data.train_size == 6
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "Ignored 1 file(s)" in warning and "train/cat/notes.txt" in warning
+
+
+def bad(tmp_path: Path, case: str) -> Path:
+    """A folder with one kind of bad input."""
+    root = tmp_path / case
+    if case == "missing":
+        return root
+    root.mkdir()
+    if case == "empty":
+        return root
+    write_images(root / "train", 2)
+    write_images(root / "val", 1)
+    if case == "no images in a class":
+        (root / "train" / "owl").mkdir()
+        (root / "train" / "owl" / "owl.txt").write_text("hoot")
+        (root / "val" / "owl").mkdir()
+    elif case == "classes differ":
+        (root / "val" / "fox").rename(root / "val" / "wolf")
+    elif case == "no class folders":
+        for image in (root / "train").rglob("*.*"):
+            image.rename(root / "train" / f"{image.parent.name}-{image.name}")
+        for folder in CLASSES:
+            (root / "train" / folder).rmdir()
+    elif case == "nothing decodes":
+        for image in root.rglob("*.*"):
+            image.write_bytes(b"")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("case", "said"),
+    [
+        ("missing", "does not exist"),
+        ("empty", "is empty. dataset.path="),
+        ("no images in a class", "train/owl holds no images (.jpg, .jpeg, .png"),
+        ("classes differ", "differ (only in train/: fox; only in val/: wolf)"),
+        ("no class folders", "holds 6 files but no class folder"),
+        ("nothing decodes", "None of 6 images in a row from"),
+    ],
+)
+def test_bad_input_gets_one_message_naming_the_place(tmp_path, case, said):
+    root = bad(tmp_path, case)
+    with pytest.raises(DataError) as err:
+        epoch(open_folder(root, batch_size=2))
+    message = str(err.value)
+    assert said in message and str(root) in message
+    assert len(message.splitlines()) == 1
+
+
+def test_a_run_of_broken_files_longer_than_the_search_stops_with_the_first(tmp_path, monkeypatch):
+    write_images(tmp_path / "train", 4)
+    write_images(tmp_path / "val", 1)
+    for name in ("000.png", "001.jpg"):
+        (tmp_path / "train" / "dog" / name).write_bytes(b"")
+    monkeypatch.setattr(image_folder, "MAX_TRIES", 2)
+    data = open_folder(tmp_path, batch_size=12)  # every image in the batch, the rest decodable
+    with pytest.raises(DataError, match=r"None of 2 images in a row from \S*dog/000.png on"):
+        epoch(data)
+
+
+def test_the_folder_must_be_given_before_anything_runs():
+    with pytest.raises(ConfigError, match=r"needs dataset.path=<folder>"):
+        validate(make_cfg("dataset=image_folder"))
+    with pytest.raises(ConfigError, match=r"dataset.augment.crop_scale=\[0.5, 0.1\]"):
+        validate(make_cfg("dataset=image_folder", "dataset.path=x",
+                          "dataset.augment.crop_scale=[0.5,0.1]"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"dataset\.mean is given without dataset\.std"):
+        validate(make_cfg("dataset=image_folder", "dataset.path=x", "dataset.mean=[0.5,0.5,0.5]"))
+
+
+SMALL = [
+    "dataset=image_folder",
+    "dataset.image_size=16",
+    "dataset.batch_size=8",
+    "model=simplecnn_small",
+    "trainer.epochs=2",
+    "trainer.progress=false",
+    "wandb.mode=disabled",
+]
+
+
+def test_a_folder_of_images_trains_from_the_command_line(photos, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("mpexp.train", *SMALL, f"dataset.path={photos}", "dataset.num_workers=2",
+                     f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["val/acc"] > 0.5
+    ran = summary["ran"]
+    assert ran["data"]["classes"] == ["cat", "dog", "fox"] and ran["steps_per_epoch"] == 6
+    assert ran["task"]["num_classes"] == 3 and ran["task"]["height"] == 16
+    assert "48 training images, 3 classes: cat, dog, fox" in (run_dir / "train.log").read_text()
+
+
+def test_bad_input_on_the_command_line_is_one_line_and_exit_code_2(tmp_path):
+    root = bad(tmp_path, "classes differ")
+    result = run_cli("mpexp.train", *SMALL, f"dataset.path={root}", cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output
+    assert "only in val/: wolf" in output
+
+
+@pytest.fixture
+def _nondeterministic_afterwards():
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.slow  # three runs, two of them processes of their own: about 40 s on 2 cores
+def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_result(
+    photos, tmp_path, _nondeterministic_afterwards
+):
+    args = [*SMALL, f"dataset.path={photos}", "dataset.num_workers=2",
+            "dataset.augment.crop_padding=2", "trainer.epochs=3", "trainer.deterministic=true",
+            "trainer.checkpoint_every_steps=4"]  # fmt: skip
+    whole = tmp_path / "whole"
+    train(make_cfg(*args), RunContext(whole))
+
+    killed = tmp_path / "killed"
+    proc = start_cli(*args, f"hydra.run.dir={killed}", cwd=tmp_path)
+    wait_for(lambda: checkpoint_files(killed), proc)
+    proc.kill()
+    proc.wait()
+    assert status(killed) == "running"  # it died mid-run, its workers with it
+
+    # on fewer workers: the batches do not depend on how many decode them
+    fewer = [a.replace("num_workers=2", "num_workers=1") for a in args]
+    resumed = run_cli("mpexp.train", *fewer, f"trainer.resume={killed}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "Resuming" in resumed.stderr + resumed.stdout
+    assert comparable(killed) == comparable(whole)  # every step's loss: the same batches
+    final = [checkpoint.load(checkpoint_files(d)[-1]) for d in (whole, killed)]
+    for part in ("model", "optimizer", "position"):
+        assert_bitwise_equal(final[0][part], final[1][part])
+
+
+@pytest.mark.slow  # torchrun with two ranks, each with a worker: about 20 s on 2 cores
+def test_two_ranks_under_ddp_train_like_one_process_with_their_joint_batch(photos, tmp_path):
+    args = [*SMALL, f"dataset.path={photos}", "dataset.num_workers=1", "trainer.epochs=1"]
+    cwd = tmp_path / "ddp"
+    cwd.mkdir()
+    result = run_cli(*TORCHRUN, "-m", "mpexp.train", "trainer.strategy=ddp", *args,
+                     "dataset.batch_size=4", cwd=cwd)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = only_run_dir(cwd)
+    ran = json.loads((run_dir / "summary.json").read_text())["ran"]
+    assert (ran["world_size"], ran["steps_per_epoch"], ran["replicas_identical"]) == (2, 6, True)
+
+    train(make_cfg(*args), RunContext(tmp_path / "one"))  # batch 8: the two ranks' 4 and 4
+    assert losses(run_dir) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
