@@ -1,0 +1,138 @@
+"""What the data costs, apart from the step: the in-memory sets' augmentation on the device, and a
+folder of images decoded by DataLoader workers (docs/benchmarks.md, "Data").
+
+    python scripts/data_bench.py augment                     # one epoch of synthetic_cifar10
+    python scripts/data_bench.py folder --workers 0 1 2      # generated 500x375 JPEGs at 224 px
+    python scripts/data_bench.py folder --tiny --workers 0 1 2   # 32x32 PNGs at 32 px
+    python scripts/data_bench.py large                       # a 12-megapixel JPEG, draft mode
+
+The main process runs on one thread, as it would beside a training step; `folder` writes its
+images once into --dir (a temporary folder by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from mpexp.data.image_folder import ImageFolderData, decode
+from mpexp.data.synthetic import SyntheticData
+
+CPU = torch.device("cpu")
+
+
+def augment_cost(repeats: int) -> None:
+    """One epoch of synthetic_cifar10's training batches (50,000 x 3 x 32 x 32, batch 128, the
+    static batch a captured step reads), without and with crop_padding=4 and flip; the best of
+    `repeats` each, taken in turn."""
+    best: dict[str, float] = {}
+    settings = {"off": None, "crop_padding=4 flip": {"crop_padding": 4, "flip": True}}
+    for repeat in range(repeats):
+        for name, augment in settings.items():
+            data = SyntheticData(train_size=50000, val_size=16, channels=3, height=32, width=32,
+                                 batch_size=128, augment=augment)  # fmt: skip
+            data.setup(CPU)
+            began = time.perf_counter()
+            for _ in data.train_batches(repeat + 1, 0, CPU, static=True):
+                pass
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - began)
+    for name, seconds in best.items():
+        print(f"augment {name}: {seconds:.2f} s per epoch of 390 batches")
+
+
+def write_folder(root: Path, tiny: bool) -> None:
+    """Two classes of smooth random images: 500x375 JPEGs (about 60 KB, like photographs) or
+    32x32 PNGs (CIFAR-10's size)."""
+    rng = np.random.default_rng(0)
+    (w, h), suffix, count = ((32, 32), "png", 2048) if tiny else ((500, 375), "jpg", 512)
+    for split, n in (("train", count), ("val", 64)):
+        for name in ("a", "b"):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n // 2):
+                coarse = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+                image = Image.fromarray(coarse).resize((w, h), Image.BICUBIC)
+                image.save(folder / f"{i}.{suffix}", quality=90)
+
+
+def folder_rate(root: Path, size: int, workers: int) -> float:
+    """Training images per second through ImageFolderData.train_batches: the second epoch."""
+    data = ImageFolderData(path=str(root), image_size=size, batch_size=64, num_workers=workers,
+                           mean=[0.5] * 3, std=[0.25] * 3)  # fmt: skip
+    data.setup(CPU)
+    for epoch in (1, 2):  # the first starts the workers
+        began = time.perf_counter()
+        images = sum(len(labels) for _, labels in data.train_batches(epoch, 0, CPU))
+        seconds = time.perf_counter() - began
+    return images / seconds
+
+
+def per_image(root: Path, size: int) -> tuple[float, float]:
+    """Milliseconds per training image to decode it and to take its random resized crop."""
+    data = ImageFolderData(path=str(root), image_size=size, num_workers=0, mean=[0.5] * 3,
+                           std=[0.25] * 3)  # fmt: skip
+    data.setup(CPU)
+    split = data.splits["train"]
+    crop, least = split.views["train"]
+    paths = [split.path(i) for i in range(min(200, len(split)))]
+    began = time.perf_counter()
+    images = [decode(path, least) for path in paths]
+    decoding = (time.perf_counter() - began) / len(paths)
+    began = time.perf_counter()
+    for image in images:
+        crop(image)
+    return decoding * 1e3, (time.perf_counter() - began) / len(paths) * 1e3
+
+
+def large_jpeg(root: Path, repeats: int) -> None:
+    """Decoding a 4000x3000 JPEG whole, and at the sizes a 224-pixel run needs it (training's
+    random resized crop: 792 pixels; validation's resize: 256), which draft mode decodes at 1/2
+    and 1/8 of its size."""
+    rng = np.random.default_rng(0)
+    coarse = rng.integers(0, 256, (376, 501, 3), dtype=np.uint8)
+    path = root / "large.jpg"
+    Image.fromarray(coarse).resize((4000, 3000), Image.BICUBIC).save(path, quality=90)
+    for least in (None, 792, 256):
+        decode(str(path), least)
+        began = time.perf_counter()
+        for _ in range(repeats):
+            shape = tuple(decode(str(path), least).shape)
+        seconds = (time.perf_counter() - began) / repeats
+        print(f"needed at {least or 'full size'}: decoded to {shape} in {seconds * 1e3:.0f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["augment", "folder", "large"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="32x32 PNGs at 32 px")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--dir", type=Path, help="where the images are written (kept)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.what == "augment":
+        augment_cost(args.repeats)
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        root = args.dir or Path(scratch)
+        if args.what == "large":
+            large_jpeg(root, args.repeats)
+            return
+        if not (root / "train").is_dir():
+            write_folder(root, args.tiny)
+        size = 32 if args.tiny else 224
+        decoding, cropping = per_image(root, size)
+        print(f"per image: decode {decoding:.2f} ms, random resized crop {cropping:.2f} ms")
+        for workers in args.workers:
+            rate = folder_rate(root, size, workers)
+            print(f"num_workers={workers}: {rate:.0f} images/s")
+
+
+if __name__ == "__main__":
+    main()
