@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from mpexp.data.base import InMemoryData
+from mpexp.errors import ConfigError
 from mpexp.run.runner import train
+from mpexp.run.validate import validate
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import TINY, make_cfg
 from tests.test_host_reads import HostReads
@@ -141,3 +144,5 @@ def test_augmentation_is_off_for_digits_and_on_in_the_cifar10_resnet_preset():
                                                                       0.9, 5e-4)  # fmt: skip
     assert cfg.scheduler._target_.endswith("cosine") and cfg.dataset.batch_size == 128
     assert make_cfg("experiment=cifar10_resnet", "precision=bf16").precision.autocast == "bfloat16"
+    with pytest.raises(ConfigError, match=r"dataset\.augment\.crop_padding=-1 must be an integer"):
+        validate(make_cfg("dataset.augment.crop_padding=-1"))
