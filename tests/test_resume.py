@@ -18,6 +18,7 @@ import torch
 
 from mpexp.checkpoints import checkpoint
 from mpexp.checkpoints.checkpoint import checkpoint_files
+from mpexp.config import to_dict
 from mpexp.errors import ConfigError, OutputError
 from mpexp.run.rundir import hydra_quoted
 from mpexp.run.runner import train
@@ -363,3 +364,15 @@ def test_an_empty_checksum_beside_a_checkpoint_is_warned_about(tmp_path, caplog)
         "verified." in caplog.text
     )
     assert status(tmp_path) == "finished"
+
+
+def test_a_run_from_before_a_key_existed_resumes_when_the_key_does_what_it_did():
+    """dataset.augment came after runs were checkpointed without it: such a run resumes with
+    augmentation off (what it trained with), and is refused with it on."""
+    cfg = make_cfg(*ARGS)
+    before = to_dict(cfg)
+    del before["dataset"]["augment"]
+    state = {"config": before, "overrides": []}
+    checkpoint.check_config(state, cfg, "run")  # no augmentation now either: the same run
+    with pytest.raises(ConfigError, match=r"dataset\.augment\.flip: absent in the run, True now"):
+        checkpoint.check_config(state, make_cfg(*ARGS, "dataset.augment.flip=true"), "run")

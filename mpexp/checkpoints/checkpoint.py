@@ -73,6 +73,14 @@ RESUMABLE_KEYS = frozenset(
 )
 
 
+# Keys that later versions of mpexp added, with the value that does what runs from before them
+# did: a run checkpointed before a key existed resumes when the key has that value now
+ADDED_KEYS = {
+    "dataset.augment.crop_padding": 0,
+    "dataset.augment.flip": False,
+}
+
+
 # what every checkpoint holds (Checkpointer.save), and what a single-file one adds to it
 STATE_KEYS = ("position", "scaler", "schedule", "log", "metrics_bytes", "wandb_id", "config",
               "overrides")  # fmt: skip
@@ -530,6 +538,9 @@ def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
     saved = flatten(state["config"], sep=".")
     now = flatten(to_dict(cfg), sep=".")
     missing = object()
+    for key, before in ADDED_KEYS.items():
+        if key not in saved and now.get(key, missing) == before:
+            saved[key] = before  # the run predates the key and did what its value does
     changed = sorted(
         key
         for key in saved.keys() | now.keys()
