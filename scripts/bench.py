@@ -254,7 +254,7 @@ def bare_parts(args, precision: str, root: Path = Path("."), graph: bool = True)
     performance.configure_backends(device, cfg.trainer)
     mode = setup_precision(cfg.precision, device)
     weights = model_for(args, mode)
-    speed = performance.plan_speed(cfg, device)
+    speed = performance.for_model(performance.plan_speed(cfg, device), cfg, weights)
     if not graph:
         speed = performance.replace(speed, cuda_graph=False)
     performance.apply_memory_format(weights, speed)

@@ -320,9 +320,11 @@ def test_own_tensor_values_never_wait_on_the_gpu_and_replayed_steps_log_none(tmp
     expected = {"my/absmax": x.abs().max().item(), "my/count": (x > 0).sum().item()}
     assert [r for r in rows if "my/absmax" in r] == [{"step": 0, **expected}] * 3
 
+    # a model that logs from its forward does not declare itself capturable: captured on demand
     model = "model._target_=tests.test_host_reads.LoggingCNN"
+    forced = make_cfg(*TINY, "trainer.device=cuda", model, "trainer.cuda_graph=true")
     with caplog.at_level(logging.WARNING):
-        train(make_cfg(*TINY, "trainer.device=cuda", model), RunContext(tmp_path / "run"))
+        train(forced, RunContext(tmp_path / "run"))
     ran = json.loads((tmp_path / "run" / "summary.json").read_text())["ran"]
     assert ran["cuda_graph"] and ran["graph_replays"] > 0
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 
 import pytest
 import torch
@@ -20,14 +21,18 @@ from torch import nn
 import mpexp
 from mpexp.data.synthetic import SyntheticData
 from mpexp.errors import LogError
+from mpexp.models.simplecnn import SimpleCNN
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
+from mpexp.run.build import build
 from mpexp.run.runner import train
 from mpexp.step import loop, performance
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
 from mpexp.step.loop import Stepper
 from mpexp.step.step_graph import WARMUP_STEPS
+from mpexp.tasks.classification import Classification
+from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import CPU, TINY, make_cfg
 from tests.replay import RecordedGraph
@@ -173,6 +178,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_with_one_warning(caplog):
     warned = [r for r in caplog.records if "could not be captured" in r.getMessage()]
     assert len(warned) == 1 and "host" in warned[0].getMessage()
     assert stepper.graph.failed and stepper.describe()["cuda_graph"] is False
+    assert stepper.describe()["cuda_graph_off"].startswith("the capture failed: ")
     assert [r.step for r in rows] == list(range(1, STEPS + 1))
     eager = small_net()
     assert not torch.equal(eager[0].weight, net.net[0].weight)  # it trained all the same
@@ -265,3 +271,113 @@ def test_a_users_mistake_in_the_first_compiled_step_is_not_taken_for_a_compiler_
     with caplog.at_level(logging.WARNING, logger="mpexp"), pytest.raises(LogError, match="train/"):
         train(cfg, RunContext(tmp_path / "run"))
     assert "could not compile" not in caplog.text
+
+
+CUDA = torch.device("cuda")  # planned for, never touched: plan_speed and for_model only read it
+
+
+class PythonRandomDepth(nn.Module):
+    """A user's model with stochastic depth drawn from Python's `random`: each training step
+    keeps its residual block or not, a choice made on the host, which a replayed graph never
+    makes again."""
+
+    def __init__(self, in_channels=1, num_classes=10, image_size=(28, 28), width=4):
+        super().__init__()
+        self.stem = nn.Conv2d(in_channels, width, 3, padding=1)
+        self.block = nn.Conv2d(width, width, 3, padding=1)
+        self.fc = nn.Linear(width * image_size[0] * image_size[1], num_classes)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        if not self.training or random.random() < 0.5:
+            x = x + torch.relu(self.block(x))
+        return self.fc(x.flatten(1))
+
+
+class CountingCNN(SimpleCNN):
+    """A subclass of a capturable model that adds host-side state (a step counter) of its own:
+    its parent's declaration is not its own."""
+
+    calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x) * (1.0 if self.calls % 2 else 0.5)
+
+
+@pytest.mark.parametrize("name", ["deepcnn", "simplecnn", "resnet18", "vit", "gpt"])
+def test_mpexps_own_models_are_captured_by_default_on_cuda(name):
+    cfg = make_cfg(f"model={name}")
+    if name == "gpt":
+        task = LanguageModelling(vocab_size=256, block_size=cfg.model.block_size)
+    else:
+        task = Classification(channels=3, height=32, width=32, num_classes=10)
+    model = build(cfg.model, **task.model_kwargs())
+    speed = performance.for_model(performance.plan_speed(cfg, CUDA), cfg, model)
+    assert speed.cuda_graph and speed.graph_off is None
+    assert performance.describe_step(speed) == "step compiled, captured as one CUDA graph"
+
+
+@pytest.mark.parametrize("model", [PythonRandomDepth, CountingCNN])
+def test_a_model_that_does_not_declare_itself_capturable_runs_compiled_without_the_graph(
+    model, caplog
+):
+    """On CUDA by default: compiled, uncaptured, said once with the way to opt in, and the
+    optimizer's choice left to the config again (a graph would have fused it)."""
+    cfg = make_cfg()
+    with caplog.at_level(logging.INFO, logger="mpexp"):
+        speed = performance.for_model(performance.plan_speed(cfg, CUDA), cfg, model())
+    name = model.__qualname__
+    assert (speed.compile, speed.cuda_graph, speed.fused) == (True, False, None)
+    assert speed.graph_off == f"{name} does not declare itself capturable"
+    said = [r.getMessage() for r in caplog.records if "not captured" in r.getMessage()]
+    assert len(said) == 1 and name in said[0]
+    assert "`capturable = True`" in said[0] and "trainer.cuda_graph=true" in said[0]
+    assert performance.describe_step(speed) == (
+        f"step compiled, no CUDA graph ({name} does not declare itself capturable)"
+    )
+    forced_cfg = make_cfg("trainer.cuda_graph=true")
+    with caplog.at_level(logging.WARNING, logger="mpexp"):
+        caplog.clear()
+        forced = performance.for_model(
+            performance.plan_speed(forced_cfg, CUDA), forced_cfg, model()
+        )
+    assert forced.cuda_graph and forced.fused
+    assert "frozen" in caplog.text and name in caplog.text
+
+
+def _mocked_cuda_run(monkeypatch, tmp_path, name: str, *overrides: str):
+    """A run planned as on CUDA (its CUDA graph emulated, tests/replay.py), of PythonRandomDepth;
+    its summary, per-step losses and log."""
+    plan = performance.plan_speed
+    monkeypatch.setattr(performance, "plan_speed", lambda cfg, device: plan(cfg, CUDA))
+    monkeypatch.setattr(loop, "CudaGraph", RecordedGraph)
+    cfg = make_cfg(*TINY, "model._target_=tests.test_step_graph.PythonRandomDepth",
+                   "dataset.train_size=512", "trainer.epochs=1", "trainer.compile=false",
+                   "trainer.channels_last=false", "optimizer.fused=true", *overrides)  # fmt: skip
+    summary = train(cfg, RunContext(tmp_path / name))
+    monkeypatch.undo()
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+    return summary, [r["train/loss"] for r in rows if "train/loss" in r]
+
+
+def test_by_default_a_user_models_python_state_is_never_frozen_by_a_capture(
+    monkeypatch, tmp_path, caplog
+):
+    """The default run of a model that draws from Python's random in its forward trains as its
+    eager run does, and says why its step is not captured; captured on demand, its draws are
+    frozen in every replay and it trains differently (what the default spares it)."""
+    _, eager_losses = _mocked_cuda_run(monkeypatch, tmp_path, "eager", "trainer.cuda_graph=false")
+    with caplog.at_level(logging.INFO, logger="mpexp"):
+        default, losses = _mocked_cuda_run(monkeypatch, tmp_path, "default")
+    reason = "PythonRandomDepth does not declare itself capturable"
+    assert default["ran"]["cuda_graph"] is False and default["ran"]["cuda_graph_off"] == reason
+    first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Training"))
+    assert first.endswith(f"| step eager, no CUDA graph ({reason})")
+    assert losses == eager_losses
+    forced, forced_losses = _mocked_cuda_run(
+        monkeypatch, tmp_path, "forced", "trainer.cuda_graph=true"
+    )
+    assert forced["ran"]["cuda_graph"] is True and forced["ran"]["graph_replays"] > 0
+    assert forced_losses[:WARMUP_STEPS] == eager_losses[:WARMUP_STEPS]
+    assert forced_losses != eager_losses

@@ -88,6 +88,11 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token windows (n, length) in, next-token logits (n, length, vocab_size) out."""
 
+    # its step may be captured as a CUDA graph (mpexp.step.performance.declares_capturable):
+    # dropout draws from the device's generator, which a replay advances, and the attention
+    # layers' `measure_logits` is set only on the steps the diagnostics inspect, which run eagerly
+    capturable = True
+
     def __init__(
         self,
         vocab_size: int = 256,

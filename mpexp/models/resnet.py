@@ -17,4 +17,7 @@ def resnet18(
     model = torchvision_resnet18(weights=None, num_classes=num_classes)
     model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
+    # torchvision's forward keeps no Python-side state: the step may be captured as a CUDA graph
+    # (mpexp.step.performance.declares_capturable)
+    model.capturable = True
     return model

@@ -10,6 +10,10 @@ class SimpleCNN(nn.Module):
     """conv(width) -> pool -> conv(2*width) -> pool -> linear. The article's network is width=64
     on 32x32 colour images; here the linear layer follows the input's size and channels."""
 
+    # its forward keeps no Python-side state: its step may be captured as a CUDA graph
+    # (mpexp.step.performance.declares_capturable)
+    capturable = True
+
     def __init__(
         self,
         in_channels: int = 3,

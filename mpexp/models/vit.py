@@ -84,4 +84,7 @@ def vit(
     nn.init.zeros_(model.conv_proj.bias)
     for block in model.encoder.layers:
         block.self_attention = SelfAttention(width, heads)
+    # neither torchvision's forward nor SelfAttention keeps Python-side state: the step may be
+    # captured as a CUDA graph (mpexp.step.performance.declares_capturable)
+    model.capturable = True
     return model

@@ -87,6 +87,8 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
     data.shard(world.rank, world.size)
     what = f"model={choices['model']}" if choices.get("model") else cfg.model._target_
     model = build_model(cfg.model, task, f"{what} on {dataset}").to(device)
+    # the user's model as built, before anything wraps it: whether it declares itself capturable
+    speed = performance.for_model(speed, cfg, model)
     parameters = sum(p.numel() for p in model.parameters())
     # counted once, on the plain model at the run's shapes, before anything wraps it
     name = device_name(device)

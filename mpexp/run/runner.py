@@ -91,7 +91,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         ran = ran_record(cfg, run, world, built, optimizer)
         log.info(
             "Training %s on %s (%s) | %s on %s | precision %s (autocast %s, TF32 %s) | "
-            "loss scaling %s",
+            "loss scaling %s | %s",
             run.choices.get("model") or type(model).__name__,
             run.choices.get("dataset") or type(data).__name__,
             data.describe(),
@@ -101,6 +101,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
             ran["autocast_dtype"],
             "on" if ran["tf32_matmul"] else "off",
             ran["loss_scaling"],
+            performance.describe_step(built.speed),
         )
         tracker.record_ran(ran)
         stop_if_asked(stop, world, run, "while the data loaded and the model was built")

@@ -239,10 +239,13 @@ class Stepper:
     def describe(self) -> dict:
         """What the steps ran as, for the run record (after training)."""
         graph = self.graph
-        return {
+        ran = {
             "cuda_graph": bool(graph is not None and graph.captured and not graph.failed),
             "graph_replays": graph.replays if graph is not None else 0,
         }
+        if graph is not None and graph.failed:
+            ran["cuda_graph_off"] = graph.failure
+        return ran
 
 
 @torch.no_grad()

@@ -3,8 +3,9 @@ the whole step as one CUDA graph.
 
 Each is decided once at setup, in `plan_speed`: on CUDA the defaults take the fast path (compiled
 model, channels_last, the step captured as a CUDA graph), on a CPU the plain one; `trainer.eager`
-turns compilation and the graph off together. None of them is allowed to fall back silently: a
-switch that cannot take effect here says so.
+turns compilation and the graph off together. Once the model is built, `for_model` settles the
+graph: by default only a model known to be safe to capture is captured (`declares_capturable`).
+None of them is allowed to fall back silently: a switch that cannot take effect here says so.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Speed:
     channels_last: bool
     cuda_graph: bool
     fused: bool | None  # None: the optimizer's default (fused on CUDA where it may be)
+    graph_off: str | None = None  # why the step is not captured (None: it is)
 
     def memory_format(self) -> torch.memory_format:
         return memory_format(self.channels_last)
@@ -46,7 +48,8 @@ def plan_speed(cfg: DictConfig, device: torch.device) -> Speed:
     On CUDA the null ones take the fastest path that leaves the numerics unchanged; with
     `trainer.eager=true` compilation and the CUDA graph stay off. A switch asked for explicitly
     that this configuration cannot take is refused with the reason; one that this hardware
-    cannot take (a CUDA graph on a CPU) is switched off with a warning.
+    cannot take (a CUDA graph on a CPU) is switched off with a warning. The graph's plan is
+    settled by `for_model` once the model is built.
     """
     t = cfg.trainer
     cuda = device.type == "cuda"
@@ -59,10 +62,16 @@ def plan_speed(cfg: DictConfig, device: torch.device) -> Speed:
     channels_last = cuda if t.channels_last is None else bool(t.channels_last)
     fused = cfg.optimizer.get("fused")
     blocked = _graph_blockers(cfg, fused)
+    graph, off = False, None
     if t.cuda_graph is None:
         graph = cuda and not t.eager and not blocked
-        if cuda and not t.eager and blocked:
-            log.info("The training step runs eagerly, not as a CUDA graph: %s.", blocked[0])
+        if not cuda:
+            off = "no CUDA device"
+        elif t.eager:
+            off = "trainer.eager=true"
+        elif blocked:
+            off = blocked[0]
+            log.info("The training step runs eagerly, not as a CUDA graph: %s.", off)
     elif t.cuda_graph and blocked:
         raise ConfigError(f"trainer.cuda_graph=true cannot be taken: {blocked[0]}.")
     elif t.cuda_graph and not cuda:
@@ -71,12 +80,57 @@ def plan_speed(cfg: DictConfig, device: torch.device) -> Speed:
             "eagerly (recorded as cuda_graph: false).",
             device,
         )
-        graph = False
+        off = "no CUDA device"
     else:
         graph = bool(t.cuda_graph)
+        off = None if graph else "trainer.cuda_graph=false"
     if graph and fused is None:
         fused = True  # a captured optimizer step must skip overflowing steps on the device
-    return Speed(compile_on, t.compile_mode, channels_last, graph, fused)
+    return Speed(compile_on, t.compile_mode, channels_last, graph, fused, off)
+
+
+def declares_capturable(model: nn.Module) -> bool:
+    """Whether the model says that its step is safe to capture as a CUDA graph: `capturable =
+    True` on its own class, or on the instance (a builder function's model).
+
+    A replayed graph runs the step's kernels without the Python around them, so whatever a
+    forward pass keeps or draws on the host (Python's `random`, a step counter, a float it
+    updates) stays as it was at the capture. Only the model's author knows that it keeps none.
+    A subclass declares it again: it may add host-side state that its parent does not have."""
+    declared = vars(model).get("capturable", vars(type(model)).get("capturable"))
+    return declared is True
+
+
+def for_model(speed: Speed, cfg: DictConfig, model: nn.Module) -> Speed:
+    """The plan settled for the built model (the user's own, before fp8, DDP or FSDP wrap it).
+
+    With `trainer.cuda_graph=null` the step of a model that does not declare itself capturable
+    (`declares_capturable`) is not captured: it runs compiled as planned, without the graph,
+    and the log says why and how to opt in. `trainer.cuda_graph=true` captures it anyway,
+    with a warning that its Python-side per-step state is frozen."""
+    if not speed.cuda_graph or declares_capturable(model):
+        return speed
+    name = type(model).__qualname__
+    if cfg.trainer.cuda_graph:
+        log.warning(
+            "trainer.cuda_graph=true captures %s, which does not declare itself capturable: "
+            "Python-side per-step state in its forward pass (Python's random, step counters, "
+            "host scalars) is frozen at the captured step's values in every replay. Set "
+            "`capturable = True` on its class once it keeps none.",
+            name,
+        )
+        return speed
+    log.info(
+        "The training step of %s is not captured as a CUDA graph: the model does not declare "
+        "itself capturable, and a replayed graph would freeze any Python-side per-step state "
+        "of its forward pass (Python's random, step counters, host scalars). It runs%s without "
+        "the graph. Set `capturable = True` on the model's class if its forward keeps no such "
+        "state, or trainer.cuda_graph=true to capture it anyway.",
+        name,
+        " compiled" if speed.compile else " eagerly",
+    )
+    off = f"{name} does not declare itself capturable"
+    return replace(speed, cuda_graph=False, fused=cfg.optimizer.get("fused"), graph_off=off)
 
 
 def _graph_blockers(cfg: DictConfig, fused) -> list[str]:
@@ -186,5 +240,16 @@ def describe(optimizer, speed: Speed) -> dict:
         "channels_last": speed.channels_last,
         "compile": speed.compile_mode if speed.compile else False,
         "cuda_graph": speed.cuda_graph,
+        "cuda_graph_off": speed.graph_off,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
     }
+
+
+def describe_step(speed: Speed) -> str:
+    """How the training step runs, for the run's first line."""
+    how = "compiled" if speed.compile else "eager"
+    if speed.cuda_graph:
+        return f"step {how}, captured as one CUDA graph"
+    if speed.graph_off is None or speed.graph_off == "no CUDA device":
+        return f"step {how}"  # a CPU's step: never a graph, nothing to explain
+    return f"step {how}, no CUDA graph ({speed.graph_off})"

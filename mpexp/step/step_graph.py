@@ -114,6 +114,7 @@ class StepGraph:
         self.warmup_left = warmup
         self.graph: CudaGraph | None = None
         self.failed = False
+        self.failure: str | None = None  # why the capture failed, when it did
         self.replays = 0
         self.capture_s = 0.0
         self._static: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -167,6 +168,7 @@ class StepGraph:
             self.failed = True
             self._on_fail()
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            self.failure = f"the capture failed: {reason}"
             log.warning(
                 "The training step could not be captured as a CUDA graph (%s); the run goes on "
                 "with eager steps (recorded as cuda_graph: false). trainer.cuda_graph=false "
