@@ -158,9 +158,11 @@ def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode, extra):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_evaluation_waits_on_the_gpu_once():
+@pytest.mark.parametrize("pad", [False, True], ids=["eager", "padded"])
+def test_evaluation_waits_on_the_gpu_once(pad):
     """Validation sums on the device and reads the result once: one synchronisation in all,
-    none per batch (CUDA's sync-debug mode warns at each)."""
+    none per batch (CUDA's sync-debug mode warns at each), its last batch padded (as for a
+    compiled model) or not."""
     import warnings
 
     from mpexp.data.synthetic import SyntheticData
@@ -170,13 +172,13 @@ def test_evaluation_waits_on_the_gpu_once():
     data = SyntheticData(train_size=8, val_size=100, batch_size=32, seed=0)
     data.setup(device)
     model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10)).to(device)
-    evaluate(model, data, device, precision_of("fp32", device))  # lazy initialisation first
+    evaluate(model, data, device, precision_of("fp32", device), pad)  # lazy initialisation first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            evaluate(model, data, device, precision_of("fp32", device))
+            evaluate(model, data, device, precision_of("fp32", device), pad)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]

@@ -237,7 +237,7 @@ class FailsToCompile(nn.Module):
 def test_a_model_that_cannot_be_compiled_trains_eagerly_with_one_warning(
     monkeypatch, tmp_path, caplog
 ):
-    monkeypatch.setattr(performance.torch, "compile", lambda model, mode: FailsToCompile(model))
+    monkeypatch.setattr(performance.torch, "compile", lambda model, **_: FailsToCompile(model))
     cfg = make_cfg(*TINY, "trainer.compile=true", "trainer.epochs=1")
     with caplog.at_level(logging.WARNING, logger="mpexp"):
         summary = train(cfg, RunContext(tmp_path / "run"))
@@ -264,9 +264,7 @@ def test_a_users_mistake_in_the_first_compiled_step_is_not_taken_for_a_compiler_
 ):
     """The first step's errors but the user's mean the model cannot be compiled, and it trains
     eagerly; the user's own (mpexp.log refusing a key) stops the run, with its one message."""
-    monkeypatch.setattr(
-        performance.torch, "compile", lambda model, mode: LogsUnderMpexpsName(model)
-    )
+    monkeypatch.setattr(performance.torch, "compile", lambda model, **_: LogsUnderMpexpsName(model))
     cfg = make_cfg(*TINY, "trainer.compile=true", "trainer.epochs=1")
     with caplog.at_level(logging.WARNING, logger="mpexp"), pytest.raises(LogError, match="train/"):
         train(cfg, RunContext(tmp_path / "run"))

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from mpexp.checkpoints.checkpoint import Checkpointer, Position, Resume
-from mpexp.data.base import TrainingData
+from mpexp.data.base import Batch, TrainingData
 from mpexp.distributed import World
 from mpexp.errors import NumericsError, UserError
 from mpexp.precision.modes import Precision
@@ -34,7 +34,7 @@ from mpexp.run.stopping import StopSignals
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.flops import Throughput
 from mpexp.step.history import OwnRows, StepHistory, StepRow
-from mpexp.step.performance import Speed
+from mpexp.step.performance import Compilations, Speed
 from mpexp.step.rollback import BufferRollback
 from mpexp.step.step_graph import WARMUP_STEPS, CudaGraph, StepGraph
 from mpexp.system import PeakMemory, synchronize
@@ -126,9 +126,13 @@ class Stepper:
         self.buffers = BufferRollback.for_step(
             self.model, can_skip=self.scaler.continues_after_skip()
         )
-        self.setup_s = 0.0  # time taken by the set-up steps so far
+        self.setup_s = 0.0  # time taken by the set-up steps so far, and by later compilations
         self.steps_taken = 0
+        # with a compiled model: what trains eagerly instead when it cannot be compiled, and
+        # what counts its compilations
         self.on_compile_error: Callable[[Exception], torch.nn.Module] | None = None
+        self.compiles: Compilations | None = None
+        self._shapes: set[torch.Size] = set()  # the input shapes compiled for so far
 
     @classmethod
     def with_graph(cls, *args, **kwargs) -> Stepper:
@@ -149,6 +153,7 @@ class Stepper:
         self.history.note(step, self.optimizer.param_groups[0]["lr"])
         inspect = self.diagnostics.inspector(step)
         timed = self.steps_taken < self.setup_steps
+        compiled_s = self.compiles.seconds if self.compiles is not None else 0.0
         if timed:
             synchronize(inputs.device)
             began = time.perf_counter()
@@ -159,6 +164,10 @@ class Stepper:
         if timed:
             synchronize(inputs.device)
             self.setup_s += time.perf_counter() - began
+        elif self.compiles is not None:
+            # a later step that compiled (a batch of a new shape): its compilation is set-up too,
+            # as the compiler's host time (no synchronisation in an untimed step)
+            self.setup_s += self.compiles.seconds - compiled_s
         self.steps_taken += 1
 
     def _replayed(self, inputs, targets, inspect) -> bool:
@@ -173,26 +182,45 @@ class Stepper:
             self.optimizer.zero_grad(set_to_none=True)
         warming = self.graph is not None and not self.graph.captured and not self.graph.failed
         with self.graph.warmup_stream() if warming else contextlib.nullcontext():
-            if self.steps_taken == 0 and self.on_compile_error is not None:
-                self._first_compiled(inputs, targets, inspect)
+            if self.on_compile_error is not None:
+                self._compiled(inputs, targets, inspect)
             else:
                 self._device_work(inputs, targets, inspect)
         self.optimizer.zero_grad(set_to_none=True)
         if self.graph is not None:
             self.graph.warmed_up()
 
-    def _first_compiled(self, inputs, targets, inspect) -> None:
-        """The first step compiles the model; one that cannot be compiled trains eagerly."""
-        saved = BufferRollback(list(self.model.buffers()))
-        saved.save()
+    def _compiled(self, inputs, targets, inspect) -> None:
+        """A step of the compiled model; one whose compilation fails trains eagerly, as does
+        every step after it.
+
+        The first step compiles, and so does one whose batch has a shape not seen before (a
+        last, smaller batch): the model's buffers are saved before those, so that a failed one
+        leaves no trace. A failure in any step that started a compilation (one that a change in
+        the model's Python state recompiles) is taken for the compiler's too, but BatchNorm
+        statistics that its forward pass updated before the failure stay as they are."""
+        first = self.steps_taken == 0
+        saved = None
+        if inputs.shape not in self._shapes:
+            self._shapes.add(inputs.shape)
+            saved = BufferRollback(list(self.model.buffers()))
+            saved.save()
+        started = self.compiles.count if self.compiles is not None else 0
         try:
             self._device_work(inputs, targets, inspect)
         except UserError:  # a mistake in the user's code (mpexp.log's): eager would make it too
             raise
-        except Exception as err:  # any compiler failure: the eager model instead
-            saved.restore_if(torch.ones((), device=inputs.device))
+        except Exception as err:
+            compiling = self.compiles is not None and self.compiles.count > started
+            # the first step's failure is the compiler's, whatever it raised (torch.compile's
+            # wrapper defers all of its work to that call); a later one only if it compiled
+            if not (first or compiling):
+                raise
+            if saved is not None:
+                saved.restore_if(torch.ones((), device=inputs.device))
             self._forget_step()
-            self.model = self.on_compile_error(err)
+            fall_back, self.on_compile_error = self.on_compile_error, None
+            self.model = fall_back(err)
             self._device_work(inputs, targets, inspect)
 
     def _device_work(self, inputs, targets, inspect, captured: bool = False) -> None:
@@ -249,20 +277,37 @@ class Stepper:
 
 
 @torch.no_grad()
-def evaluate(model, data: TrainingData, device, precision: Precision) -> dict[str, float]:
-    """The validation metrics of the data's task, summed on the device and read once."""
+def evaluate(
+    model, data: TrainingData, device, precision: Precision, pad: bool = False
+) -> dict[str, float]:
+    """The validation metrics of the data's task, summed on the device and read once.
+
+    With `pad` (a compiled model), a last, smaller batch is padded to the full batch size, so
+    that it runs through the graph compiled for full batches rather than compiling one of its
+    own; its padding counts nowhere (`Task.padded_targets`)."""
     task = data.task
     model.eval()
     total = None
     count = 0  # on the host: a batch's size is known there, and a tensor of it would be a copy
-    for inputs, targets in data.val_batches(device):
-        with precision.autocast():
-            output = model(inputs)
-        sums = task.val_sums(output, targets)
-        total = sums if total is None else total + sums
-        count += task.val_count(targets)
-    model.train()
+    try:
+        for inputs, targets in data.val_batches(device):
+            count += task.val_count(targets)
+            if pad and len(targets) < data.batch_size:
+                inputs, targets = _padded(inputs, targets, data.batch_size, task)
+            with precision.autocast():
+                output = model(inputs)
+            sums = task.val_sums(output, targets)
+            total = sums if total is None else total + sums
+    finally:  # a compiler's failure, which the loop survives, leaves the model training
+        model.train()
     return task.val_metrics(total.tolist(), count)
+
+
+def _padded(inputs: torch.Tensor, targets: torch.Tensor, size: int, task) -> Batch:
+    """A batch lengthened to `size` items by repeating its last: indexing keeps the inputs'
+    memory layout, which the compiled graph's guards check as they check the shape."""
+    index = torch.arange(size, device=inputs.device).clamp_(max=len(targets) - 1)
+    return inputs[index], task.padded_targets(targets, size)
 
 
 class StepLog:
@@ -462,9 +507,13 @@ class Fit:
             cfg.trainer.clip_grad_norm,
             loss_fn=parts.data.task.loss,
         )
+        # every compilation, in training and in validation: timed, and survived by the eager model
+        self.compiles = Compilations()
+        self.val_compile_s = 0.0  # the time validation spent compiling
         if speed is not None and speed.compile:
             self.stepper.setup_steps = max(self.stepper.setup_steps, 1)
             self.stepper.on_compile_error = self._compile_failed
+            self.stepper.compiles = self.compiles
         progress = cfg.trainer.progress
         self.hide_bar = (None if progress is None else not progress) if world.is_main else True
         self.position = Position()  # where training stands: the next epoch, batches done in it
@@ -485,12 +534,14 @@ class Fit:
     def run(self) -> dict:
         """Train the remaining epochs; return the final metrics."""
         self.parts.model.train()
+        compiled = self.parts.forward is not self.parts.model
         try:
-            for epoch in range(self.position.epoch, self.trainer.epochs + 1):
-                self.row = self._epoch(epoch)
-                self._checkpoint(
-                    Position(epoch + 1, 0, self.position.step), 0.0, self._stop_agreed()
-                )
+            with self.compiles if compiled else contextlib.nullcontext():
+                for epoch in range(self.position.epoch, self.trainer.epochs + 1):
+                    self.row = self._epoch(epoch)
+                    self._checkpoint(
+                        Position(epoch + 1, 0, self.position.step), 0.0, self._stop_agreed()
+                    )
         except Exception:
             self._write_own_values()
             raise
@@ -573,14 +624,18 @@ class Fit:
         return ran
 
     def _setup_time(self) -> dict:
-        """Set-up time of the run's steps (compilation, CUDA graph capture), when it had any."""
+        """Set-up time of the run's steps (compilation, CUDA graph capture) and validation's
+        compilation, when it had any."""
         if not self.stepper.setup_steps:
             return {}
-        return {"perf/compile_s": self.stepper.setup_s}
+        return {"perf/compile_s": self.stepper.setup_s + self.val_compile_s}
 
     def _compile_failed(self, err: Exception) -> torch.nn.Module:
         """The model cannot be compiled: warn once and train (and evaluate) it eagerly."""
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        lines = lines or [type(err).__name__]
+        # TorchDynamo says "backend='inductor' raised:" on one line and what it raised on the next
+        reason = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
         log.warning(
             "torch.compile could not compile the model (%s); training it eagerly instead "
             "(recorded as compile: false). trainer.compile=false skips the attempt.",
@@ -590,25 +645,49 @@ class Fit:
         self.compile_failed = True
         return self.parts.model
 
+    def _validate(self) -> tuple[dict[str, float], float]:
+        """The validation metrics, and the time spent compiling for them (the first validation
+        compiles the model's graph in eval mode). A compiled model pads a last, smaller batch, so
+        that no batch compiles a graph of its own; one whose compilation fails here is evaluated
+        eagerly, and trains eagerly from here on, as when its first step fails to compile."""
+        p = self.parts
+        if p.forward is p.model:  # eager (or compiled no longer): the plain evaluation
+            return evaluate(p.model, p.data, self.device, p.precision), 0.0
+        started, seconds = self.compiles.count, self.compiles.seconds
+        try:
+            metrics = evaluate(p.forward, p.data, self.device, p.precision, pad=True)
+        except UserError:
+            raise
+        except Exception as err:
+            if self.compiles.count == started:  # it compiled nothing: no compiler failure
+                raise
+            self.stepper.on_compile_error = None
+            self.stepper.model = self._compile_failed(err)
+            metrics = evaluate(p.model, p.data, self.device, p.precision)
+        compiling = self.compiles.seconds - seconds
+        self.val_compile_s += compiling
+        return metrics, compiling
+
     def _epoch_row(
         self, epoch: int, step: int, epoch_time: float, setup: tuple[int, float] = (0, 0.0)
     ) -> dict:
         """`setup`: the set-up steps in this epoch and their time, both left out of its speed."""
         p = self.parts
         task = p.data.task
+        metrics, val_compile_s = self._validate()
         row = {
             "epoch": epoch,
             "step": step,
             "train/epoch_loss": self.steps.epoch_loss(),
-            **evaluate(p.forward, p.data, self.device, p.precision),
+            **metrics,
             "perf/epoch_time_s": epoch_time,
             # the set-up steps' samples are left out with their time
             "perf/samples_per_s": (p.data.samples_per_epoch() - setup[0] * p.data.batch_size)
             / epoch_time,
             self.memory.key: self.memory.read_mib(),
         }
-        if setup[0]:
-            row["perf/compile_s"] = setup[1]
+        if setup[0] or setup[1] or val_compile_s:
+            row["perf/compile_s"] = setup[1] + val_compile_s
         row = self.world.reduce_epoch(row)
         # from the samples/s already computed (summed over ranks): no device read of its own
         row.update(task.throughput(row["perf/samples_per_s"]))

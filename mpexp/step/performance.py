@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -230,7 +231,46 @@ def compile_model(model: nn.Module, speed: Speed) -> nn.Module:
     """
     if not speed.compile:
         return model
-    return torch.compile(model, mode=speed.compile_mode)
+    # shapes static: a batch of a new shape compiles a graph of its own rather than one for any
+    # batch size (validation pads its last batch to the full size, mpexp.step.loop.evaluate)
+    return torch.compile(model, mode=speed.compile_mode, dynamic=False)
+
+
+class Compilations:
+    """Counts and times what torch.compile compiles while it is entered, wherever that happens:
+    a training step, a batch of a new shape, the first validation (a graph of its own, in eval
+    mode without gradients), a backward pass compiled at its first call.
+
+    Read on the host from TorchDynamo's compile callbacks, with no synchronisation: the time is
+    the compiler's own, which runs on the host."""
+
+    def __init__(self) -> None:
+        self.count = 0  # compilations started
+        self.seconds = 0.0  # their time, those finished
+        self._began = 0.0
+
+    def __enter__(self) -> Compilations:
+        # imported by a compiled run only (torch.compile has imported it by then): TorchDynamo
+        # takes a second or more to import, which an eager run never pays
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch._dynamo.callback import callback_handler  # imported by __enter__
+
+        callback_handler.remove_start_callback(self._start)
+        callback_handler.remove_end_callback(self._end)
+
+    def _start(self, _args) -> None:
+        # TorchDynamo calls these around the outermost compilation only: never nested
+        self.count += 1
+        self._began = time.perf_counter()
+
+    def _end(self, _args) -> None:
+        self.seconds += time.perf_counter() - self._began
 
 
 def describe(optimizer, speed: Speed) -> dict:

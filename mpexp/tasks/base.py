@@ -8,6 +8,8 @@ returns the task). The task alone knows:
 - how a batch's model output becomes the training loss (`loss`);
 - what validation measures: per-batch sums kept on the device (`val_sums`), turned into metrics
   once per validation (`val_metrics`), and how the epoch's log line shows them (`epoch_text`);
+  and targets for padding that those sums leave out (`padded_targets`: a compiled model's last,
+  smaller validation batch is padded to the full size);
 - which metric is the run's result and whether higher or lower is better (`result`): the W&B
   summaries, the `best` checkpoint, the sweep report's parity verdicts and Optuna's objective
   follow it. The run records it as `ran.task`, so that the report reads it from the run's files.
@@ -78,6 +80,9 @@ class Result:
         return cls(**{f.name: task[f.name] for f in fields(cls) if f.name in task})
 
 
+# the target of an item that validation leaves out (padding): cross-entropy's default ignore_index
+IGNORE_INDEX = -100
+
 # an image classifier's result: final val accuracy, compared in points; half a point is about the
 # seed-to-seed spread of the tutorial's MNIST runs
 ACCURACY = Result(
@@ -117,7 +122,15 @@ class Task(ABC):
     @abstractmethod
     def val_sums(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One validation batch's sums as a 1-D float tensor, left on the device: the batches'
-        sums are added up there and read once."""
+        sums are added up there and read once. Items whose target is IGNORE_INDEX (padding, see
+        `padded_targets`) count in none of them."""
+
+    def padded_targets(self, targets: torch.Tensor, size: int) -> torch.Tensor:
+        """`targets` lengthened to `size` items with targets that `val_sums` leaves out, made on
+        the device (no host read): the padding of a last, smaller validation batch."""
+        padded = targets.new_full((size, *targets.shape[1:]), IGNORE_INDEX)
+        padded[: len(targets)] = targets
+        return padded
 
     @abstractmethod
     def val_count(self, targets: torch.Tensor) -> int:

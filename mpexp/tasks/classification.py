@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from mpexp.tasks.base import ACCURACY, Task
+from mpexp.tasks.base import ACCURACY, IGNORE_INDEX, Task
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class Classification(Task):
         return F.cross_entropy(output, targets)
 
     def val_sums(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(output.float(), targets, reduction="sum")
-        correct = (output.argmax(1) == targets).sum()
+        loss = F.cross_entropy(output.float(), targets, reduction="sum", ignore_index=IGNORE_INDEX)
+        correct = (output.argmax(1) == targets).sum()  # a padded item's target is no class
         return torch.stack((loss, correct.float()))
 
     def val_count(self, targets: torch.Tensor) -> int:

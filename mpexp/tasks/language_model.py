@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from mpexp.tasks.base import Result, Task
+from mpexp.tasks.base import IGNORE_INDEX, Result, Task
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ class LanguageModelling(Task):
     def val_sums(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = output.reshape(-1, output.shape[-1]).float()
         flat = targets.reshape(-1)
-        loss = F.cross_entropy(logits, flat, reduction="sum")
-        correct = (logits.argmax(1) == flat).sum()
+        loss = F.cross_entropy(logits, flat, reduction="sum", ignore_index=IGNORE_INDEX)
+        correct = (logits.argmax(1) == flat).sum()  # a padded item's target is no token
         return torch.stack((loss, correct.float()))
 
     def val_count(self, targets: torch.Tensor) -> int:
