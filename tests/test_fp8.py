@@ -14,7 +14,7 @@ from torch import nn
 
 from mpexp.errors import ConfigError
 from mpexp.precision import fp8_support
-from mpexp.precision.fp8 import convert_to_fp8
+from mpexp.precision.fp8 import check_fp8_rows, convert_to_fp8, linear_rows
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
 from mpexp.run.build import build
@@ -129,6 +129,24 @@ def test_the_fp8_vit_preset_is_vit_base_on_cifar10_shaped_data_and_converts_48_o
     assert converted / sum(weights.values()) > 0.9999
 
 
+def test_the_fp8_vit_presets_batches_put_a_multiple_of_16_token_rows_through_each_layer():
+    """ViT-Base on 32x32 images: 64 patches and the class token, 65 rows per sample through
+    every converted layer; the preset's 256 samples make 16,640, which fp8 on a GPU can take
+    (and a batch of 200 would not)."""
+    cfg = make_cfg("experiment=fp8_vit")
+    with torch.device("meta"):
+        model = build(cfg.model, in_channels=3, num_classes=10, image_size=(32, 32))
+        rows = linear_rows(model, torch.zeros(1, 3, 32, 32))
+    model, precision = convert_to_fp8(model, setup_precision(cfg.precision, CPU), [], True)
+    assert {n: rows[n] for n in precision.fp8.converted} == {
+        n: [65] for n in precision.fp8.converted
+    }
+    assert rows["heads.head"] == [1]  # the class token alone: left in bf16 all the same
+    check_fp8_rows(precision, rows, cfg.dataset.batch_size, cfg.trainer.accumulate, last=0)
+    with pytest.raises(ConfigError, match="13,000 per micro-batch"):
+        check_fp8_rows(precision, rows, 200, 1, last=0)
+
+
 def test_emulated_fp8_warns_once_that_the_numerics_are_real_and_the_speed_is_not(caplog):
     fp8_support._warned_fp8_emulated = False
     with caplog.at_level(logging.WARNING):
@@ -240,6 +258,30 @@ def test_without_torchao_fp8_names_the_install_command(monkeypatch):
 def test_fp8_that_cannot_take_effect_stops_before_training(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         train(make_cfg(*TINY, "precision=fp8", *overrides), RunContext(tmp_path))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["dataset.batch_size=24"], "micro-batches of 24 samples .* 408 per micro-batch"
+         ".* use dataset.batch_size=16 or 32"),
+        (["trainer.accumulate=8"], "micro-batches of 8 samples .* trainer.accumulate=8\\)"
+         ".* use dataset.batch_size=128, or trainer.accumulate=4"),
+        (["dataset.train_size=1000", "dataset.drop_last=false"], "micro-batches of 40 samples"
+         ".* use dataset.drop_last=true \\(the last batch holds 40 samples\\)"),
+    ],
+    ids=["batch", "accumulate", "last-batch"],
+)  # fmt: skip
+def test_fp8_refuses_micro_batches_whose_token_rows_are_not_a_multiple_of_16(
+    tmp_path, overrides, message
+):
+    """The tiny ViT puts 17 rows (16 patches and the class token) per sample through its fp8
+    layers; their weight gradients sum over a micro-batch's rows, which fp8 on a GPU takes only
+    in multiples of 16. Refused before training, on a CPU too (whose emulation would run it)."""
+    with pytest.raises(ConfigError, match=message) as err:
+        train(make_cfg(*TINY_VIT, "precision=fp8", *overrides), RunContext(tmp_path))
+    assert "17 rows per sample" in str(err.value) and "multiple of 16 samples" in str(err.value)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

@@ -1,10 +1,12 @@
 """fp8 training through torchao: the conversion of a model's Linear layers to torchao's fp8 ones,
-once the model is built and before DDP/FSDP wrap it or torch.compile traces it."""
+once the model is built and before DDP/FSDP wrap it or torch.compile traces it, and the check that
+every micro-batch puts a number of rows through them that fp8's matrix products can take."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 from torch import nn
@@ -74,6 +76,82 @@ def convert_to_fp8(
             "most of fp8's speedup; torchao's speedups are measured compiled."
         )
     return model, dataclasses.replace(precision, fp8=fp8)
+
+
+def linear_rows(model: nn.Module, example: torch.Tensor) -> dict[str, list[int]]:
+    """The rows each Linear layer multiplies per sample, at each of its calls: its input's
+    leading dimensions for `example`, a batch of one (65 for a ViT on 64 patches: its tokens and
+    the class token). Traced once with forward pre-hooks, in eval mode and without gradients, so
+    that no statistics change and no random number is drawn."""
+    rows: dict[str, list[int]] = {}
+
+    def hook(name: str):
+        def record(module: nn.Module, args: tuple) -> None:
+            rows.setdefault(name, []).append(math.prod(args[0].shape[:-1]))
+
+        return record
+
+    handles = [
+        module.register_forward_pre_hook(hook(name))
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+    ]
+    training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(example)
+    finally:
+        model.train(training)
+        for handle in handles:
+            handle.remove()
+    return rows
+
+
+def check_fp8_rows(
+    precision: Precision, rows: dict[str, list[int]], batch: int, accumulate: int, last: int
+) -> None:
+    """Refuse, before training, micro-batches whose rows through a converted layer (samples x
+    its `linear_rows`) are not a multiple of 16.
+
+    A layer's weight gradient is the product of its output's gradient and its input, which sums
+    over the micro-batch's rows; in fp8 on a GPU that is torch._scaled_mm, which takes only
+    multiples of 16 there (torchao pads nothing by default), so such a run would fail in its first
+    backward pass. The CPU's emulation has no such limit, but is refused alike: emulation must
+    not hide a configuration that fails on the GPU. `batch` is per process, split into
+    `accumulate` micro-batches; `last` is the size of a last, smaller batch (0: none)."""
+    if precision.fp8 is None:
+        return
+    calls = [(name, n) for name in precision.fp8.converted for n in rows.get(name, ())]
+    # every layer takes micro-batches of a multiple of this many samples: 16 / gcd(rows, 16)
+    step = max((FP8_MULTIPLE // math.gcd(n, FP8_MULTIPLE) for _, n in calls), default=1)
+    # the micro-batches as train_step cuts them (Tensor.chunk)
+    sizes = {len(chunk) for chunk in torch.arange(batch).chunk(accumulate)}
+    if last:  # a last, smaller batch (dataset.drop_last=false) splits into its own micro-batches
+        sizes |= {len(chunk) for chunk in torch.arange(last).chunk(accumulate)}
+    bad = sorted(size for size in sizes if size % step)
+    if not bad:
+        return
+    samples = bad[0]
+    name, per = next((name, n) for name, n in calls if samples * n % FP8_MULTIPLE)
+    whole = step * accumulate  # batches of a multiple of this split into micro-batches fp8 takes
+    if batch % whole:
+        below, above = batch // whole * whole, (batch // whole + 1) * whole
+        fix = f"dataset.batch_size={below} or {above}" if below else f"dataset.batch_size={above}"
+        fewer = [k for k in range(1, accumulate) if batch % k == 0 and batch // k % step == 0]
+        if fewer:
+            fix += f", or trainer.accumulate={fewer[-1]}"
+    else:
+        fix = f"dataset.drop_last=true (the last batch holds {last} samples)"
+    raise ConfigError(
+        f"precision=fp8 cannot train micro-batches of {samples} samples (dataset.batch_size="
+        f"{batch} per process, trainer.accumulate={accumulate}): the fp8 layer {name} takes "
+        f"{per} rows per sample, {samples * per:,} per micro-batch, and the fp8 matrix product "
+        f"that gives its weight gradient sums over them, which on a GPU takes only a multiple of "
+        f"{FP8_MULTIPLE} (torch._scaled_mm; torchao does not pad). Micro-batches must hold a "
+        f"multiple of {step} samples: use {fix}. A CPU refuses it too, where emulation would "
+        "run it: the same configuration must not train on one device and fail on the other."
+    )
 
 
 def _fp8_unconvertible(

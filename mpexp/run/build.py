@@ -15,7 +15,7 @@ from mpexp import config
 from mpexp.data.base import TrainingData
 from mpexp.distributed import World
 from mpexp.errors import ConfigError
-from mpexp.precision.fp8 import convert_to_fp8
+from mpexp.precision.fp8 import check_fp8_rows, convert_to_fp8, linear_rows
 from mpexp.precision.fp32_modules import run_in_float32
 from mpexp.precision.modes import Precision, check_fp16_convolutions_on_cpu, setup_precision
 from mpexp.precision.scaling import LossScaler, build_scaler
@@ -100,10 +100,14 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
         world.size,
     )
     precision = check_fp16_convolutions_on_cpu(model, precision)
+    # fp8's weight gradients sum over a micro-batch's rows: counted per sample on the plain model
+    rows = linear_rows(model, task.example(1, device)[0]) if precision.fp8 else {}
     # fp8 swaps Linear layers: before fp32_modules wraps forwards and DDP/FSDP/compile take them
     model, precision = convert_to_fp8(
         model, precision, list(cfg.precision.fp32_modules), speed.compile
     )
+    last = data.samples_per_epoch() % data.batch_size  # a last, smaller batch (0: none)
+    check_fp8_rows(precision, rows, data.batch_size, cfg.trainer.accumulate, last)
     fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
     performance.apply_memory_format(model, speed)  # before DDP/FSDP takes the parameters
     model = world.wrap(model, precision)
