@@ -123,14 +123,15 @@ def test_a_later_training_step_that_cannot_be_compiled_trains_eagerly_with_one_w
 
 
 class Recorded(nn.Module):
-    """A model and the batch sizes it was called with."""
+    """A model, and the batch sizes and strides it was called with."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.model, self.sizes = model, []
+        self.model, self.sizes, self.strides = model, [], set()
 
     def forward(self, x):
         self.sizes.append(len(x))
+        self.strides.add(x.stride())
         return self.model(x)
 
 
@@ -145,22 +146,25 @@ def text_data(tmp_path, batch_size: int) -> TextData:
     return data
 
 
-@pytest.mark.parametrize("task", ["classification", "language_model"])
+@pytest.mark.parametrize("task", ["classification", "channels_last", "language_model"])
 def test_padding_the_last_validation_batch_leaves_the_metrics_as_they_were(tmp_path, task):
-    """Every batch the model sees is full; the padding counts in no sum, loss or accuracy."""
+    """Every batch the model sees is full, with the strides of the others (which a compiled
+    graph's guards check: text windows are cut from longer ones, images may be stored
+    channels-last); the padding counts in no sum, loss or accuracy."""
     torch.manual_seed(0)
-    if task == "classification":
+    if task != "language_model":
         data = SyntheticData(train_size=64, val_size=VAL_SIZE, batch_size=64, seed=0, noise=0.5)
-        data.setup(CPU)
+        data.setup(CPU, torch.channels_last if task == "channels_last" else torch.contiguous_format)
         model = Recorded(SimpleCNN(in_channels=1, num_classes=10, image_size=(28, 28), width=4))
     else:
         data = text_data(tmp_path, batch_size=16)
         model = Recorded(nn.Sequential(nn.Embedding(256, 32), nn.Linear(32, 256)))
     fp32 = precision_of("fp32")
     plain = evaluate(model, data, CPU, fp32)
-    sizes, model.sizes = model.sizes, []
+    sizes, model.sizes, model.strides = model.sizes, [], set()
     padded = evaluate(model, data, CPU, fp32, pad=True)
     assert sizes[-1] < data.batch_size and set(model.sizes) == {data.batch_size}
+    assert len(model.strides) == 1
     assert padded == pytest.approx(plain, rel=1e-6)
     assert model.training  # left as it was found
 

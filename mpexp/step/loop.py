@@ -304,10 +304,13 @@ def evaluate(
 
 
 def _padded(inputs: torch.Tensor, targets: torch.Tensor, size: int, task) -> Batch:
-    """A batch lengthened to `size` items by repeating its last: indexing keeps the inputs'
-    memory layout, which the compiled graph's guards check as they check the shape."""
-    index = torch.arange(size, device=inputs.device).clamp_(max=len(targets) - 1)
-    return inputs[index], task.padded_targets(targets, size)
+    """A batch lengthened to `size` items by repeating its last. The inputs keep their strides
+    (a full batch's: a slice of the same data), which the compiled graph's guards check as they
+    check the shape: a text window cut from a longer one, an image stored channels-last."""
+    padded = inputs.new_empty_strided((size, *inputs.shape[1:]), inputs.stride())
+    padded[: len(inputs)] = inputs
+    padded[len(inputs) :] = inputs[-1:]
+    return padded, task.padded_targets(targets, size)
 
 
 class StepLog:
