@@ -4,13 +4,16 @@ windows, per precision.
 For each precision, one after the other on one device:
   mpexp  `python -m mpexp.train model=<model> dataset=text precision=<p> ...` in a process of its
          own, exactly as a user's command runs (W&B off); tokens/s from its metrics.jsonl;
-  plain  the same model (mpexp/models/gpt.py, built from the same config and seed), the same
+  plain  in a process of its own too, the same model (mpexp/models/gpt.py, built from the same
+         config and seed), the same
          optimizer and learning rate, the same windows of the same token file (the offsets drawn
          as mpexp draws them), the same autocast dtype and, where mpexp compiled, torch.compile:
          a loop with nothing else (no metrics, no loss scaling but fp16's GradScaler, no
          checkpoints).
-Both time each epoch's training steps (validation and compilation left out) and report the
-median tokens/s over the epochs after the first; the ratio mpexp / plain says what mpexp costs.
+Both time each epoch's training steps (validation and compilation left out) and take the median
+tokens/s over the epochs after the first. They run in turn, `--repeats` times each (a shared
+machine's speed drifts by tens of per cent over minutes); the ratio mpexp / plain of each pair,
+and its median over the pairs, says what mpexp costs.
 The validation loss each mpexp run reached in its fixed number of steps is reported beside it.
 
     python scripts/bench_lm.py                                  # CPU: the tiny GPT, fp32 and bf16
@@ -68,7 +71,7 @@ def overrides(args, precision: str, run_dir: Path) -> list[str]:
 
 def run_mpexp(args, precision: str, tmp: Path) -> dict:
     """The user's command in a process of its own; its timed epochs and what ran."""
-    run_dir = tmp / f"mpexp-{precision}"
+    run_dir = Path(tempfile.mkdtemp(prefix=f"mpexp-{precision}-", dir=tmp)) / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "mpexp.train", *overrides(args, precision, run_dir)]
     subprocess.run(command, check=True, env=env, cwd=tmp, capture_output=True, text=True)
@@ -109,6 +112,15 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
     tokens = np.memmap(tokens_file, dtype=np.uint8, mode="r")
     block, batch, n = model_cfg["block_size"], args.batch_size, args.train_size
     split = round(len(tokens) * (1 - cfg["dataset"]["val_fraction"]))
+    val_offsets = np.linspace(split, len(tokens) - block - 1, cfg["dataset"]["val_size"])
+
+    def windows(offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        index = offsets.round().astype(np.int64)[:, None] + np.arange(block + 1)
+        tokens_in = torch.from_numpy(tokens[index].astype(np.int64))
+        if device.type == "cuda":
+            tokens_in = tokens_in.pin_memory().to(device, non_blocking=True)
+        return tokens_in[:, :-1], tokens_in[:, 1:]
+
     rates = []
     for epoch in range(1, args.epochs + 1):
         generator = torch.Generator().manual_seed(epoch_seed(args.seed, epoch))
@@ -117,11 +129,7 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
             torch.cuda.synchronize()
         start = time.perf_counter()
         for first in range(0, n - n % batch, batch):
-            index = offsets[first : first + batch, None] + np.arange(block + 1)
-            windows = torch.from_numpy(tokens[index].astype(np.int64))
-            if device.type == "cuda":
-                windows = windows.pin_memory().to(device, non_blocking=True)
-            x, y = windows[:, :-1], windows[:, 1:]
+            x, y = windows(offsets[first : first + batch])
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 logits = forward(x)
                 loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
@@ -132,7 +140,22 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         rates.append((n - n % batch) * block / (time.perf_counter() - start))
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            for first in range(0, len(val_offsets), batch):  # validated, untimed, as mpexp does
+                x, y = windows(val_offsets[first : first + batch])
+                F.cross_entropy(forward(x).reshape(-1, 256).float(), y.reshape(-1))
     return {"tokens_per_s": statistics.median(rates[1:])}
+
+
+def plain_process(args, precision: str, mpexp: dict, tmp: Path) -> dict:
+    """run_plain in a fresh process, as the mpexp run had one: both pay a new process's costs
+    (memory mapped and allocated afresh), and neither inherits the other's warm state."""
+    given = Path(tempfile.mkstemp(suffix=".json", dir=tmp)[1])
+    given.write_text(json.dumps({"args": vars(args) | {"json": None}, "precision": precision,
+                                 "mpexp": {"cfg": mpexp["cfg"], "ran": mpexp["ran"]}}))  # fmt: skip
+    command = [sys.executable, __file__, "--plain-from", str(given)]
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def main() -> None:
@@ -144,23 +167,34 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, default=4096, help="windows per epoch")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="mpexp and plain runs, in turn")
     parser.add_argument("--cache-dir", default=None, help="token cache (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument("--plain-from", type=Path, help=argparse.SUPPRESS)  # plain_process's
     parser.add_argument("extra", nargs="*", help="more overrides for the mpexp runs")
     args = parser.parse_args()
+    if args.plain_from:
+        given = json.loads(args.plain_from.read_text())
+        plain_args = argparse.Namespace(**given["args"])
+        print(json.dumps(run_plain(plain_args, given["precision"], given["mpexp"])))
+        return
     results = []
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         args.cache_dir = args.cache_dir or str(tmp / "cache")
         for precision in args.precisions.split(","):
-            mpexp = run_mpexp(args, precision, tmp)
-            plain = run_plain(args, precision, mpexp)
-            ratio = mpexp["tokens_per_s"] / plain["tokens_per_s"]
+            pairs = []
+            for _ in range(args.repeats):
+                mpexp = run_mpexp(args, precision, tmp)
+                pairs.append((mpexp, plain_process(args, precision, mpexp, tmp)))
+            ratios = [m["tokens_per_s"] / p["tokens_per_s"] for m, p in pairs]
+            ratio = statistics.median(ratios)
             row = {
                 "precision": precision,
-                "mpexp_tokens_per_s": mpexp["tokens_per_s"],
-                "plain_tokens_per_s": plain["tokens_per_s"],
+                "mpexp_tokens_per_s": statistics.median(m["tokens_per_s"] for m, _ in pairs),
+                "plain_tokens_per_s": statistics.median(p["tokens_per_s"] for _, p in pairs),
                 "mpexp_over_plain": ratio,
+                "ratios": ratios,
                 "val_loss": mpexp["val_loss"],
                 "steps": mpexp["steps"],
                 "tflops": mpexp["tflops"],
@@ -172,7 +206,8 @@ def main() -> None:
             results.append(row)
             print(
                 f"{precision:5s} mpexp {row['mpexp_tokens_per_s']:10,.0f} tok/s | plain "
-                f"{row['plain_tokens_per_s']:10,.0f} tok/s | ratio {ratio:.3f} | val loss "
+                f"{row['plain_tokens_per_s']:10,.0f} tok/s | ratio {ratio:.3f} "
+                f"({', '.join(f'{r:.3f}' for r in ratios)}) | val loss "
                 f"{row['val_loss']:.4f} after {row['steps']} steps | {row['tflops']:.3g} TFLOP/s"
                 + (f", MFU {100 * row['mfu']:.1f} %" if row["mfu"] else ""),
                 flush=True,
