@@ -96,3 +96,18 @@ def test_profile_step_names_where_a_steps_time_goes(tmp_path):
         assert row["device_busy_ms_per_step"] is None  # no GPU: no kernel timeline
         ops = [t["op"] for t in row["top"]]
         assert any("conv" in op for op in ops), ops
+
+
+@pytest.mark.slow
+def test_the_language_model_benchmark_compares_the_command_with_a_plain_loop(tmp_path):
+    out = tmp_path / "bench_lm.json"
+    args = ["--epochs", "2", "--train-size", "128", "--batch-size", "16", "--repeats", "2",
+            "--json", str(out), "model.n_embd=32"]  # fmt: skip
+    result = run_script("bench_lm.py", args, tmp_path)
+    assert "fp32  mpexp" in result.stdout and "bf16  mpexp" in result.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert [r["precision"] for r in rows] == ["fp32", "bf16"]
+    for row in rows:
+        assert len(row["ratios"]) == 2 and row["mpexp_tokens_per_s"] > 0
+        assert row["plain_tokens_per_s"] > 0 and row["steps"] == 2 * 128 // 16
+    assert rows[1]["emulated"] is not None
