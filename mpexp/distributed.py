@@ -356,8 +356,11 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
     and gradients reduced in fp32. BatchNorm layers keep fp32 weights (their running statistics
     are fp32 and batch_norm wants weights and statistics in one dtype), so each is its own unit.
     Then every top-level child with parameters is a unit, so that a layer's weights are gathered
-    only while it runs, and the root takes whatever is left. Autocast stays on around the forward
-    pass: it still runs softmax, losses and reductions in fp32.
+    only while it runs, and the root takes whatever is left. A model whose layers are not its
+    top-level children names its units itself with `fsdp_units()` (the GPT: its blocks; its
+    token embedding, which the output layer uses too, stays with the root, gathered for the whole
+    forward pass). Autocast stays on around the forward pass: it still runs softmax, losses and
+    reductions in fp32. A model FSDP2 cannot shard stops the run with one message.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -367,11 +370,19 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
     low = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
     full = MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
-    for module in model.modules():
-        if isinstance(module, _BatchNorm):
-            fully_shard(module, mesh=mesh, mp_policy=full)
-    for child in model.children():
-        if not isinstance(child, _BatchNorm) and any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh, mp_policy=low)
-    fully_shard(model, mesh=mesh, mp_policy=low)
+    units = model.fsdp_units() if hasattr(model, "fsdp_units") else list(model.children())
+    try:
+        for module in model.modules():
+            if isinstance(module, _BatchNorm):
+                fully_shard(module, mesh=mesh, mp_policy=full)
+        for unit in units:
+            if not isinstance(unit, _BatchNorm) and any(True for _ in unit.parameters()):
+                fully_shard(unit, mesh=mesh, mp_policy=low)
+        fully_shard(model, mesh=mesh, mp_policy=low)
+    except (ValueError, RuntimeError, TypeError) as err:
+        reason = str(err).strip().splitlines()[0]
+        raise ConfigError(
+            f"FSDP2 cannot shard {type(model).__name__} ({reason}). Use trainer.strategy=ddp, or "
+            "give the model an fsdp_units() method that lists the modules to shard one by one."
+        ) from None
     return model

@@ -203,7 +203,7 @@ def _mkdir(path: Path) -> Path:
 def test_without_a_path_the_standard_library_is_the_corpus(tmp_path):
     data = text_data(None, tmp_path, block_size=64)
     data.setup(CPU)
-    assert "standard library" in data.describe() and data.source.size > 1_000_000
+    assert "standard library" in data.describe() and len(data.tokens) > 1_000_000
     assert b"import " in bytes(np.asarray(data.tokens[:100_000]))
 
 
@@ -405,3 +405,30 @@ def test_the_best_checkpoint_of_a_language_model_is_its_lowest_val_loss():
         best.append(validations.last["best"])
     assert best == [True, True, False, True, False]
     assert validations.last["metrics"]["val/ppl"] == 1.0  # what the artifact's metadata holds
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.n_head=0", "model.n_head=0 must be an integer >= 1"),
+        ("model.block_size=0", "model.block_size=0 must be an integer >= 1"),
+        ("model.dropout=1.0", "model.dropout=1.0 must lie in [0, 1)"),
+        ("dataset.val_fraction=1.5", "dataset.val_fraction=1.5 must lie in (0, 1)"),
+        ("model.n_head=3", "model.n_embd=32 must be a multiple of model.n_head=3"),
+    ],
+)
+def test_a_gpt_or_text_value_that_cannot_work_gets_one_line(tmp_path, override, message):
+    result = run_cli("mpexp.train", *tiny_lm(tmp_path), override, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in one_line_failure(result)
+
+
+@pytest.mark.slow
+def test_a_gpt_trains_sharded_by_fsdp_on_two_ranks(tmp_path):
+    args = tiny_lm(tmp_path, "trainer.epochs=1", "trainer.strategy=fsdp", "dataset.batch_size=8")
+    result = run_cli("torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                     "mpexp.train", *args, "hydra.run.dir=fsdp", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
+    assert summary["status"] == "finished" and math.isfinite(summary["val/loss"])
+    assert summary["ran"]["strategy"] == "fsdp"

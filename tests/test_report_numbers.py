@@ -12,6 +12,7 @@ import yaml
 
 from mpexp.report import cli as report
 from mpexp.report.table import build_report
+from mpexp.tasks.language_model import LanguageModelling
 from tests.test_report import read_table
 
 T1, T2, T4 = 12.706, 4.303, 2.776
@@ -471,3 +472,53 @@ def test_compile_time_is_shown_and_counted_in_time_to_target_not_in_epoch_time(t
     assert (fp32["compile (s)"], fp16["compile (s)"]) == ("0.0 ± 0.0", "1.5 ± 0.0")
     assert fp16["time to target (s)"] == "5.5 ± 0.0"  # 2+1+1 s of epochs and 1.5 s compiling
     assert fp16["epoch time (s)"].startswith("1.000")  # the timed epochs alone
+
+
+# --- a language model's result: val/loss in nats, lower is better -------------------------------
+
+
+def lm_runs(root: Path, precision: str, losses: list[list[float]], first: int = 0) -> None:
+    """Runs of one configuration of a language model: `losses[k]` is seed k's val loss at each
+    epoch (its result), as a run of model=gpt dataset=text records it."""
+    task = {"name": "language_model", **LanguageModelling.result.record(), "block_size": 64}
+    for seed, per_epoch in enumerate(losses):
+        path = make_run(root, str(first + seed), precision, seed, [0.0] * len(per_epoch),
+                        [2.0] + [1.0] * (len(per_epoch) - 1))  # fmt: skip
+        summary = json.loads((path / "summary.json").read_text())
+        summary["ran"]["task"] = task
+        (path / "summary.json").write_text(json.dumps(summary))
+        rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+        epochs = iter(per_epoch)
+        for row in rows:
+            if "epoch" in row:
+                del row["val/acc"]
+                row["val/loss"] = next(epochs)
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_language_model_is_judged_by_its_val_loss_lower_being_better(tmp_path, capsys):
+    lm_runs(tmp_path, "fp32", [[3.0, 2.00], [3.0, 2.01], [3.0, 2.02]])
+    lm_runs(tmp_path, "fp16", [[3.0, 2.10], [3.0, 2.11], [3.0, 2.12]], first=3)  # worse: higher
+    lm_runs(tmp_path, "bf16", [[3.0, 1.90], [3.0, 1.91], [3.0, 1.92]], first=6)  # better: lower
+    lm_runs(tmp_path, "tf32", [[3.0, 2.005], [3.0, 2.015], [3.0, 2.025]], first=9)  # within
+    built = build_report([tmp_path])
+    fp16, bf16, tf32 = (config(built, p) for p in ("fp16", "bf16", "tf32"))
+    assert fp16.tolerance == 0.02 and fp16.spec.metric == "val/loss"
+    assert fp16.d_result.value == pytest.approx(0.10) and fp16.parity == "worse"
+    assert bf16.d_result.value == pytest.approx(-0.10) and bf16.parity == "better"
+    assert tf32.parity == "within noise"
+    # the default target is fp32's loss plus the tolerance, reached when the loss gets below it
+    assert fp16.target == pytest.approx(2.01 + 0.02)
+    assert bf16.time_to_target.value == pytest.approx(3.0)  # 2 + 1 s: below 2.03 at epoch 2
+    assert fp16.reached == 0
+
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    out = capsys.readouterr().out
+    assert "worse than fp32 by more than 0.02 nats of val/loss: precision=fp16 (+0.1000 ± " in out
+    rows = {
+        r["configuration"]: r
+        for r in read_table(tmp_path / "report.md", "Validation loss against fp32")
+    }
+    assert rows["precision=fp16"]["parity"].startswith("**worse by 0.1000 ± ")
+    assert rows["precision=bf16"]["parity"].startswith("better by 0.1000 ± ")
+    assert rows["precision=fp32"]["val loss (nats)"] == "2.0100 ± 0.0248"

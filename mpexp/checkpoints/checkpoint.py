@@ -55,11 +55,13 @@ FORMAT = 1
 
 # What may change when a run is resumed: how long it trains, how often it reports and checkpoints,
 # the peak its MFU is measured against, how W&B connects, how many processes decode its data (the
-# batches are the same with any number). Any other change would make the resumed run a different
-# experiment.
+# batches are the same with any number), where a text corpus's tokens are cached (a cache is
+# checked against its source, wherever it lies). Any other change would make the resumed run a
+# different experiment.
 RESUMABLE_KEYS = frozenset(
     {
         "dataset.num_workers",
+        "dataset.cache_dir",
         "trainer.resume",
         "trainer.epochs",
         "trainer.progress",

@@ -66,10 +66,6 @@ class Source:
             ],
         }
 
-    @property
-    def size(self) -> int:
-        return sum(f.stat().st_size for f in self.files)
-
 
 def _stamp(path: Path) -> tuple[int, int]:
     stat = path.stat()
@@ -276,10 +272,10 @@ class TextData(TrainingData):
         return self.sizes[0]
 
     def describe(self) -> str:
-        size = self.source.size / 1e6
         return (
             f"{self.train_size:,} windows of {self.block_size} tokens per epoch from "
-            f"{len(self.tokens):,} byte tokens ({size:,.1f} MB) of {self.source.name}"
+            f"{len(self.tokens):,} byte tokens ({len(self.tokens) / 1e6:,.1f} MB) of "
+            f"{self.source.name}"
         )
 
     def train_batches(

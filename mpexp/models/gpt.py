@@ -58,11 +58,18 @@ class CausalSelfAttention(nn.Module):
 
 def causal_logit_absmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """The largest |q.k| / sqrt(head width) over the pairs a causal mask keeps, in float32 (the
-    true value, whatever the autocast dtype would have made of it). A 0-d tensor, detached."""
+    true value, whatever the autocast dtype would have made of it). A 0-d tensor, detached.
+
+    One head at a time: all heads' logits at once are (n, heads, length, length) floats, 2.4 GB
+    per layer for GPT-2 small at batch 16, a spike the epoch's peak memory would show."""
     length = q.shape[-2]
-    logits = (q.detach().float() @ k.detach().float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
     future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-    return logits.masked_fill(future, 0.0).abs().amax()
+    largest = torch.zeros((), device=q.device)
+    for head in range(q.shape[1]):
+        qh, kh = q[:, head].detach().float(), k[:, head].detach().float()
+        logits = (qh @ kh.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        largest = torch.maximum(largest, logits.masked_fill_(future, 0.0).abs_().amax())
+    return largest
 
 
 class Block(nn.Module):
@@ -103,6 +110,12 @@ class GPT(nn.Module):
         dropout: float = 0.0,
     ):
         super().__init__()
+        for key, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
+                           ("block_size", block_size), ("vocab_size", vocab_size)):  # fmt: skip
+            if value < 1:
+                raise ConfigError(f"model.{key}={value} must be at least 1.")
+        if not 0 <= dropout < 1:
+            raise ConfigError(f"model.dropout={dropout} must lie in [0, 1), e.g. 0.1.")
         if n_embd % n_head:
             raise ConfigError(
                 f"model.n_embd={n_embd} must be a multiple of model.n_head={n_head}: each head "
@@ -127,6 +140,12 @@ class GPT(nn.Module):
         for block in self.blocks:
             for layer in (block.attn.proj, block.mlp[2]):
                 nn.init.normal_(layer.weight, std=INIT_STD / math.sqrt(2 * n_layer))
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """What FSDP shards one by one: the blocks, which hold nearly all of the weights. The
+        embeddings and the final LayerNorm stay with the root: the output layer reuses the token
+        embedding after its own forward pass, when a unit of its own would have freed it."""
+        return list(self.blocks)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]

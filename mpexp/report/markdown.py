@@ -92,11 +92,11 @@ def parity_text(config: Config) -> str:
 
 
 def _verdict_text(config: Config, verdict: str, d: Estimate | None, names: dict[str, str]) -> str:
-    gain, unit = config.gain(d), config.spec.unit
+    gain, unit, value = config.gain(d), config.spec.unit, _value_format(config.spec)
     if verdict == "worse":
-        return f"**worse by {-gain.value:.2f} ± {gain.half_width:.2f} {unit}**"
+        return f"**worse by {-gain.value:{value}} ± {gain.half_width:{value}} {unit}**"
     if verdict == "better":
-        return f"better by {gain.value:.2f} ± {gain.half_width:.2f} {unit}"
+        return f"better by {gain.value:{value}} ± {gain.half_width:{value}} {unit}"
     return names[verdict]
 
 
@@ -113,7 +113,7 @@ def _value_header(spec: Result) -> str:
 
 
 def _value_format(spec: Result) -> str:
-    return ".2f" if spec.scale != 1 else ".4f"
+    return f".{spec.decimals}f"
 
 
 def _precision(row: Row) -> str:

@@ -574,10 +574,10 @@ class Report:
             *((c, "fp32", c.d_result) for c in self.worse),
             *((c, "bf16", c.d_result_vs_bf16) for c in self.worse_than_bf16),
         ]:
-            unit = c.spec.unit
+            unit, n = c.spec.unit, c.spec.decimals
             lines.append(
                 f"  worse than {reference} by more than {c.tolerance:g} {unit} of "
-                f"{c.spec.metric}: {c.label} ({d.value:+.2f} ± {d.half_width:.2f} {unit})"
+                f"{c.spec.metric}: {c.label} ({d.value:+.{n}f} ± {d.half_width:.{n}f} {unit})"
             )
         if self.diverged:
             names = ", ".join(r.label for r in self.diverged)

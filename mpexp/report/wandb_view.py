@@ -45,7 +45,7 @@ SPEC_FILE = "wandb-view.json"
 INSTALL = 'pip install -e ".[wandb-view]"'
 SEEDS = {"line": "mean", "band": "minmax"}
 WALL_TIME = "RelativeTime(Wall)"  # W&B's x-axis of wall-clock time since the run started
-SPEED = ("perf/epoch_time_s", "perf/samples_per_s", "perf/tflops", "perf/mfu")
+SPEED = ("perf/epoch_time_s", "perf/samples_per_s", "perf/tokens_per_s", "perf/tflops", "perf/mfu")
 # what ran, `auto` resolved: the names the report and the runs' tags give them
 RAN_KEYS = {"precision": "ran.precision", "loss_scaling": "ran.loss_scaling"}
 MIN_PANEL_RUNS = 10  # W&B's own default

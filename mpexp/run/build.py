@@ -82,6 +82,12 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
     data: TrainingData = build(cfg.dataset)
     task = data.setup(device, speed.memory_format())
     dataset = f"dataset={choices.get('dataset') or cfg.dataset._target_}"
+    declared = getattr(data, "task_type", None)
+    if declared is not None and not isinstance(task, declared):
+        raise ConfigError(  # Optuna's direction is read from the declaration before any run
+            f"{dataset}'s class declares task_type {declared.__name__} but its setup() returned "
+            f"a {type(task).__name__}: make the two agree."
+        )
     if world.is_main:  # the same data on every rank: one warning
         data.check_values(dataset)
     data.shard(world.rank, world.size)

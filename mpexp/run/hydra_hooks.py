@@ -24,7 +24,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from mpexp.errors import OutputError, UserError
+from mpexp.errors import ConfigError, OutputError, UserError
 from mpexp.run.launch import is_rank_zero
 from mpexp.run.rundir import (
     AUTO,
@@ -57,7 +57,14 @@ def result_direction(dataset_target: str) -> str:
     language model's val/loss (the result metric of the task the dataset serves)."""
     from hydra.utils import get_class  # the dataset's module imports torch: only when asked
 
-    return get_class(dataset_target).task_type.result.direction
+    task_type = getattr(get_class(dataset_target), "task_type", None)
+    if task_type is None:
+        raise ConfigError(
+            f"{dataset_target} does not say which task its batches serve, so the direction of "
+            "its result is unknown: give the class a task_type (e.g. "
+            "mpexp.tasks.classification.Classification), or set hydra.sweeper.direction."
+        )
+    return task_type.result.direction
 
 
 def sweep_precisions() -> str:

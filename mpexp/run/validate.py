@@ -68,6 +68,13 @@ def validate(cfg: DictConfig) -> None:
     if _number(cfg.wandb.init_timeout, "wandb.init_timeout") <= 0:
         raise ConfigError(f"wandb.init_timeout={cfg.wandb.init_timeout} must be positive seconds.")
 
+    # the model's first: a dataset may take a value from it (text windows: model.block_size)
+    for key in ("width", "n_layer", "n_head", "n_embd", "block_size"):
+        if key in cfg.model:
+            _integer(cfg.model[key], f"model.{key}", 1)
+    if "dropout" in cfg.model and not 0 <= _number(cfg.model.dropout, "model.dropout") < 1:
+        raise ConfigError(f"model.dropout={cfg.model.dropout} must lie in [0, 1), e.g. 0.1.")
+
     _integer(data.batch_size, "dataset.batch_size", 1)
     _integer(data.get("num_workers", 0), "dataset.num_workers", 0)
     for key in ("train_size", "val_size", "channels", "height", "width"):
@@ -82,10 +89,15 @@ def validate(cfg: DictConfig) -> None:
         )
     if "augment" in data:
         _integer(data.augment.crop_padding, "dataset.augment.crop_padding", 0)
-    if "image_size" in data:  # dataset=image_folder (text sets have a val_fraction too)
+    if "val_fraction" in data and not 0 < _number(data.val_fraction, "dataset.val_fraction") < 1:
+        raise ConfigError(
+            f"dataset.val_fraction={data.val_fraction} must lie in (0, 1): the share of the data "
+            "held out for validation, e.g. 0.1."
+        )
+    if data.get("block_size") is not None:
+        _integer(data.block_size, "dataset.block_size", 1)
+    if "image_size" in data:  # dataset=image_folder
         _validate_image_folder(data)
-    if "width" in cfg.model:
-        _integer(cfg.model.width, "model.width", 1)
 
     _validate_optimizer(opt)
 
@@ -100,11 +112,6 @@ def _validate_image_folder(data: Mapping[str, Any]) -> None:
         raise ConfigError(
             "dataset=image_folder needs dataset.path=<folder>: one holding train/<class>/ and "
             "val/<class>/ folders of images, or one folder per class to split."
-        )
-    if not 0 < _number(data["val_fraction"], "dataset.val_fraction") < 1:
-        raise ConfigError(
-            f"dataset.val_fraction={data['val_fraction']} must lie in (0, 1): the share of each "
-            "class's images that validates where there is no val/ folder, e.g. 0.1."
         )
     _integer(data["split_seed"], "dataset.split_seed", 0, MAX_SEED)
     size = _integer(data["image_size"], "dataset.image_size", 1)

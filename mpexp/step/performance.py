@@ -264,12 +264,13 @@ class Compilations:
         callback_handler.remove_start_callback(self._start)
         callback_handler.remove_end_callback(self._end)
 
-    def _start(self, _args) -> None:
+    # torch before 2.8 calls these without arguments, later ones with a CallbackArgs
+    def _start(self, *_) -> None:
         # TorchDynamo calls these around the outermost compilation only: never nested
         self.count += 1
         self._began = time.perf_counter()
 
-    def _end(self, _args) -> None:
+    def _end(self, *_) -> None:
         self.seconds += time.perf_counter() - self._began
 
 

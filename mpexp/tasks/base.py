@@ -41,6 +41,7 @@ class Result:
     scale: float = 1.0  # the metric times this is in `unit` (100 for a fraction in points)
     value_unit: str | None = None  # what a value is shown in ("%" for accuracy); None: `unit`
     title: str = "Result"  # what the sweep report's section calls it
+    decimals: int = 4  # how many the report shows of a value or difference (in `unit`)
 
     @property
     def direction(self) -> str:
@@ -86,7 +87,14 @@ IGNORE_INDEX = -100
 # an image classifier's result: final val accuracy, compared in points; half a point is about the
 # seed-to-seed spread of the tutorial's MNIST runs
 ACCURACY = Result(
-    "val/acc", True, tolerance=0.5, unit="points", scale=100.0, value_unit="%", title="Accuracy"
+    "val/acc",
+    True,
+    tolerance=0.5,
+    unit="points",
+    scale=100.0,
+    value_unit="%",
+    title="Accuracy",
+    decimals=2,
 )
 
 
