@@ -5,15 +5,15 @@ For each precision, one after the other on one device:
   mpexp  `python -m mpexp.train model=<model> dataset=text precision=<p> ...` in a process of its
          own, exactly as a user's command runs (W&B off); tokens/s from its metrics.jsonl;
   plain  in a process of its own too, the same model (mpexp/models/gpt.py, built from the same
-         config and seed), the same
-         optimizer and learning rate, the same windows of the same token file (the offsets drawn
-         as mpexp draws them), the same autocast dtype and, where mpexp compiled, torch.compile:
-         a loop with nothing else (no metrics, no loss scaling but fp16's GradScaler, no
-         checkpoints).
+         config and seed), the same optimizer and learning rate, the same windows of the same
+         token file (the offsets drawn as mpexp draws them), the same autocast dtype and, where
+         mpexp compiled, torch.compile: a loop with nothing else (no metrics, no loss scaling
+         but fp16's GradScaler, no checkpoints), validating between epochs as mpexp does.
 Both time each epoch's training steps (validation and compilation left out) and take the median
 tokens/s over the epochs after the first. They run in turn, `--repeats` times each (a shared
 machine's speed drifts by tens of per cent over minutes); the ratio mpexp / plain of each pair,
-and its median over the pairs, says what mpexp costs.
+and its median over the pairs, says what mpexp costs. On a GPU the plain loop compiles where mpexp
+did but does not capture the step as a CUDA graph: there the ratio also says what the graph gains.
 The validation loss each mpexp run reached in its fixed number of steps is reported beside it.
 
     python scripts/bench_lm.py                                  # CPU: the tiny GPT, fp32 and bf16
@@ -46,6 +46,7 @@ from hydra.utils import instantiate  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from mpexp.data.base import epoch_seed  # noqa: E402
+from mpexp.data.text import TokenCache, path_source, stdlib_source  # noqa: E402
 from mpexp.models.gpt import GPT  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
@@ -108,8 +109,10 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
     forward = torch.compile(model) if mpexp["ran"].get("compile") else model
     dtype = DTYPES.get(precision)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    (tokens_file,) = Path(args.cache_dir).glob("*.bin")  # the cache mpexp's run wrote
-    tokens = np.memmap(tokens_file, dtype=np.uint8, mode="r")
+    path = cfg["dataset"]["path"]
+    source = stdlib_source() if path is None else path_source(path)
+    # the token file mpexp's run wrote (and checked against its source) for this corpus
+    tokens = np.memmap(TokenCache(source, Path(args.cache_dir)).tokens_path, np.uint8, mode="r")
     block, batch, n = model_cfg["block_size"], args.batch_size, args.train_size
     split = round(len(tokens) * (1 - cfg["dataset"]["val_fraction"]))
     val_offsets = np.linspace(split, len(tokens) - block - 1, cfg["dataset"]["val_size"])
