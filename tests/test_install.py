@@ -77,6 +77,15 @@ def test_the_wheel_ships_the_configs_and_runs_from_any_folder(installed, tmp_pat
     assert (tmp_path / "cmp" / "report.md").is_file()
 
 
+def test_the_wheel_holds_every_package_of_the_repository(installed):
+    """A package missing from pyproject.toml's list is missing from the wheel; an editable
+    install beside it would hide that from the other tests."""
+    target, _ = installed
+    packages = {p.parent.relative_to(ROOT) for p in (ROOT / "mpexp").rglob("__init__.py")}
+    missing = [str(p) for p in packages if not (target / p / "__init__.py").is_file()]
+    assert missing == []
+
+
 def test_the_wheel_offers_the_extras_the_readme_names(installed):
     target, _ = installed
     (metadata,) = target.glob("mpexp-*.dist-info/METADATA")
