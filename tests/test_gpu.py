@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -22,7 +23,15 @@ from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
 from tests.conftest import TINY, TINY_VIT, VIT_FP8_LAYERS, make_cfg, precision_of
 from tests.test_step_cost import Dispatched
-from tests.test_step_graph import CASE_IDS, CASES, assert_replayed_as_eager, batches, run_steps
+from tests.test_step_graph import (
+    CASE_IDS,
+    CASES,
+    STEPS,
+    assert_replayed_as_eager,
+    batches,
+    run_steps,
+    small_net,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -54,6 +63,8 @@ def test_training_on_cuda_records_what_ran(tmp_path, mode):
     assert ran["effective_precision"] == (mode if mode != "tf32" or ampere else "fp32")
     assert ran["tf32_matmul"] is ran["tf32_cudnn"] is (mode == "tf32" and ampere)
     assert ran["loss_scaling"] == ("dynamic" if mode == "fp16" else "none")
+    # CUDA's default: the step captured and replayed, not fallen back to eager
+    assert ran["cuda_graph"] is True and ran["graph_replays"] > 0, ran.get("cuda_graph_off")
     assert saved["mem/peak_allocated_mib"] > 0
     assert saved["val/loss"] < 2.3  # below chance level for 10 classes: it learned
 
@@ -75,7 +86,9 @@ def test_channels_last_and_compile_paths_train_on_cuda(tmp_path, switch):
     train(make_cfg(*TINY, "precision=bf16", "trainer.device=cuda", switch), RunContext(tmp_path))
     saved = json.loads((tmp_path / "summary.json").read_text())
     key = switch.split("=")[0].split(".")[1]
-    assert saved["ran"][key] and saved["ran"]["fused_optimizer"]
+    ran = saved["ran"]
+    assert ran[key] and ran["fused_optimizer"]
+    assert ran["cuda_graph"] is True and ran["graph_replays"] > 0, ran.get("cuda_graph_off")
     assert saved["val/loss"] < 2.3
 
 
@@ -199,6 +212,8 @@ def test_fp8_on_cuda_trains_in_real_fp8_or_refuses_a_gpu_without_it(tmp_path):
     ran = saved["ran"]
     assert (ran["precision"], ran["emulated"], ran["autocast_dtype"]) == ("fp8", False, "bfloat16")
     assert ran["fp8_converted"] == VIT_FP8_LAYERS and list(ran["fp8_unconverted"]) == ["heads.head"]
+    # fp8 compiled and captured: torchao's scaling runs inside the graph
+    assert ran["cuda_graph"] is True and ran["graph_replays"] > 0, ran.get("cuda_graph_off")
     assert saved["val/loss"] < 2.3 - 0.5  # well below chance level for 10 classes
 
 
@@ -332,3 +347,117 @@ def test_own_tensor_values_never_wait_on_the_gpu_and_replayed_steps_log_none(tmp
     logged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "my/absmax" in r] == list(range(1, WARMUP_STEPS + 1))
     assert caplog.text.count("captured as a CUDA graph") == 1
+
+
+def step_rows(run_dir) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "step" in r and "epoch" not in r]
+
+
+def test_the_default_path_follows_the_eager_run_step_for_step(tmp_path):
+    """CUDA's default (compiled, channels_last, the step captured) against trainer.eager=true in
+    one process, fp16 from a scale that overflows first. Compilation fuses and reorders kernels,
+    so losses agree within a tolerance, not bit for bit: 2 % over the first steps, before the
+    runs drift apart, and 0.05 nats in validation at the end. Which steps overflow depends on
+    powers of two of the gradients, not on their last bits: the loss scale and the skipped
+    steps are the same, step for step."""
+    base = [*TINY, "precision=fp16", "trainer.device=cuda", "trainer.epochs=1",
+            "loss_scaling.init_scale=1099511627776"]  # fmt: skip
+    summaries, rows = {}, {}
+    for name, extra in (("eager", ["trainer.eager=true"]), ("default", [])):
+        train(make_cfg(*base, *extra), RunContext(tmp_path / name))
+        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        rows[name] = step_rows(tmp_path / name)
+    ran = summaries["default"]["ran"]
+    assert (ran["compile"], ran["channels_last"], ran["cuda_graph"]) == ("default", True, True)
+    assert ran["graph_replays"] > 0
+    assert summaries["eager"]["ran"]["cuda_graph"] is False
+    for key in ("step", "amp/scale", "amp/skipped_steps"):
+        assert [r[key] for r in rows["default"]] == [r[key] for r in rows["eager"]], key
+    assert rows["default"][-1]["amp/skipped_steps"] > 0  # the overflows were there to compare
+    taken = [i for i, r in enumerate(rows["eager"]) if r["amp/scale"] < 2.0**40][:4]
+    torch.testing.assert_close(
+        [rows["default"][i]["train/loss"] for i in taken],
+        [rows["eager"][i]["train/loss"] for i in taken],
+        rtol=0.02,
+        atol=0,
+    )
+    assert abs(summaries["default"]["val/loss"] - summaries["eager"]["val/loss"]) < 0.05
+
+
+class HostRead(nn.Module):
+    """tests/test_step_graph.py's small network behind a forward pass that does one thing a CUDA
+    graph cannot hold; the CPU emulator of tests/replay.py lets each of them through."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.net = small_net()
+        self.read = read
+
+    def forward(self, x):
+        self.read(x)
+        return self.net(x)
+
+
+HOST_READS = {
+    "tolist": lambda x: x[0, 0, 0, :2].tolist(),
+    "cpu": lambda x: x.sum().cpu(),
+    "nonzero": lambda x: (x > 0).nonzero(),
+    "boolean-mask": lambda x: x[x > 0],
+    "torch.tensor": lambda x: torch.tensor([1.0, 2.0], device=x.device),
+}
+
+
+@pytest.mark.parametrize("read", HOST_READS.values(), ids=HOST_READS.keys())
+def test_a_real_capture_that_fails_leaves_the_run_eager_with_one_warning(read, caplog):
+    """The real CudaGraph (side stream, torch.cuda.graph, its error and the stream put back):
+    the capture fails on the host read, the run warns once, goes on eagerly on the stream it
+    was on, and trains every step."""
+    torch.manual_seed(0)
+    net = HostRead(read)
+    before = [p.detach().clone() for p in net.parameters()]
+    stream = torch.cuda.current_stream()
+    with caplog.at_level(logging.WARNING, logger="mpexp"):
+        rows, *_, stepper = run_steps(["precision=fp16"], True, device=cuda(), net=net)
+    assert torch.cuda.current_stream() == stream
+    warned = [r for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert len(warned) == 1
+    assert stepper.graph.failed and stepper.describe()["cuda_graph"] is False
+    assert stepper.describe()["cuda_graph_off"].startswith("the capture failed: ")
+    assert [r.step for r in rows] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(r.loss) for r in rows)
+    assert not all(torch.equal(a, b.cpu()) for a, b in zip(before, net.parameters(), strict=True))
+
+
+class HostState(nn.Module):
+    """A forward pass scaled by a Python float that grows every step: host-side per-step state,
+    which a replayed CUDA graph freezes at the captured step's value."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = small_net()
+        self.steps = 0
+
+    def forward(self, x):
+        self.steps += 1
+        return self.net(x) * (1.0 + 0.25 * self.steps)
+
+
+def test_a_captured_step_freezes_a_python_scalar_and_a_users_model_is_not_captured(tmp_path):
+    """Why a model that does not declare itself capturable is not captured by default: forced
+    into a real CUDA graph, its per-step Python float stays at the captured step's value, and it
+    trains differently from its eager run. Through train() such a
+    model runs compiled without the graph, and its run records why."""
+    losses = {}
+    for graphed in (False, True):
+        rows, *_, stepper = run_steps(["precision=fp32"], graphed, device=cuda(), net=HostState())
+        losses[graphed] = [r.loss for r in rows]
+        assert (stepper.graph is not None and stepper.graph.replays > 0) is graphed
+    assert losses[True][:WARMUP_STEPS] == losses[False][:WARMUP_STEPS]  # eager in both
+    assert losses[True][-1] != losses[False][-1]  # the replays' frozen float
+
+    model = "model._target_=tests.test_host_reads.LoggingCNN"  # declares nothing
+    train(make_cfg(*TINY, "trainer.device=cuda", model), RunContext(tmp_path))
+    ran = json.loads((tmp_path / "summary.json").read_text())["ran"]
+    assert ran["compile"] and ran["cuda_graph"] is False
+    assert ran["cuda_graph_off"] == "LoggingCNN does not declare itself capturable"

@@ -60,12 +60,17 @@ def batches(poison: int | None = None, device: torch.device = CPU):
 
 
 def run_steps(
-    overrides: list[str], graphed: bool, poison: int | None = None, device: torch.device = CPU
+    overrides: list[str],
+    graphed: bool,
+    poison: int | None = None,
+    device: torch.device = CPU,
+    net: nn.Module | None = None,
 ):
-    """STEPS steps of small_net, eager or captured and replayed (on a CPU: emulated), with the
-    history flushed every 4; the rows, the weights, the optimizer's state and the Stepper."""
+    """STEPS steps of `net` (small_net by default), eager or captured and replayed (on a CPU:
+    emulated), with the history flushed every 4; the rows, the weights, the optimizer's state
+    and the Stepper."""
     cfg = make_cfg("optimizer.fused=true", "optimizer.lr=1e-2", *overrides)
-    net = small_net().to(device)
+    net = (small_net() if net is None else net).to(device)
     precision = setup_precision(cfg.precision, device)
     skip = cfg.trainer.on_nonfinite_loss == "skip"
     scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip)
