@@ -27,6 +27,9 @@ shift
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled WANDB_SILENT=true
+# one compile cache for every run and part (and for later calls on a warm machine): a graph
+# compiled once, bf16's evaluation among them, is not compiled cold again
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/mpexp-inductor-cache}"
 status=0
 step() {  # name, seconds, command...: run one part under its limit, keep its output, go on
   local name="$1" limit="$2"

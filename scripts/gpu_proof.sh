@@ -12,8 +12,12 @@
 #   scripts/gpu_proof.sh [OUT_DIR]            # default: gpu-proof/
 #   PARTS="tests bench" scripts/gpu_proof.sh   # some parts only: tests bench profile commands sweep
 #
-# All parts take up to about 20 minutes, more than one device call allows (10): give a call
-# "tests bench profile" and the next "commands sweep".
+# The script ends inside BUDGET seconds (default 540, within one 10-minute device call): each part
+# runs under the smaller of its own limit and the time left, and a part with under 30 s left is
+# skipped and said so in steps.log. All parts need more than one call: give a call
+# "tests bench profile" and the next "commands sweep". Every part but the cold command shares
+# one compile cache (TORCHINDUCTOR_CACHE_DIR, default /tmp/mpexp-inductor-cache, kept between
+# calls on a warm machine), so a model compiled once is not compiled cold again.
 #
 # On a machine without hydra-core, omegaconf or wandb, prepare their wheels first as
 # ../shared/device/README.md says, then start with its install line. Record what it measured in
@@ -23,11 +27,19 @@ cd "$(dirname "$0")/.."
 out="${1:-gpu-proof}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=offline WANDB_SILENT=true
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/mpexp-inductor-cache}"
 status=0
+deadline=$((SECONDS + ${BUDGET:-540}))
 step() {  # name, seconds, command...: run one part, keep its output, go on even if it fails
-  local name="$1" limit="$2"
+  local name="$1" limit="$2" left=$((deadline - SECONDS))
   shift 2
-  echo "== $name: $*" | tee -a "$out/steps.log"
+  if [ "$left" -lt 30 ]; then
+    echo "== $name: skipped, ${left} s of BUDGET left" | tee -a "$out/steps.log"
+    status=1
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  echo "== $name (limit ${limit} s): $*" | tee -a "$out/steps.log"
   local began=$SECONDS
   timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -46,7 +58,8 @@ want() { [[ "$parts" == *" $1 "* ]]; }
 
 step machine 30 bash -c 'nvidia-smi; python3 -c "import torch; print(torch.__version__, \
   torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"'
-want tests && step gpu-tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider
+# most GPU tests compile their model cold: the longest part
+want tests && step gpu-tests 330 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15
 # the defaults of a user's command on a GPU, each precision in a process of its own
 want bench && step bench-default 150 python3 scripts/bench.py --bare --no-tutorial --precisions fp16,bf16 \
   --epochs 3 --json "$out/bench-default.json"
@@ -56,13 +69,17 @@ want bench && step bench-eager 150 python3 scripts/bench.py --epochs 1 --json "$
 # where the captured step's time goes (wall against device-busy time, top kernels)
 want profile && step profile 90 python3 scripts/profile_step.py --precisions bf16,fp16 --warmup 20 \
   --json "$out/profile.json"
-# whole commands of 10 epochs: compile cache cold, then warm, against eager
-export TORCHINDUCTOR_CACHE_DIR="$out/inductor-cache"
+# whole commands of 10 epochs: compile cache cold (a fresh one), then warm (the same), against eager
 if want commands; then
-  step command-cold 150 "${run[@]}" precision=bf16 trainer.epochs=10 "hydra.run.dir=$out/cold"
-  step command-warm 120 "${run[@]}" precision=bf16 trainer.epochs=10 "hydra.run.dir=$out/warm"
+  fresh="$out/command-cache"
+  rm -rf "$fresh"
+  step command-cold 150 env TORCHINDUCTOR_CACHE_DIR="$fresh" "${run[@]}" precision=bf16 \
+    trainer.epochs=10 "hydra.run.dir=$out/cold"
+  step command-warm 120 env TORCHINDUCTOR_CACHE_DIR="$fresh" "${run[@]}" precision=bf16 \
+    trainer.epochs=10 "hydra.run.dir=$out/warm"
   step command-eager 120 "${run[@]}" precision=bf16 trainer.epochs=10 trainer.eager=true \
     "hydra.run.dir=$out/eager"
+  rm -rf "$fresh"
 fi
 want sweep && step sweep 200 python3 -m mpexp.train -m experiment=quickstart model=deepcnn \
   precision=fp32,tf32,fp16,bf16 trainer.device=cuda trainer.epochs=4 \
@@ -71,7 +88,7 @@ if [ "${EXTRA:-0}" = 1 ]; then
   step profile-vit-fp8 120 python3 scripts/profile_step.py --model vit --precisions bf16,fp8 \
     --json "$out/profile-vit-fp8.json"
 fi
-rm -rf "$data" "$out/inductor-cache"
+rm -rf "$data"
 for d in cold warm eager; do rm -rf "$out/$d/checkpoints"; done
 [ -d "$out/sweep" ] && tar --exclude=checkpoints -czf "$out/sweep.tar.gz" -C "$out" sweep \
   && rm -rf "$out/sweep"
