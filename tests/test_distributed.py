@@ -332,6 +332,7 @@ def test_gpus_train_over_nccl(tmp_path, ranks, strategy):
     assert "mem/peak_allocated_mib" in epochs[0]
 
 
+@pytest.mark.slow  # torchrun and a run of its own: about 9 s on 2 cores
 def test_ddp_with_accumulation_matches_one_process(tmp_path):
     """Micro-batches skip DDP's gradient all-reduce until the last one: still the same result."""
     cwd = tmp_path / "ddp"

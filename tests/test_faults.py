@@ -44,6 +44,7 @@ import pickle
 import pty
 import re
 import select
+import shutil
 import signal
 import struct
 import subprocess
@@ -149,20 +150,6 @@ def test_an_output_dir_on_a_full_disk_fails_with_one_message(tmp_path, full_disk
     output = one_line_failure(result)
     assert f"Cannot write to the output directory {full_disk}/run: No space left" in output
     assert not (full_disk / "run" / ".hydra").exists()  # stopped before Hydra wrote anything
-
-
-def test_a_failing_job_does_not_stop_the_sweep_and_is_recorded(tmp_path):
-    args = [a for a in ARGS if not a.startswith("optimizer.lr=")]
-    result = run_cli(
-        "mpexp.train", "-m", *args, "trainer.epochs=1", "optimizer.lr=3e-3,-1,1e-3", cwd=tmp_path
-    )
-    assert result.returncode != 0  # Hydra reports the failed job once the sweep is done
-
-    (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*")
-    summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(3)]
-    assert [s["status"] for s in summaries] == ["finished", "failed", "finished"]
-    assert "optimizer.lr=-1" in summaries[1]["error"]
-    assert all("val/acc" in summaries[i] for i in (0, 2))
 
 
 def test_deterministic_runs_with_one_seed_repeat_exactly(tmp_path):
@@ -331,6 +318,7 @@ def test_a_run_into_a_live_runs_folder_writes_no_hydra_record(tmp_path):
 # --- exits that keep the status true ------------------------------------------------------------
 
 
+@pytest.mark.slow  # waits out W&B's start timeout: about 11 s on 2 cores
 def test_a_stop_signal_while_wandb_starts_checkpoints_at_the_first_step(tmp_path):
     run_dir = tmp_path / "run"
     unreachable = {
@@ -744,12 +732,22 @@ def test_a_users_value_under_mpexps_own_name_is_refused_at_the_call(tmp_path):
 # --- resuming what cannot be resumed -----------------------------------------------------------
 
 
-@pytest.fixture
-def finished_run(tmp_path) -> Path:
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def _one_finished_run(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("finished")
+    run_dir = cwd / "run"
     result = run_cli("mpexp.train", *ARGS, "trainer.keep_checkpoints=2", "wandb.mode=offline",
-                     f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+                     f"hydra.run.dir={run_dir}", cwd=cwd)  # fmt: skip
     assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+@pytest.fixture
+def finished_run(_one_finished_run, tmp_path) -> Path:
+    """A finished command-line run with two checkpoints, a copy of its own for each test (each
+    test damages or resumes it): one training for all of them."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(_one_finished_run, run_dir, symlinks=True)
     return run_dir
 
 

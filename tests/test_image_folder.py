@@ -15,8 +15,6 @@ import pytest
 import torch
 from PIL import Image
 
-from mpexp.checkpoints import checkpoint
-from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.data import image_folder
 from mpexp.data.image_folder import ImageFolderData
 from mpexp.errors import ConfigError, DataError
@@ -25,7 +23,7 @@ from mpexp.run.validate import validate
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import make_cfg, run_cli
 from tests.test_distributed import TORCHRUN, losses, only_run_dir
-from tests.test_resume import assert_bitwise_equal, comparable, start_cli, status, wait_for
+from tests.test_resume import assert_same_final_state, comparable, killed_and_resumed
 
 CPU = torch.device("cpu")
 CLASSES = ("cat", "dog", "fox")
@@ -320,25 +318,11 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_result(
     args = [*SMALL, f"dataset.path={photos}", "dataset.num_workers=2",
             "dataset.augment.crop_padding=2", "trainer.epochs=3", "trainer.deterministic=true",
             "trainer.checkpoint_every_steps=4"]  # fmt: skip
-    whole = tmp_path / "whole"
-    train(make_cfg(*args), RunContext(whole))
-
-    killed = tmp_path / "killed"
-    proc = start_cli(*args, f"hydra.run.dir={killed}", cwd=tmp_path)
-    wait_for(lambda: checkpoint_files(killed), proc)
-    proc.kill()
-    proc.wait()
-    assert status(killed) == "running"  # it died mid-run, its workers with it
-
-    # on fewer workers: the batches do not depend on how many decode them
+    # resumed on fewer workers: the batches do not depend on how many decode them
     fewer = [a.replace("num_workers=2", "num_workers=1") for a in args]
-    resumed = run_cli("mpexp.train", *fewer, f"trainer.resume={killed}", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert "Resuming" in resumed.stderr + resumed.stdout
+    whole, killed = killed_and_resumed(args, tmp_path, resume_args=fewer)
     assert comparable(killed) == comparable(whole)  # every step's loss: the same batches
-    final = [checkpoint.load(checkpoint_files(d)[-1]) for d in (whole, killed)]
-    for part in ("model", "optimizer", "position"):
-        assert_bitwise_equal(final[0][part], final[1][part])
+    assert_same_final_state(whole, killed, ("model", "optimizer", "position"))
 
 
 @pytest.mark.slow  # torchrun with two ranks, each with a worker: about 20 s on 2 cores

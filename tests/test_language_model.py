@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from mpexp.checkpoints import checkpoint
-from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.data.text import TextData, TokenCache, path_source
 from mpexp.errors import ConfigError, DataError
 from mpexp.models.gpt import GPT
@@ -25,7 +23,7 @@ from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.tracker import RunContext, Validations
 from tests.conftest import CPU, make_cfg, run_cli
 from tests.test_faults import one_line_failure
-from tests.test_resume import assert_bitwise_equal, comparable, start_cli, status, wait_for
+from tests.test_resume import assert_same_final_state, comparable, killed_and_resumed
 from tests.test_training import read_metrics
 
 TEXT = (
@@ -77,12 +75,13 @@ def test_windows_are_shifted_pairs_from_the_right_split(tmp_path):
     assert (task.vocab_size, task.block_size) == (256, 16)
     tokens = torch.from_numpy(np.asarray(data.tokens).astype(np.int64))
     assert bytes(np.asarray(data.tokens)).decode() == (tmp_path / "book.txt").read_text()
+    # every window of 16 tokens that starts in the first 90 %, one per row
+    train_windows = tokens[: data.split - 1].unfold(0, 16, 1)
     for inputs, targets in data.train_batches(epoch=1, seed=0, device=CPU):
         assert inputs.shape == targets.shape == (8, 16)
         assert torch.equal(inputs[:, 1:], targets[:, :-1])  # the target is the next token
         for window in inputs:  # every training window lies in the first 90 %
-            starts = [i for i in range(data.split - 16) if torch.equal(tokens[i : i + 16], window)]
-            assert starts
+            assert (train_windows == window).all(dim=1).any()
     val = list(data.val_batches(CPU))
     assert sum(len(x) for x, _ in val) == 8
     assert val[0][0][0].tolist() == tokens[data.split : data.split + 16].tolist()  # the tail
@@ -325,21 +324,9 @@ def test_a_gpt_run_logs_tokens_per_second_and_its_validation_metrics(tmp_path):
 @pytest.mark.slow
 def test_a_killed_gpt_run_resumes_with_the_same_windows(tmp_path):
     args = [*tiny_lm(tmp_path, "trainer.deterministic=true", "trainer.checkpoint_every_steps=5")]
-    whole = tmp_path / "whole"
-    train(make_cfg(*args), RunContext(whole))
-
-    killed = tmp_path / "killed"
-    proc = start_cli(*args, f"hydra.run.dir={killed}", cwd=tmp_path)
-    wait_for(lambda: checkpoint_files(killed), proc)
-    proc.kill()
-    proc.wait()
-    assert status(killed) == "running"
-    resumed = run_cli("mpexp.train", *args, f"trainer.resume={killed}", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    whole, killed = killed_and_resumed(args, tmp_path)
     assert comparable(killed) == comparable(whole)  # every step's loss, bit for bit
-    final = [checkpoint.load(checkpoint_files(d)[-1]) for d in (whole, killed)]
-    for part in ("model", "optimizer", "position"):
-        assert_bitwise_equal(final[0][part], final[1][part])
+    assert_same_final_state(whole, killed, ("model", "optimizer", "position"))
 
 
 def test_attention_logits_are_measured_on_the_diagnostics_steps(tmp_path):

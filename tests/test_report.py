@@ -42,7 +42,8 @@ def sweep_dir(cwd: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def precision_sweep(tmp_path_factory):
-    """A four-precision multirun, W&B offline, as a user runs it; the report comes at its end."""
+    """A four-precision multirun, W&B offline, as a user runs it; the report comes at its end.
+    The sweep's folder and its console output (stdout and stderr)."""
     cwd = tmp_path_factory.mktemp("precision_sweep")
     result = run_cli(
         "mpexp.train",
@@ -56,18 +57,19 @@ def precision_sweep(tmp_path_factory):
         cwd=cwd,
     )
     assert result.returncode == 0, result.stderr
-    return sweep_dir(cwd), result.stdout
+    return sweep_dir(cwd), result.stdout + result.stderr
 
 
 @pytest.fixture(scope="module")
 def sweep_with_a_failure(tmp_path_factory):
-    """fp32 at a working lr, at an lr too small to learn anything, and at an invalid lr."""
+    """fp32 at a working lr, at an invalid lr, and at an lr too small to learn anything: the
+    failing job in the middle, so that the sweep must go on after it."""
     cwd = tmp_path_factory.mktemp("failed_sweep")
     result = run_cli(
         "mpexp.train",
         "-m",
         "experiment=quickstart",
-        "optimizer.lr=3e-3,1e-9,-1",
+        "optimizer.lr=3e-3,-1,1e-9",
         "dataset.train_size=512",
         "dataset.val_size=128",
         "dataset.batch_size=64",
@@ -98,6 +100,61 @@ def test_multirun_ends_with_the_report_and_its_plots(precision_sweep):
     text = (sweep / "report.md").read_text()
     assert not (sweep / "underflow.png").exists()
     assert "No run recorded gradient statistics, so there is no underflow plot" in text
+
+
+def test_a_sweeps_jobs_are_wandb_runs_named_tagged_and_reported(precision_sweep):
+    sweep, output = precision_sweep
+    group = f"sweep-{sweep.parent.name}_{sweep.name}"
+    runs = []
+    for job in range(4):
+        (wandb_dir,) = (sweep / str(job) / "wandb").glob("offline-run-*")
+        runs.append(final_run(leet_records(wandb_dir)))
+        summary = json.loads((sweep / str(job) / "summary.json").read_text())
+        assert summary["status"] == "finished"
+        assert summary["ran"]["choices"]["experiment"] == "quickstart"
+
+    # each job is named by the one override that varies, not by the whole command line
+    assert [r["display_name"] for r in runs] == [f"precision={p}" for p in PRECISIONS]
+    assert {r["run_group"] for r in runs} == {group}
+    assert {r["job_type"] for r in runs} == {"train"}
+    assert len({r["run_id"] for r in runs}) == 4
+    fp16 = runs[2]["tags"]
+    assert {"precision=fp16", "loss_scaling=dynamic", "model=simplecnn_small"} <= set(fp16)
+    assert {"dataset=synthetic", "experiment=quickstart"} <= set(fp16)
+
+    # the report is a W&B run of its own in the same group, holding the table
+    (report_dir,) = (sweep / "wandb-report" / "wandb").glob("offline-run-*")
+    report = final_run(leet_records(report_dir))
+    assert (report["display_name"], report["job_type"], report["run_group"]) == (
+        "report",
+        "report",
+        group,
+    )
+    (table_file,) = report_dir.glob("files/media/table/report/table_*.table.json")
+    table = json.loads(table_file.read_text())
+    column = table["columns"].index("precision")
+    assert [row[column] for row in table["data"]] == PRECISIONS
+
+    # W&B's own console lines are quiet; mpexp prints the one sync command for the whole sweep
+    assert "wandb:" not in output
+    (sync,) = [line for line in output.splitlines() if "wandb sync" in line]
+    assert sync.count("offline-run-") == 5
+
+
+def test_the_sweep_writes_its_wandb_view_grouped_by_precision(precision_sweep):
+    """wandb-view.json, whatever the W&B mode (tests/test_wandb_view.py has the rest): the
+    sweep's group, its training runs grouped by precision, the loss scale on a log axis."""
+    sweep, output = precision_sweep
+    spec = json.loads((sweep / "wandb-view.json").read_text())
+    group = f"sweep-{sweep.parent.name}_{sweep.name}"
+    assert spec["name"] == group and spec["runs"] == {"groups": [group], "job_type": "train"}
+    assert spec["group_by"] == ["ran.precision"]
+    (scale,) = [
+        p for s in spec["sections"] for p in s["panels"] if s["name"] == "Loss scale"
+        if p["y"] == ["amp/scale"]
+    ]  # fmt: skip
+    assert scale["log_y"] is True
+    assert f"`mpexp-report {sweep} --wandb-view`" in output  # offline: how to create it later
 
 
 def test_tables_hold_the_numbers_in_the_runs_metrics(precision_sweep):
@@ -242,20 +299,25 @@ def test_failed_run_is_named_and_the_rest_reported(sweep_with_a_failure):
     sweep, result = sweep_with_a_failure
     assert "optimizer.lr=-1.0 must be positive" in result.stderr
     assert f"Sweep report: {sweep / 'report.md'}" in result.stdout
+    # the failed job did not stop the sweep, and its summary says why it failed
+    summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(3)]
+    assert [s["status"] for s in summaries] == ["finished", "failed", "finished"]
+    assert "optimizer.lr=-1" in summaries[1]["error"]
+    assert all("val/acc" in summaries[i] for i in (0, 2))
 
     text = (sweep / "report.md").read_text()
     assert [row["run"] for row in read_table(sweep / "report.md", "Runs")] == [
         "0 optimizer.lr=0.003",
-        "1 optimizer.lr=1e-09",
+        "2 optimizer.lr=1e-09",
     ]
     not_reported = text.split("## Not reported", 1)[1]
-    assert "`2 optimizer.lr=-1`: it never started training" in not_reported
+    assert "`1 optimizer.lr=-1`: it never started training" in not_reported
     assert "optimizer.lr=-1.0 must be positive" in not_reported
 
 
 def test_each_setting_is_compared_with_fp32_at_the_same_setting(sweep_with_a_failure):
     sweep, _ = sweep_with_a_failure
-    accs = [read_metrics(sweep / job)[1][-1]["val/acc"] for job in ("0", "1")]
+    accs = [read_metrics(sweep / job)[1][-1]["val/acc"] for job in ("0", "2")]
     assert 100 * (accs[0] - accs[1]) > ACCURACY.tolerance  # the lr=1e-9 run never learns
     # ... but it is fp32 at another learning rate, not a precision that lost accuracy
     configs = build_report([sweep], ACCURACY.tolerance).configs

@@ -87,8 +87,12 @@ def assert_bitwise_equal(a, b) -> None:
         assert a == b
 
 
-def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_result(tmp_path):
-    args = [*ARGS, "trainer.checkpoint_every_steps=3"]  # checkpoints fall mid-epoch
+def killed_and_resumed(
+    args: list[str], tmp_path: Path, resume_args: list[str] | None = None
+) -> tuple[Path, Path]:
+    """The run of `args` whole in this process, and again in a process killed (SIGKILL) after
+    its first checkpoint and resumed from the command line (with `resume_args` if given, else
+    `args`): the two run directories, for the test to compare."""
     whole = tmp_path / "whole"
     train(make_cfg(*args), RunContext(whole))
 
@@ -99,15 +103,28 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_result(tmp_path):
     proc.wait()
     assert status(killed) == "running"  # it died mid-run
 
-    resumed = run_cli("mpexp.train", *args, f"trainer.resume={killed}", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    resume = resume_args if resume_args is not None else args
+    resumed = run_cli("mpexp.train", *resume, f"trainer.resume={killed}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "Resuming" in resumed.stderr + resumed.stdout
+    return whole, killed
+
+
+def assert_same_final_state(whole: Path, resumed: Path, parts: tuple[str, ...]) -> None:
+    """The newest checkpoints of two runs hold the same `parts`, bit for bit."""
+    final = [checkpoint.load(checkpoint_files(d)[-1]) for d in (whole, resumed)]
+    for part in parts:
+        assert_bitwise_equal(final[0][part], final[1][part])
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_result(tmp_path):
+    args = [*ARGS, "trainer.checkpoint_every_steps=3"]  # checkpoints fall mid-epoch
+    whole, killed = killed_and_resumed(args, tmp_path)
 
     # every step and epoch once, with the uninterrupted run's values; the same final state
     assert comparable(killed) == comparable(whole)
     assert status(killed) == "finished"
-    final = [checkpoint.load(checkpoint_files(d)[-1]) for d in (whole, killed)]
-    for part in ("model", "optimizer", "scaler", "position"):
-        assert_bitwise_equal(final[0][part], final[1][part])
+    assert_same_final_state(whole, killed, ("model", "optimizer", "scaler", "position"))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -130,6 +147,7 @@ def test_a_stop_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sign
     assert f"trainer.resume={run_dir}" in output
 
 
+@pytest.mark.slow  # a stopped run and its resume through a shell: about 11 s on 2 cores
 def test_the_printed_resume_command_works_pasted_into_a_shell(tmp_path):
     run_dir = tmp_path / "it's a run"  # a space and a quote: both the shell's and Hydra's
     proc = start_cli(*ARGS, "trainer.log_every=1", f"hydra.run.dir={hydra_quoted(str(run_dir))}",

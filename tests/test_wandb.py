@@ -28,7 +28,7 @@ from mpexp.run.runner import train
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
 from mpexp.tracking.wandb_process import WandbProcess
-from tests.conftest import ROOT, TINY, make_cfg
+from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_resume import ARGS, start_cli, status, wait_for
 
 
@@ -567,3 +567,43 @@ def test_a_run_that_ends_before_its_first_row_does_not_wait_for_wandb(tmp_path, 
     # W&B's process would go on trying for up to 90 s, and say so after the test suite's end
     process._process.kill()
     assert process._ended.wait(30)
+
+
+def test_a_single_run_is_named_after_its_experiment(tmp_path):
+    result = run_cli(
+        "mpexp.train",
+        "experiment=quickstart",
+        "trainer.epochs=1",
+        "dataset.train_size=128",
+        "dataset.val_size=32",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    (wandb_dir,) = (tmp_path / "outputs").glob("*/*/wandb/offline-run-*")
+    records = leet_records(wandb_dir)
+    run = final_run(records)
+    assert (run["display_name"], run["job_type"]) == ("quickstart", "train")
+    # the W&B run's Logs tab holds the run's log lines, as its console showed them
+    logs = [r["output_raw"]["line"] for r in records if r["type"] == "output_raw"]
+    assert any("Epoch: 1, Loss:" in line for line in logs)
+    # it records the training command, and the training process's memory (torch's hundreds of
+    # MiB), not those of the W&B process that sends them (about 70 MiB)
+    (environment,) = [r["environment"] for r in records if "args" in r.get("environment", {})]
+    assert "experiment=quickstart" in environment["args"]
+    stats = [r["stats"]["item"] for r in records if r["type"] == "stats"]
+    assert stats and min(s["proc.memory.rssMB"] for s in stats) > 250
+    summaries = [r["summary"]["update"] for r in records if r["type"] == "summary"]
+    # val/acc is summarised as its best epoch, val/loss as its lowest
+    assert any(isinstance(s.get("val/acc"), dict) and "max" in s["val/acc"] for s in summaries)
+    assert any(isinstance(s.get("val/loss"), dict) and "min" in s["val/loss"] for s in summaries)
+
+    # a report on this one run keeps its W&B run apart from the training run's
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    report = run_cli("mpexp.report", str(run_dir), cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    (sync,) = [line for line in report.stdout.splitlines() if "wandb sync" in line]
+    (report_run,) = (run_dir / "wandb-report" / "wandb").glob("offline-run-*")
+    assert sync.count("offline-run-") == 2
+    assert str(wandb_dir) in sync and str(report_run) in sync
+    # `wandb leet <run dir>/wandb` still opens the training run
+    assert (run_dir / "wandb" / "latest-run").resolve() == wandb_dir.resolve()
