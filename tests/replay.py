@@ -14,6 +14,12 @@ a dispatch mode, on any device:
   the same tensors again; those that make a new tensor have their result copied into the tensor
   that the capture made, which later operators (and the Python objects holding it) read;
 - a host read (`.item()`, `float(t)`, `if t:`) during capture fails, as CUDA's capture does.
+
+It stands for the trajectory of replayed steps, not for what a real capture accepts: `.tolist()`,
+`.cpu()`, `nonzero()`, boolean-mask indexing and `torch.tensor(...)` pass its capture (CUDA's
+fails on each), a CPU tensor changed after the capture is read again at replay (CUDA keeps the
+value it had), and the real `CudaGraph` (its side stream, `torch.cuda.graph`, the error and the
+stream put back) never runs. tests/test_gpu.py checks those on a GPU.
 """
 
 from __future__ import annotations
