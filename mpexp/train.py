@@ -28,7 +28,12 @@ from omegaconf import DictConfig
 
 from mpexp import config
 from mpexp.errors import ResumeRefused, UserError
-from mpexp.run.hydra_hooks import put_back_run_record, register_resolvers, sweep_job_name
+from mpexp.run.hydra_hooks import (
+    expand_home,
+    put_back_run_record,
+    register_resolvers,
+    sweep_job_name,
+)
 from mpexp.run.launch import is_rank_zero, launched_processes
 from mpexp.run.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
 from mpexp.run.stopping import Preempted, preemption_signal
@@ -111,6 +116,7 @@ def last_checkpoint_note(run: RunContext) -> str:
 
 def cli() -> None:
     """The `mpexp-train` command (and `python -m mpexp.train`)."""
+    sys.argv[1:] = expand_home(sys.argv[1:])  # dataset.path=~/corpus.txt
     if launched_processes() > 1:  # under torchrun only rank 0 writes
         from mpexp.distributed import hydra_overrides_for_rank
 

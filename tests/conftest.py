@@ -72,11 +72,17 @@ def scaling_cfg(option: str, **values):
 
 
 def run_cli(
-    *args: str, cwd: Path, timeout: float = 300, pythonpath: Path | None = None
+    *args: str,
+    cwd: Path,
+    timeout: float = 300,
+    pythonpath: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """`python -m <args>` in a subprocess, from `cwd`, offline; `pythonpath` is importable too."""
+    """`python -m <args>` in a subprocess, from `cwd`, offline; `pythonpath` is importable too,
+    and `env` is added to the environment."""
     path = os.pathsep.join(str(p) for p in (ROOT, pythonpath) if p)
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": path}
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": path,
+           **(env or {})}  # fmt: skip
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
         [sys.executable, "-m", *args],

@@ -16,7 +16,7 @@ from mpexp.errors import ConfigError, DataError
 from mpexp.models.gpt import GPT
 from mpexp.report.table import build_report
 from mpexp.run.build import build_model
-from mpexp.run.hydra_hooks import result_direction
+from mpexp.run.hydra_hooks import expand_home, result_direction
 from mpexp.run.runner import train
 from mpexp.step.flops import flops_per_sample
 from mpexp.tasks.language_model import LanguageModelling
@@ -211,6 +211,17 @@ def test_a_missing_text_file_stops_the_command_with_one_line(tmp_path):
     result = run_cli("mpexp.train", *TINY_LM, f"dataset.path={missing}", cwd=tmp_path)
     assert result.returncode == 2
     assert f"dataset.path={missing} does not exist" in one_line_failure(result)
+
+
+def test_a_path_under_the_home_folder_is_taken_as_a_shell_would(tmp_path):
+    """`dataset.path=~/...` as typed: Hydra's grammar refuses `~`, so the command expands it."""
+    result = run_cli("mpexp.train", *TINY_LM, "dataset.path=~/nowhere.txt", cwd=tmp_path,
+                     env={"HOME": str(tmp_path)})  # fmt: skip
+    assert result.returncode == 2
+    assert f"dataset.path={tmp_path}/nowhere.txt does not exist" in one_line_failure(result)
+    assert expand_home(["a.b=~/x,~/y", "c='~/z'", "~d", "e=a~b", "f=~"]) == [
+        f"a.b={Path.home()}/x,{Path.home()}/y", "c='~/z'", "~d", "e=a~b", f"f={Path.home()}"
+    ]  # fmt: skip
 
 
 def test_a_model_without_a_context_length_is_refused_on_text(tmp_path):

@@ -81,6 +81,27 @@ def sweep_precisions() -> str:
     return modes + ",fp8" if hopper and importlib.util.find_spec("torchao") else modes
 
 
+def expand_home(overrides: list[str]) -> list[str]:
+    """`key=~/corpus.txt` with the home folder written out, as a shell does for a word that
+    starts with `~` but not after `key=`.
+
+    Hydra's override grammar refuses an unquoted `~` in a value (its lexer stops there, with a
+    traceback-like message), so `dataset.path=~/corpus.txt` never reaches mpexp. A `~` at the
+    start of a value, or of an item of a sweep's comma list, is rewritten; a quoted value and a
+    `~key` (Hydra's delete) are left as they are."""
+
+    def expanded(item: str) -> str:
+        return os.path.expanduser(item) if item == "~" or item.startswith("~/") else item
+
+    out = []
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        if sep and "~" in value and not key.startswith("-"):
+            arg = key + sep + ",".join(expanded(item) for item in value.split(","))
+        out.append(arg)
+    return out
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("mpexp.run_dir", resumed_run_dir, replace=True)
     OmegaConf.register_new_resolver("mpexp.result_direction", result_direction, replace=True)
