@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -226,6 +228,10 @@ def bad(tmp_path: Path, case: str) -> Path:
             image.rename(root / "train" / f"{image.parent.name}-{image.name}")
         for folder in CLASSES:
             (root / "train" / folder).rmdir()
+    elif case == "one class":
+        for split in ("train", "val"):
+            for name in CLASSES[1:]:
+                shutil.rmtree(root / split / name)
     elif case == "nothing decodes":
         for image in root.rglob("*.*"):
             image.write_bytes(b"")
@@ -241,6 +247,7 @@ def bad(tmp_path: Path, case: str) -> Path:
         ("classes differ", "differ (only in train/: fox; only in val/: wolf)"),
         ("no class folders", "holds 6 files but no class folder"),
         ("nothing decodes", "None of 6 images in a row from"),
+        ("one class", "holds one class folder (cat): one class leaves nothing to learn"),
     ],
 )
 def test_bad_input_gets_one_message_naming_the_place(tmp_path, case, said):
@@ -250,6 +257,17 @@ def test_bad_input_gets_one_message_naming_the_place(tmp_path, case, said):
     message = str(err.value)
     assert said in message and str(root) in message
     assert len(message.splitlines()) == 1
+
+
+def test_a_file_name_that_is_not_utf8_is_read(photos, tmp_path):
+    """A Latin-1 name (an old archive's), which Python holds with surrogates: decoded as any."""
+    root = tmp_path / "latin1"
+    shutil.copytree(photos, root)
+    cat = os.fsencode(root / "train" / "cat")
+    os.rename(os.path.join(cat, b"000.png"), os.path.join(cat, b"caf\xe9.png"))
+    data = open_folder(root)
+    assert data.train_size == 48 and len(epoch(data)) == 6
+    assert not data.undecodable
 
 
 def test_a_run_of_broken_files_longer_than_the_search_stops_with_the_first(tmp_path, monkeypatch):

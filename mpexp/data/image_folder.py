@@ -86,8 +86,9 @@ class Split(Dataset):
     def __init__(self, root: Path, files: list[str], labels: list[int], views: dict, size: int):
         self.root = str(root)
         # bytes in NumPy arrays, not a list of str: a forked worker that reads a Python object
-        # touches its reference count and so copies its memory page, list by list
-        self.files = np.array([f.encode() for f in files], dtype=np.bytes_)
+        # touches its reference count and so copies its memory page, list by list. os.fsencode:
+        # a name that is not UTF-8 (an old archive's Latin-1) comes back as the same bytes
+        self.files = np.array([os.fsencode(f) for f in files], dtype=np.bytes_)
         self.labels = np.array(labels, dtype=np.int64)
         self.views = views  # "train" and "val": (transform, the shorter side it needs)
         self.size = size  # of the square a transform gives
@@ -96,7 +97,7 @@ class Split(Dataset):
         return len(self.labels)
 
     def path(self, index: int) -> str:
-        return os.path.join(self.root, self.files[index].decode())
+        return os.path.join(self.root, os.fsdecode(self.files[index]))
 
     def __getitem__(self, key: tuple[int, int | None, int]):
         """(image, label, index, source): `source` is the index of the file decoded, the next
@@ -199,6 +200,12 @@ class ImageFolderData(TrainingData):
             whole = train if train.is_dir() else root
             self.layout = f"{'train/' if whole == train else 'class folders'} split by val_fraction"
             splits = self._split(scan_classes(root, whole, ignored))
+        if len(splits[0]) < 2:  # a path one level too high: a 100 % accuracy that means nothing
+            (only,) = splits[0]
+            raise DataError(
+                f"dataset.path={self.path} holds one class folder ({only}): one class leaves "
+                f"nothing to learn. Give the folder that holds {LAYOUT}, with two classes or more."
+            )
         if ignored:
             more = f" and {len(ignored) - 3} more" if len(ignored) > 3 else ""
             log.warning(
