@@ -142,6 +142,25 @@ def test_a_folder_is_its_text_files_in_order_and_binary_files_are_left_out(tmp_p
     assert "1 files in" in caplog.text and "image.png" in caplog.text
 
 
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc")
+def test_a_file_that_cannot_be_read_is_named_as_the_source_not_the_cache(tmp_path, caplog):
+    """/proc/self/mem opens but fails to read (an I/O error), even for root: one file is
+    refused by name, with no partial cache left behind; in a folder it is left out and named."""
+    with pytest.raises(DataError, match=r"mem cannot be read \(Input/output error\)"):
+        text_data("/proc/self/mem", tmp_path).setup(CPU)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("first " * 100)
+    (folder / "b.txt").symlink_to("/proc/self/mem")
+    data = text_data(folder, tmp_path)
+    with caplog.at_level("WARNING"):
+        data.setup(CPU)
+    assert bytes(np.asarray(data.tokens)).decode() == "first " * 100
+    assert "b.txt (cannot be read)" in caplog.text
+
+
 def test_a_truncated_or_foreign_cache_is_rebuilt_not_trusted(tmp_path, caplog):
     path = corpus(tmp_path)
     text_data(path, tmp_path).setup(CPU)

@@ -139,25 +139,26 @@ class TokenCache:
         return None
 
     def _build(self, key: dict) -> None:
-        """Copy the source's text files into the token file; files that are not UTF-8 text are
-        left out (and counted) when the source is a folder, refused when it is one file."""
+        """Copy the source's text files into the token file; files that are not UTF-8 text, or
+        cannot be read, are left out (and counted) when the source is a folder, refused when it
+        is one file. A build that fails leaves no partial file behind."""
         folder = self.tokens_path.parent
         try:
             folder.mkdir(parents=True, exist_ok=True)
             partial = self.tokens_path.with_suffix(f".bin.{os.getpid()}.partial")
-            skipped: list[Path] = []
-            with partial.open("wb") as out:
-                for path in self.source.files:
-                    if not _copy_text(path, out):
-                        skipped.append(path)
-                tokens = out.tell()
-            if skipped and self.source.files == (self.source.root,):
-                partial.unlink()
-                raise DataError(
-                    f"{self.source.root} is not UTF-8 text (it holds bytes that UTF-8 does not "
-                    "allow, or NUL bytes). Convert it to UTF-8, e.g. `iconv -f latin1 -t utf-8`."
-                )
-            os.replace(partial, self.tokens_path)  # the tokens first, then the key that vouches
+            skipped: dict[Path, str] = {}  # file: why it was left out
+            try:
+                with partial.open("wb") as out:
+                    for path in self.source.files:
+                        if (why := _copy_text(path, out)) is not None:
+                            skipped[path] = why
+                    tokens = out.tell()
+                if skipped and self.source.files == (self.source.root,):
+                    raise DataError(f"{self.source.root} {skipped[self.source.root]}.")
+                os.replace(partial, self.tokens_path)  # the tokens first, then the key
+            except BaseException:
+                partial.unlink(missing_ok=True)  # a corpus-sized file per failed attempt
+                raise
             record = {"source": key, "tokens": tokens, "skipped": [str(p) for p in skipped]}
             written = self.key_path.with_suffix(f".json.{os.getpid()}.partial")
             written.write_text(json.dumps(record))
@@ -168,10 +169,13 @@ class TokenCache:
                 "dataset.cache_dir at a writable folder with room for the corpus."
             ) from None
         if skipped:
-            shown = ", ".join(str(p.relative_to(self.source.root)) for p in skipped[:3])
+            shown = ", ".join(
+                f"{p.relative_to(self.source.root)} ({why.split(' (')[0]})"
+                for p, why in list(skipped.items())[:3]
+            )
             more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
             log.warning(
-                "%d files in %s are not UTF-8 text and were left out: %s%s.",
+                "%d files in %s are not UTF-8 text or cannot be read, and were left out: %s%s.",
                 len(skipped),
                 self.source.root,
                 shown,
@@ -179,22 +183,52 @@ class TokenCache:
             )
 
 
-def _copy_text(path: Path, out) -> bool:
-    """Append a file's bytes to `out` if it is UTF-8 text (checked as it is copied, in chunks);
-    otherwise leave `out` as it was and return False."""
+NOT_TEXT = (
+    "is not UTF-8 text (it holds bytes that UTF-8 does not allow, or NUL bytes). Convert it to "
+    "UTF-8, e.g. `iconv -f latin1 -t utf-8`"
+)
+
+
+def _copy_text(path: Path, out) -> str | None:
+    """Append a file's bytes to `out` if it is UTF-8 text (checked as it is copied, in chunks)
+    and return None; otherwise leave `out` as it was and say why not. An error in writing `out`
+    (a full disk) is raised: it is the cache's, not the file's."""
+    try:
+        f = path.open("rb")
+    except OSError as err:
+        return _unreadable(err)
     start = out.tell()
     decoder = codecs.getincrementaldecoder("utf-8")()
-    try:
-        with path.open("rb") as f:
-            while chunk := f.read(CHUNK):
-                decoder.decode(chunk)
-                if b"\0" in chunk:  # valid UTF-8, but no text file holds NUL bytes
-                    raise UnicodeDecodeError("utf-8", chunk, 0, 1, "NUL byte")
-                out.write(chunk)
-            decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
+    why = None
+    with f:
+        while True:
+            try:
+                chunk = f.read(CHUNK)
+            except OSError as err:
+                why = _unreadable(err)
+                break
+            if not chunk:
+                if not _decodes(decoder, b"", final=True):  # it ends inside a character
+                    why = NOT_TEXT
+                break
+            if b"\0" in chunk or not _decodes(decoder, chunk):  # no text file holds NUL bytes
+                why = NOT_TEXT
+                break
+            out.write(chunk)
+    if why is not None:
         out.seek(start)
         out.truncate()
+    return why
+
+
+def _unreadable(err: OSError) -> str:
+    return f"cannot be read ({err.strerror or err}); check that it is a readable file"
+
+
+def _decodes(decoder, chunk: bytes, final: bool = False) -> bool:
+    try:
+        decoder.decode(chunk, final=final)
+    except UnicodeDecodeError:
         return False
     return True
 
