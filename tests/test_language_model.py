@@ -351,6 +351,29 @@ def test_a_gpt_run_logs_tokens_per_second_and_its_validation_metrics(tmp_path):
     assert "val/acc" not in last
 
 
+def test_a_resume_after_the_corpus_changed_is_refused_and_leaves_the_run_as_it_was(tmp_path):
+    """Text added to the corpus moves the split and the windows: the resume would train on
+    other windows and validate on other text, so it is refused, naming what changed. The same
+    text written again (a new modification time, the cache rebuilt) resumes."""
+    args = tiny_lm(tmp_path, "dataset.train_size=64")
+    run = tmp_path / "run"
+    train(make_cfg(*args, "trainer.epochs=1"), RunContext(run))
+    before = (run / "metrics.jsonl").read_bytes()
+    book = tmp_path / "book.txt"
+    text = book.read_text(encoding="utf-8")
+    book.write_text(text + "An appendix. " * 100, encoding="utf-8")
+    resume = make_cfg(*args, "trainer.epochs=2", f"trainer.resume={run}")
+    with pytest.raises(ConfigError, match="was written while training on other data") as err:
+        train(resume, RunContext(run))
+    tokens = len(text.encode())
+    assert f"tokens {tokens} then, {tokens + 1300} now" in str(err.value)
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+    book.write_text(text, encoding="utf-8")  # put back as it was
+    train(resume, RunContext(run))
+    assert [r["epoch"] for r in read_metrics(run)[1]] == [1, 2]
+
+
 @pytest.mark.slow
 def test_a_killed_gpt_run_resumes_with_the_same_windows(tmp_path):
     args = [*tiny_lm(tmp_path, "trainer.deterministic=true", "trainer.checkpoint_every_steps=5")]

@@ -207,6 +207,7 @@ class Checkpointer:
         scaler,
         tracker,
         schedule=None,
+        data_key: dict | None = None,
     ):
         self.run_dir = Path(tracker.run_dir)
         self.directory = self.run_dir / SUBDIR
@@ -219,6 +220,7 @@ class Checkpointer:
         self.sharded = world.strategy == "fsdp"
         self.model, self.optimizer = model, optimizer
         self.scaler, self.tracker, self.schedule = scaler, tracker, schedule
+        self.data_key = data_key  # the data's resume_key(), checked by Resume.check_data
 
     def due(self, step: int) -> bool:
         """True when `trainer.checkpoint_every_steps` asks for a checkpoint after this step."""
@@ -246,6 +248,7 @@ class Checkpointer:
                 "wandb_id": self.tracker.wandb_id,
                 "config": self.config,
                 "overrides": self.overrides,
+                "data": self.data_key,
             }
             if self.world.is_main:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -355,6 +358,24 @@ class Resume:
                 f"trainer.resume: {self.path} does not fit the run's model: {problem}.\n"
                 f"{_other(self.path)}"
             )
+
+    def check_data(self, data) -> None:
+        """Refuse a resume whose data is not what the checkpoint trained on (its resume_key),
+        before the run changes anything. A checkpoint written before the key was kept has none:
+        nothing to compare."""
+        saved, now = self.state.get("data"), data.resume_key()
+        if saved is None or saved == now:
+            return
+        changed = ", ".join(
+            f"{key} {saved.get(key)} then, {now.get(key)} now"
+            for key in sorted(saved.keys() | now.keys())
+            if saved.get(key) != now.get(key)
+        )
+        raise ResumeRefused(
+            f"trainer.resume: {self.path} was written while training on other data ({changed}): "
+            "a resume would go on with other samples and validate on others. Put the data back "
+            "as it was, or start a new run."
+        )
 
     def rewind(self) -> None:
         """Forget what the run wrote after this checkpoint: later metrics rows and checkpoints."""

@@ -122,6 +122,12 @@ class TrainingData(ABC):
         folder's classes; asked before training and again at its end."""
         return {}
 
+    def resume_key(self) -> dict | None:
+        """What must be as it was for a resume to continue on the same samples, beyond the
+        config (a checkpoint keeps it; a resume whose data gives another is refused). None
+        where the config alone decides the samples."""
+        return None
+
 
 class InMemoryData(TrainingData):
     """An image classification set held as (images, labels) tensors for training and validation.

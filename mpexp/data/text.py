@@ -305,6 +305,17 @@ class TextData(TrainingData):
     def train_size(self) -> int:
         return self.sizes[0]
 
+    def resume_key(self) -> dict:
+        """The corpus's length and a digest of evenly spread samples of it: text added, cut or
+        edited since a checkpoint moves the split and the windows' offsets, and a resume would
+        go on with other windows and validate on other text. (Not the cache key: touching a
+        file without changing it must not refuse a resume.)"""
+        n, block = len(self.tokens), 4096
+        digest = hashlib.sha256()
+        for start in np.linspace(0, max(0, n - block), num=64, dtype=np.int64):
+            digest.update(np.asarray(self.tokens[start : start + block]).tobytes())
+        return {"tokens": n, "digest": digest.hexdigest()[:16]}
+
     def describe(self) -> str:
         return (
             f"{self.train_size:,} windows of {self.block_size} tokens per epoch from "

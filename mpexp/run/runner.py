@@ -72,6 +72,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         # the last check a resume can fail comes before the run's files change: a refused resume
         # leaves its run as it was
         resume.check_fits(model)
+        resume.check_data(data)
         if world.is_main:
             resume.rewind()
         at = resume.position
@@ -105,7 +106,10 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         )
         tracker.record_ran(ran)
         stop_if_asked(stop, world, run, "while the data loaded and the model was built")
-        saver = Checkpointer(cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule)
+        saver = Checkpointer(
+            cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule,
+            data_key=data.resume_key(),
+        )  # fmt: skip
         parts = Parts(
             model, forward, data, optimizer, scaler, precision, built.throughput, built.speed
         )
