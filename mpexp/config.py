@@ -347,6 +347,9 @@ class OptimizerConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     fused: Optional[bool] = None  # null: the fused kernel on CUDA, off on CPU
+    # mpexp's, not the optimizer's: false exempts 1-D parameters (biases, norm gains) from weight
+    # decay (mpexp.step.performance.parameter_groups)
+    decay_norms_and_biases: bool = True
 
 
 @dataclass

@@ -43,11 +43,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch.nn.functional as F  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 from mpexp.data.base import epoch_seed  # noqa: E402
 from mpexp.data.text import TokenCache, path_source, stdlib_source  # noqa: E402
 from mpexp.models.gpt import GPT  # noqa: E402
+from mpexp.step.performance import optimizer_spec, parameter_groups  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
@@ -104,8 +104,8 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
         recipe = float8.Float8LinearConfig.from_recipe_name(cfg["precision"]["fp8"]["recipe"])
         recipe = dataclasses.replace(recipe, emulate=device.type == "cpu")
         model = float8.convert_to_float8_training(model, config=recipe)
-    optimizer_cfg = OmegaConf.create({**cfg["optimizer"], "fused": device.type == "cuda"})
-    optimizer = instantiate(optimizer_cfg)(model.parameters())
+    optimizer_cfg = {**optimizer_spec(cfg["optimizer"]), "fused": device.type == "cuda"}
+    optimizer = instantiate(optimizer_cfg)(parameter_groups(model, cfg["optimizer"]))
     forward = torch.compile(model) if mpexp["ran"].get("compile") else model
     dtype = DTYPES.get(precision)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")

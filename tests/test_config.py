@@ -21,6 +21,7 @@ from mpexp.data.text import TextData
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
 from mpexp.run.build import build
+from mpexp.step.performance import optimizer_spec
 from mpexp.tasks.classification import Classification
 from mpexp.tasks.language_model import LanguageModelling
 from tests.conftest import CONF, CPU, make_cfg, run_cli
@@ -182,7 +183,7 @@ def test_model_options_build_and_adapt_to_the_data(option, shape):
 @pytest.mark.parametrize("option", options("optimizer"))
 def test_optimizer_options_build(option):
     cfg = make_cfg(f"optimizer={option}", "optimizer.lr=0.5")
-    opt = instantiate(cfg.optimizer)([torch.nn.Parameter(torch.zeros(2))])
+    opt = instantiate(optimizer_spec(cfg.optimizer))([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(opt, torch.optim.Optimizer)
     assert opt.param_groups[0]["lr"] == 0.5
 

@@ -14,14 +14,16 @@ import torch
 from mpexp.data.text import TextData, TokenCache, path_source
 from mpexp.errors import ConfigError, DataError
 from mpexp.models.gpt import GPT
+from mpexp.precision.scaling import build_scaler
 from mpexp.report.table import build_report
 from mpexp.run.build import build_model
 from mpexp.run.hydra_hooks import expand_home, result_direction
 from mpexp.run.runner import train
 from mpexp.step.flops import flops_per_sample
+from mpexp.step.performance import build_optimizer
 from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.tracker import RunContext, Validations
-from tests.conftest import CPU, make_cfg, run_cli
+from tests.conftest import CPU, make_cfg, precision_of, run_cli
 from tests.test_faults import one_line_failure
 from tests.test_resume import assert_same_final_state, comparable, killed_and_resumed
 from tests.test_training import read_metrics
@@ -349,6 +351,24 @@ def test_a_gpt_run_logs_tokens_per_second_and_its_validation_metrics(tmp_path):
     assert last["perf/tokens_per_s"] == pytest.approx(32 * last["perf/samples_per_s"])
     assert {"val/loss", "val/ppl", "val/bpb", "val/token_acc", "perf/tflops"} <= last.keys()
     assert "val/acc" not in last
+
+
+def test_the_precision_sweep_decays_matrices_and_embeddings_not_norms_and_biases():
+    cfg = make_cfg("experiment=gpt_precisions", "precision=fp32")
+    model = build_model(cfg.model, LanguageModelling(vocab_size=256, block_size=64), "model=gpt")
+    scaler = build_scaler(cfg.loss_scaling, precision_of("fp32"), CPU)
+    optimizer = build_optimizer(cfg, model, CPU, scaler)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed, kept = ([names[id(p)] for p in g["params"]] for g in optimizer.param_groups)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert {"wte.weight", "wpe.weight"} <= set(decayed) and all(
+        n.endswith("weight") for n in decayed
+    )
+    assert any("ln" in n for n in kept) and any(n.endswith("bias") for n in kept)
+    assert len(decayed) + len(kept) == len(names)
+    # any other preset: one group, every parameter decayed as the optimizer's weight_decay says
+    plain = make_cfg("model=gpt", "dataset=text", "optimizer=adamw")
+    assert len(build_optimizer(plain, model, CPU, scaler).param_groups) == 1
 
 
 def test_a_resume_after_the_corpus_changed_is_refused_and_leaves_the_run_as_it_was(tmp_path):

@@ -80,6 +80,7 @@ RESUMABLE_KEYS = frozenset(
 ADDED_KEYS = {
     "dataset.augment.crop_padding": 0,
     "dataset.augment.flip": False,
+    "optimizer.decay_norms_and_biases": True,
 }
 
 

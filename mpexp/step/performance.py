@@ -20,6 +20,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 from torch import nn
 
+from mpexp.config import to_dict
 from mpexp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -192,10 +193,35 @@ def build_optimizer(
         fused = device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
         if device.type == "cuda" and not fused:
             log.info("Unfused optimizer: GradScaler reads the overflow flag on the host per step.")
-    optimizer = instantiate(cfg.optimizer, fused=bool(fused), **extra)(model.parameters())
+    build = instantiate(optimizer_spec(cfg.optimizer), fused=bool(fused), **extra)
+    optimizer = build(parameter_groups(model, cfg.optimizer))
     if fused:
         _zero_momentum(optimizer)
     return optimizer
+
+
+# keys of the optimizer group that are mpexp's own, not arguments of the optimizer
+OWN_OPTIMIZER_KEYS = ("decay_norms_and_biases",)
+
+
+def optimizer_spec(optimizer_cfg) -> dict:
+    """The `optimizer` group's config as the optimizer's constructor takes it."""
+    return {k: v for k, v in to_dict(optimizer_cfg).items() if k not in OWN_OPTIMIZER_KEYS}
+
+
+def parameter_groups(model: nn.Module, optimizer_cfg) -> list:
+    """The model's parameters, in one group; with `optimizer.decay_norms_and_biases=false`, in
+    two: matrices and embeddings with the configured weight decay, and 1-D parameters (biases,
+    LayerNorm and BatchNorm gains) without. Transformer practice since GPT-2: decay pulls a
+    norm's gain towards 0, which scales a whole layer's output rather than regularising it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer_cfg.get("decay_norms_and_biases", True):
+        return params
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
 
 
 def _zero_momentum(optimizer) -> None:
