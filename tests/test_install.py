@@ -57,6 +57,7 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     return target, env
 
 
+@pytest.mark.slow  # a wheel built and installed (once for the module): about 17 s on 2 cores
 def test_the_wheel_ships_the_configs_and_runs_from_any_folder(installed, tmp_path):
     target, env = installed
     where = run(
@@ -75,6 +76,7 @@ def test_the_wheel_ships_the_configs_and_runs_from_any_folder(installed, tmp_pat
     assert (tmp_path / "cmp" / "report.md").is_file()
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_every_package_of_the_repository(installed):
     """A package missing from pyproject.toml's list is missing from the wheel; an editable
     install beside it would hide that from the other tests."""
@@ -84,6 +86,7 @@ def test_the_wheel_holds_every_package_of_the_repository(installed):
     assert missing == []
 
 
+@pytest.mark.slow
 def test_the_wheel_offers_the_extras_the_readme_names(installed):
     target, _ = installed
     (metadata,) = target.glob("mpexp-*.dist-info/METADATA")
@@ -95,6 +98,7 @@ def test_the_wheel_offers_the_extras_the_readme_names(installed):
     assert view.startswith("Requires-Dist: wandb-workspaces")
 
 
+@pytest.mark.slow
 def test_messages_name_the_command_the_user_ran(installed, tmp_path):
     _, env = installed
     commands = {"mpexp-train": ["mpexp-train"],
@@ -106,6 +110,7 @@ def test_messages_name_the_command_the_user_ran(installed, tmp_path):
         assert f"`{named} --cfg job` lists every key." in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_bash_completion_of_the_console_script(installed, tmp_path):
     _, env = installed
     script = run(["mpexp-train", "-sc", "install=bash"], tmp_path, env).stdout
