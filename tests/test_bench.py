@@ -79,6 +79,7 @@ def test_vit_in_bf16_against_fp8_as_a_gpu_session_will_run_it(tmp_path):
     assert "precision=fp8 runs emulated on CPU" in result.stderr
 
 
+@pytest.mark.slow  # the profiler over a benchmark's steps
 def test_profile_step_names_where_a_steps_time_goes(tmp_path):
     """scripts/profile_step.py on CPU, tiny: each precision's wall time per step and the
     operators that took the most CPU time, the convolutions among them (named by the kernel this

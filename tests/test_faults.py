@@ -77,6 +77,7 @@ from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
 from tests.test_training import read_metrics
 
 
+@pytest.mark.slow  # waits on W&B's retries
 def test_an_unreachable_wandb_server_does_not_stop_training(tmp_path):
     run_dir = tmp_path / "run"
     unreachable = {

@@ -96,13 +96,16 @@ def reads(tmp_path, name: str, steps: int, flushes: int, *overrides: str) -> int
         # (mpexp/step/rollback.py).
         # fp32 under a scaler, as 16-bit convolutions are slow on a CPU (emulated where it has
         # no bf16 instructions); the path is the same
-        [
-            "precision=fp32",
-            "loss_scaling=dynamic",
-            "model=resnet18",
-            "dataset.height=8",
-            "dataset.width=8",
-        ],
+        pytest.param(
+            [
+                "precision=fp32",
+                "loss_scaling=dynamic",
+                "model=resnet18",
+                "dataset.height=8",
+                "dataset.width=8",
+            ],
+            marks=pytest.mark.slow,  # ResNet-18 on a CPU: about 6 s
+        ),
         [
             "precision=fp16",
             "loss_scaling=dynamic",

@@ -302,6 +302,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.slow  # the command itself; the tests above train the same folder in-process
 def test_a_folder_of_images_trains_from_the_command_line(photos, tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli("mpexp.train", *SMALL, f"dataset.path={photos}", "dataset.num_workers=2",
@@ -315,6 +316,7 @@ def test_a_folder_of_images_trains_from_the_command_line(photos, tmp_path):
     assert "48 training images, 3 classes: cat, dog, fox" in (run_dir / "train.log").read_text()
 
 
+@pytest.mark.slow  # the command itself; each message is tested in-process above
 def test_bad_input_on_the_command_line_is_one_line_and_exit_code_2(tmp_path):
     root = bad(tmp_path, "classes differ")
     result = run_cli("mpexp.train", *SMALL, f"dataset.path={root}", cwd=tmp_path)

@@ -569,6 +569,7 @@ def test_a_run_that_ends_before_its_first_row_does_not_wait_for_wandb(tmp_path, 
     assert process._ended.wait(30)
 
 
+@pytest.mark.slow  # a command-line run and a report on it
 def test_a_single_run_is_named_after_its_experiment(tmp_path):
     result = run_cli(
         "mpexp.train",
