@@ -97,6 +97,19 @@ class TrainingData(ABC):
         """Train on rank `rank`'s share of each epoch; `batch_size` is then per rank."""
         self.rank, self.world_size = rank, world_size
 
+    def rank_share(self, items: torch.Tensor) -> torch.Tensor:
+        """This rank's share of an epoch's items: every world_size-th one from position `rank`,
+        once the remainder that would leave the ranks unequal shares is dropped."""
+        n, world = len(items), self.world_size
+        return items[: n - n % world][self.rank :: world]
+
+    def epoch_order(self, seed: int, epoch: int, start: int = 0) -> torch.Tensor:
+        """This rank's share of the epoch's seeded order of the training set, from batch
+        `start` on (a resumed epoch)."""
+        generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+        order = self.rank_share(torch.randperm(self.train_size, generator=generator))
+        return order[start * self.batch_size :]
+
     def steps_per_epoch(self) -> int:
         # every rank gets the same number of samples (a remainder of < world_size is dropped),
         # hence the same number of steps: a rank with one step more would wait forever on the rest
@@ -211,12 +224,10 @@ class InMemoryData(TrainingData):
     ) -> Iterator[Batch]:
         """Shuffled training batches; with `loader=device` and `static`, every full batch is
         gathered into the same two tensors."""
-        n, world = self.train_size, self.world_size
+        n = self.train_size
         draws = self.augment.draws(n, seed, epoch, device) if self.augment.active else None
         if self.loader == "device":
-            generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
-            order = torch.randperm(n, generator=generator)
-            order = order[: n - n % world][self.rank :: world][start * self.batch_size :]
+            order = self.epoch_order(seed, epoch, start)
             yield from self._gather(self._ready["train"], order.to(device), static, draws)
             return
         # a captured step copies a DataLoader's batches into its own inputs (step_graph.py);

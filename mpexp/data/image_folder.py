@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
 from mpexp.data.augment import CropFlip, mixed_seed
-from mpexp.data.base import Batch, TrainingData, epoch_seed
+from mpexp.data.base import Batch, TrainingData
 from mpexp.errors import DataError
 from mpexp.tasks.classification import Classification
 
@@ -345,10 +345,9 @@ class ImageFolderData(TrainingData):
         self, epoch: int, seed: int, device: torch.device, static: bool = False, start: int = 0
     ) -> Iterator[Batch]:
         """The epoch's batches from batch `start` on; the images before it are not decoded."""
-        n, world = self.train_size, self.world_size
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
-        order = order[: n - n % world][self.rank :: world][start * self.batch_size :]
+        order = self.epoch_order(seed, epoch, start)
         self._keys["train"].keys = [(i, seed, epoch) for i in order.tolist()]
+        n = self.train_size
         draws = self.augment.draws(n, seed, epoch, device) if self.augment.active else None
         batches = self._checked("train", self._loaders["train"])
         yield from self._on_device(batches, device, static, draws)

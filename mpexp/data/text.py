@@ -327,10 +327,10 @@ class TextData(TrainingData):
         self, epoch: int, seed: int, device: torch.device, static: bool = False, start: int = 0
     ) -> Iterator[Batch]:
         """Windows at offsets drawn from (seed, epoch); this rank's every world_size-th one."""
-        n, world = self.train_size, self.world_size
         generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
-        offsets = torch.randint(self.split - self.block_size, (n,), generator=generator)
-        offsets = offsets[: n - n % world][self.rank :: world].numpy()
+        last = self.split - self.block_size  # offsets below it keep the window in training's part
+        offsets = torch.randint(last, (self.train_size,), generator=generator)
+        offsets = self.rank_share(offsets).numpy()
         b = self.batch_size
         stop = len(offsets) - len(offsets) % b if self.drop_last else len(offsets)
         for first in range(start * b, stop, b):
