@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mpexp.errors import ConfigError
+from mpexp.errors import ConfigError, reason
 from mpexp.precision.modes import Precision
 from mpexp.run.launch import is_rank_zero, launched_processes
 
@@ -380,9 +380,9 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
                 fully_shard(unit, mesh=mesh, mp_policy=low)
         fully_shard(model, mesh=mesh, mp_policy=low)
     except (ValueError, RuntimeError, TypeError) as err:
-        reason = str(err).strip().splitlines()[0]
         raise ConfigError(
-            f"FSDP2 cannot shard {type(model).__name__} ({reason}). Use trainer.strategy=ddp, or "
-            "give the model an fsdp_units() method that lists the modules to shard one by one."
+            f"FSDP2 cannot shard {type(model).__name__} ({reason(err)}). Use "
+            "trainer.strategy=ddp, or give the model an fsdp_units() method that lists the "
+            "modules to shard one by one."
         ) from None
     return model

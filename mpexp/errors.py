@@ -3,6 +3,16 @@
 from hydra.errors import CompactHydraException
 
 
+def reason(err: BaseException) -> str:
+    """An exception's message in one line, for a message of ours that quotes it: its first line
+    (the error's type where it has none), and the next one too where the first ends with a
+    colon, as TorchDynamo's "backend='inductor' raised:" does before what was raised."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    return " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+
+
 class UserError(CompactHydraException):
     """A problem the user can fix (a config value, a missing file).
 

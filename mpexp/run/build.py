@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from mpexp import config
 from mpexp.data.base import TrainingData
 from mpexp.distributed import World
-from mpexp.errors import ConfigError
+from mpexp.errors import ConfigError, reason
 from mpexp.precision.fp8 import check_fp8_rows, convert_to_fp8, linear_rows
 from mpexp.precision.fp32_modules import run_in_float32
 from mpexp.precision.modes import Precision, check_fp16_convolutions_on_cpu, setup_precision
@@ -45,9 +45,8 @@ def build_model(node: DictConfig, task: Task, what: str) -> torch.nn.Module:
             shape = tuple(model(inputs).shape)
         model.train()
     except (ValueError, RuntimeError, TypeError) as err:
-        reason = str(err).strip().splitlines()[0]
         raise ConfigError(
-            f"{what} cannot take the dataset's {task.describe_inputs()}: {reason}.\n"
+            f"{what} cannot take the dataset's {task.describe_inputs()}: {reason(err)}.\n"
             "Use a model made for this data, or data this model takes."
         ) from None
     problem = task.check_output(shape)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from mpexp.checkpoints.checkpoint import Checkpointer, Position, Resume
 from mpexp.data.base import Batch, TrainingData
 from mpexp.distributed import World
-from mpexp.errors import NumericsError, UserError
+from mpexp.errors import NumericsError, UserError, reason
 from mpexp.precision.modes import Precision
 from mpexp.precision.scaling import LossScaler, min_scale_error
 from mpexp.run.stopping import StopSignals
@@ -635,14 +635,10 @@ class Fit:
 
     def _compile_failed(self, err: Exception) -> torch.nn.Module:
         """The model cannot be compiled: warn once and train (and evaluate) it eagerly."""
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        lines = lines or [type(err).__name__]
-        # TorchDynamo says "backend='inductor' raised:" on one line and what it raised on the next
-        reason = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
         log.warning(
             "torch.compile could not compile the model (%s); training it eagerly instead "
             "(recorded as compile: false). trainer.compile=false skips the attempt.",
-            reason,
+            reason(err),
         )
         self.parts.forward = self.parts.model
         self.compile_failed = True

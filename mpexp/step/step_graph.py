@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import torch
 
+from mpexp.errors import reason
+
 log = logging.getLogger("mpexp")
 
 # eager steps before the capture: the first compiles (forward, then backward), the second and
@@ -167,13 +169,12 @@ class StepGraph:
         except Exception as err:  # any capture failure leaves the run eager
             self.failed = True
             self._on_fail()
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            self.failure = f"the capture failed: {reason}"
+            self.failure = f"the capture failed: {reason(err)}"
             log.warning(
                 "The training step could not be captured as a CUDA graph (%s); the run goes on "
                 "with eager steps (recorded as cuda_graph: false). trainer.cuda_graph=false "
                 "skips the attempt.",
-                reason,
+                reason(err),
             )
             return
         self.graph = graph
