@@ -65,7 +65,7 @@ from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.data.synthetic import SyntheticData
 from mpexp.distributed import start_world
-from mpexp.errors import ConfigError, DataError
+from mpexp.errors import ConfigError, DataError, reason
 from mpexp.run.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
 from mpexp.run.runner import stop_if_asked, train
 from mpexp.run.stopping import Preempted, StopSignals
@@ -829,3 +829,12 @@ def test_a_checkpoint_with_flipped_bytes_is_called_corrupt(finished_run):
     older.unlink()
     with pytest.raises(ConfigError, match="keeps no other checkpoint"):
         checkpoint.load(newest)
+
+
+def test_an_error_quoted_in_a_message_is_one_line():
+    """What the model check, FSDP's refusal and the compile and capture fallbacks quote of an
+    error: never an empty reason, never a traceback's worth of lines."""
+    assert reason(ValueError("")) == "ValueError"
+    assert reason(RuntimeError("shape mismatch\n  at layer 3")) == "shape mismatch"
+    dynamo = RuntimeError("backend='inductor' raised:\nCompilationError: no C compiler\n...")
+    assert reason(dynamo) == "backend='inductor' raised: CompilationError: no C compiler"
