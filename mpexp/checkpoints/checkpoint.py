@@ -360,11 +360,11 @@ class Resume:
                 f"{_other(self.path)}"
             )
 
-    def check_data(self, data) -> None:
-        """Refuse a resume whose data is not what the checkpoint trained on (its resume_key),
-        before the run changes anything. A checkpoint written before the key was kept has none:
-        nothing to compare."""
-        saved, now = self.state.get("data"), data.resume_key()
+    def check_data(self, now: dict | None) -> None:
+        """Refuse a resume whose data is not what the checkpoint trained on (`now`: the data's
+        resume_key), before the run changes anything. A checkpoint written before the key was
+        kept has none: nothing to compare."""
+        saved = self.state.get("data")
         if saved is None or saved == now:
             return
         changed = ", ".join(

@@ -68,11 +68,12 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     built = build_parts(cfg, world, run.choices)
     data, model, precision, scaler = built.data, built.model, built.precision, built.scaler
     validate_run_length(cfg, data.steps_per_epoch(), data.train_size // world.size)
+    data_key = data.resume_key()  # what the checkpoints keep, and a resume must find again
     if resume is not None:
         # the last check a resume can fail comes before the run's files change: a refused resume
         # leaves its run as it was
         resume.check_fits(model)
-        resume.check_data(data)
+        resume.check_data(data_key)
         if world.is_main:
             resume.rewind()
         at = resume.position
@@ -107,8 +108,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         tracker.record_ran(ran)
         stop_if_asked(stop, world, run, "while the data loaded and the model was built")
         saver = Checkpointer(
-            cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule,
-            data_key=data.resume_key(),
+            cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule, data_key
         )  # fmt: skip
         parts = Parts(
             model, forward, data, optimizer, scaler, precision, built.throughput, built.speed
