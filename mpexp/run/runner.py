@@ -109,7 +109,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         stop_if_asked(stop, world, run, "while the data loaded and the model was built")
         saver = Checkpointer(
             cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule, data_key
-        )  # fmt: skip
+        )
         parts = Parts(
             model, forward, data, optimizer, scaler, precision, built.throughput, built.speed
         )
