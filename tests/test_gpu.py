@@ -32,6 +32,7 @@ from tests.test_step_graph import (
     run_steps,
     small_net,
 )
+from tests.test_training import read_metrics
 
 pytestmark = pytest.mark.gpu
 
@@ -349,11 +350,6 @@ def test_own_tensor_values_never_wait_on_the_gpu_and_replayed_steps_log_none(tmp
     assert caplog.text.count("captured as a CUDA graph") == 1
 
 
-def step_rows(run_dir) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "step" in r and "epoch" not in r]
-
-
 def test_the_default_path_follows_the_eager_run_step_for_step(tmp_path):
     """CUDA's default (compiled, channels_last, the step captured) against trainer.eager=true in
     one process, fp16 from a scale that overflows first. Compilation fuses and reorders kernels,
@@ -367,7 +363,7 @@ def test_the_default_path_follows_the_eager_run_step_for_step(tmp_path):
     for name, extra in (("eager", ["trainer.eager=true"]), ("default", [])):
         train(make_cfg(*base, *extra), RunContext(tmp_path / name))
         summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
-        rows[name] = step_rows(tmp_path / name)
+        rows[name] = read_metrics(tmp_path / name)[0]
     ran = summaries["default"]["ran"]
     assert (ran["compile"], ran["channels_last"], ran["cuda_graph"]) == ("default", True, True)
     assert ran["graph_replays"] > 0
