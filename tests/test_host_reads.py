@@ -87,6 +87,9 @@ def reads(tmp_path, name: str, steps: int, flushes: int, *overrides: str) -> int
         ["precision=fp16", "loss_scaling=calibrated", "loss_scaling.calibration_steps=2"],
         ["precision=fp16", "trainer.accumulate=2", "trainer.clip_grad_norm=1.0"],
         ["precision=fp32", "trainer.on_nonfinite_loss=skip"],
+        # a schedule on the device: fp16 under loss scaling keeps the fused, sync-free step
+        ["precision=fp16", "loss_scaling=dynamic", "scheduler=cosine"],
+        ["precision=bf16", "optimizer=adamw", "scheduler=step", "trainer.accumulate=2"],
         [
             "precision=fp16",
             "diagnostics.grad_stats_every=2",

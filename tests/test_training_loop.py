@@ -87,11 +87,13 @@ def test_accumulated_micro_batches_match_one_large_batch_in_fp32(n):
     assert not torch.equal(whole.fc.weight, small_cnn().fc.weight)  # it did train
 
 
-def test_schedule_advances_only_on_steps_the_optimizer_took():
-    precision = precision_of("fp16")
-    model = small_cnn()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    scaler = build_scaler(
+def int_only_halving(step_size: int):
+    """A schedule factor written for ints only (math, not torch): it keeps the host schedule."""
+    return lambda step: math.pow(0.5, step // step_size)
+
+
+def _fp16_scaler():
+    return build_scaler(
         OmegaConf.create(
             {
                 "_target_": "mpexp.precision.scaling.DynamicLossScaler",
@@ -101,25 +103,41 @@ def test_schedule_advances_only_on_steps_the_optimizer_took():
                 "growth_interval": 1000,
             }
         ),
-        precision,
+        precision_of("fp16"),
         CPU,
     )
-    halve_each_step = OmegaConf.create(
-        {"_target_": "mpexp.step.schedules.step_decay", "step_size": 1, "gamma": 0.5}
-    )
-    build_schedule(halve_each_step, optimizer, scaler, total_steps=10)
+
+
+@pytest.mark.parametrize(
+    ("target", "fused", "where"),
+    [
+        ("mpexp.step.schedules.step_decay", False, "device"),
+        ("mpexp.step.schedules.step_decay", True, "device"),  # skips inside the fused kernel
+        ("tests.test_training_loop.int_only_halving", False, "host"),
+    ],
+)
+def test_schedule_advances_only_on_steps_the_optimizer_took(target, fused, where):
+    precision = precision_of("fp16")
+    model = small_cnn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, fused=fused)
+    scaler = _fp16_scaler()
+    halve_each_step = OmegaConf.create({"_target_": target, "step_size": 1})
+    if "step_decay" in target:
+        halve_each_step.gamma = 0.5
+    schedule = build_schedule(halve_each_step, optimizer, scaler, total_steps=10)
+    assert schedule.where == where
     images, labels = batch(8)
     rates = []
     for overflow in (False, True, False, True, True, False):
-        rates.append(optimizer.param_groups[0]["lr"])
+        rates.append(float(optimizer.param_groups[0]["lr"]))
         handle = model.fc.weight.register_hook(lambda g: g * torch.inf) if overflow else None
-        train_step(model, images, labels, optimizer, scaler, precision)
+        train_step(model, images, labels, optimizer, scaler, precision, schedule=schedule)
         scaler.update()
         optimizer.zero_grad()
         if handle:
             handle.remove()
     assert rates == [1.0, 0.5, 0.5, 0.25, 0.25, 0.25]
-    assert optimizer.param_groups[0]["lr"] == 0.125
+    assert float(optimizer.param_groups[0]["lr"]) == 0.125
 
 
 def test_cosine_warms_up_then_falls_to_the_floor():
@@ -154,7 +172,7 @@ def test_fp32_modules_must_exist_and_warn_where_nothing_is_autocast(caplog):
     assert "no effect under precision=fp32" in caplog.text
 
 
-def test_schedule_refuses_a_fused_optimizer_under_loss_scaling():
+def test_a_fused_optimizer_under_loss_scaling_takes_a_device_schedule_or_is_refused():
     model = small_cnn()
     optimizer = torch.optim.Adam(model.parameters(), fused=True)
     scaler = build_scaler(
@@ -165,11 +183,18 @@ def test_schedule_refuses_a_fused_optimizer_under_loss_scaling():
     cosine_cfg = OmegaConf.create(
         {"_target_": "mpexp.step.schedules.cosine", "warmup_steps": 0, "min_lr_ratio": 0.0}
     )
+    # the fused step skips on the device, and the schedule counts on the device: it can follow
+    assert build_schedule(cosine_cfg, optimizer, scaler, total_steps=10).where == "device"
+    # a factor for ints only could not see the kernel's skips without a host read per step
+    int_only = OmegaConf.create(
+        {"_target_": "tests.test_training_loop.int_only_halving", "step_size": 1}
+    )
+    fresh = torch.optim.Adam(small_cnn().parameters(), fused=True)
     with pytest.raises(ConfigError, match="fused"):
-        build_schedule(cosine_cfg, optimizer, scaler, total_steps=10)
-    # without scaling every step is real, so the same schedule is fine
+        build_schedule(int_only, fresh, scaler, total_steps=10)
+    # without scaling every step is real, so the same schedule is fine on the host
     plain = build_scaler(NONE, precision_of("fp32"), CPU)
-    assert build_schedule(cosine_cfg, copy.deepcopy(optimizer), plain, 10) is not None
+    assert build_schedule(int_only, fresh, plain, 10).where == "host"
 
 
 class BatchNormCNN(nn.Module):

@@ -171,6 +171,12 @@ def _warnings(report: Report) -> list[str]:
             "so their epoch times, speedups and times to target are not comparable. Run the jobs "
             "one after another (Hydra's default launcher) to compare speed."
         )
+    for config, path, reference in report.other_step_paths:
+        warnings.append(
+            f"**Another step path.** `{config.label}` ran its step {path}; its fp32 reference "
+            f"ran {reference}. Its speed against fp32 measures that difference as much as the "
+            "precision's."
+        )
     cut = [r for r in report.rows if r.run.cut_off]
     if cut:
         warnings.append(

@@ -507,6 +507,12 @@ def _reference(configs: list[Config], config: Config, precision: str) -> Config 
     return candidates[0] if candidates else None
 
 
+def step_paths(config: Config) -> str:
+    """The step paths its runs recorded, joined ("" where none did)."""
+    return " / ".join(sorted({str(r.run.ran["step_path"]) for r in config.rows
+                              if r.run.ran.get("step_path")}))  # fmt: skip
+
+
 def overlapping(rows: list[Row]) -> list[Row]:
     """Runs that trained while another run trained on the same host: a parallel launcher's jobs
     share the machine, so their timings are not comparable. Runs without times are left out."""
@@ -564,6 +570,21 @@ class Report:
     @property
     def overlapping(self) -> list[Row]:
         return overlapping(self.rows)
+
+    @property
+    def other_step_paths(self) -> list[tuple[Config, str, str]]:
+        """Configurations whose step ran another way than their fp32 reference's (fused or
+        not, compiled, captured, where the schedule ran): (config, its path, the reference's).
+        Runs recorded before mpexp recorded the path are left out."""
+        found = []
+        for c in self.configs:
+            ref = c.reference
+            if ref is None or ref is c or not c.rows or not ref.rows:
+                continue
+            path, ref_path = step_paths(c), step_paths(ref)
+            if path and ref_path and path != ref_path:
+                found.append((c, path, ref_path))
+        return found
 
     def console_lines(self) -> list[str]:
         lines = [

@@ -24,6 +24,7 @@ from mpexp.run.stopping import Preempted, StopSignals
 from mpexp.run.validate import validate, validate_run_length
 from mpexp.step import performance
 from mpexp.step.loop import Fit, Parts
+from mpexp.step.schedules import Schedule
 from mpexp.system import resolve_device, seed_everything, set_deterministic
 from mpexp.tracking.records import error_text, record_end
 from mpexp.tracking.tracker import NullTracker, RunContext, Tracker
@@ -90,7 +91,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     )
     with ended_in_summary(tracker):
         optimizer, schedule, forward = build_training(cfg, built, world.device)
-        ran = ran_record(cfg, run, world, built, optimizer)
+        ran = ran_record(cfg, run, world, built, optimizer, schedule)
         log.info(
             "Training %s on %s (%s) | %s on %s | precision %s (autocast %s, TF32 %s) | "
             "loss scaling %s | %s",
@@ -111,7 +112,15 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
             cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule, data_key
         )
         parts = Parts(
-            model, forward, data, optimizer, scaler, precision, built.throughput, built.speed
+            model,
+            forward,
+            data,
+            optimizer,
+            scaler,
+            precision,
+            built.throughput,
+            built.speed,
+            schedule,
         )
         fit = Fit(cfg, parts, tracker, saver, world, stop)
         if resume is not None:
@@ -128,13 +137,19 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
             "peak_tflops": counted.peak_tflops,
         }
         summary["ran"].update(world.check_replicas(model))
+        summary["ran"]["step_path"] = performance.step_path(summary["ran"])
         tracker.update_summary(summary)
         fit.check_it_trained()
         return summary
 
 
 def ran_record(
-    cfg: DictConfig, run: RunContext, world: World, built: Built, optimizer: torch.optim.Optimizer
+    cfg: DictConfig,
+    run: RunContext,
+    world: World,
+    built: Built,
+    optimizer: torch.optim.Optimizer,
+    schedule: Schedule | None,
 ) -> dict:
     """What runs, as the run's config and summary record it under `ran` (before training; the
     outcome joins it at the end)."""
@@ -153,6 +168,8 @@ def ran_record(
         **world.record(),
         "fp32_modules": built.fp32_modules,
         "scheduler": (cfg.scheduler.get("_target_") or "none").rpartition(".")[2],
+        # where the learning rate is computed: on the device keeps the step sync-free
+        "schedule": schedule.where if schedule is not None else "none",
         "accumulate": cfg.trainer.accumulate,
         "clip_grad_norm": cfg.trainer.clip_grad_norm,
         "parameters": built.parameters,

@@ -148,7 +148,7 @@ class StepHistory:
     `flush` copies the rows written since the last one to the host without waiting.
     """
 
-    WIDTH = 4  # loss, scale, skipped, floor hit
+    WIDTH = 5  # loss, scale, skipped, floor hit, learning rate (a device schedule's)
 
     def __init__(
         self,
@@ -165,16 +165,24 @@ class StepHistory:
         self._row_numbers = torch.arange(capacity, device=device)
         self._device_at: int | None = 0  # what `_position` holds, as far as the host knows
         self._captured = False  # whether a captured step writes into the ring
-        self._meta: list[tuple[int, float]] = []
+        self._meta: list[tuple[int, float | None]] = []
+        self._no_lr = torch.zeros(1, device=device)  # the column's value where the host knows it
         self._rows = DeviceRows(_in_column(0, reduce_loss) if reduce_loss else None)
 
-    def note(self, step: int, lr: float) -> None:
-        """The host's part of a step's row, before the step runs."""
+    def note(self, step: int, lr: float | None) -> None:
+        """The host's part of a step's row, before the step runs: its number, and its learning
+        rate where the host knows it (None: a device schedule's, which the row records)."""
         self._meta.append((step, lr))
 
-    def record(self, before_update: torch.Tensor, floor_hit: torch.Tensor) -> None:
+    def _parts(self, before_update, floor_hit, lr) -> tuple[torch.Tensor, ...]:
+        return before_update, floor_hit.reshape(1), self._no_lr if lr is None else lr.reshape(1)
+
+    def record(
+        self, before_update: torch.Tensor, floor_hit: torch.Tensor, lr: torch.Tensor | None = None
+    ) -> None:
         """Write the step's row: `before_update` is (loss, scale, skipped) stacked before the
-        scaler's update, `floor_hit` what the update decided. Eager: at the host's count."""
+        scaler's update, `floor_hit` what the update decided, `lr` the step's learning rate on
+        the device (None where the host noted it). Eager: at the host's count."""
         row = len(self._meta) - 1
         if row >= len(self._ring):
             if self._captured:  # a captured step writes into this ring: it must stay
@@ -185,12 +193,14 @@ class StepHistory:
             grown = self._ring.new_zeros((2 * len(self._ring), self.WIDTH))
             grown[: len(self._ring)] = self._ring
             self._ring = grown
-        torch.cat((before_update, floor_hit.reshape(1)), out=self._ring[row])
+        torch.cat(self._parts(before_update, floor_hit, lr), out=self._ring[row])
 
-    def record_captured(self, before_update: torch.Tensor, floor_hit: torch.Tensor) -> None:
+    def record_captured(
+        self, before_update: torch.Tensor, floor_hit: torch.Tensor, lr: torch.Tensor | None = None
+    ) -> None:
         """`record` for a step captured in a CUDA graph: at the position the device keeps."""
         self._captured = True
-        row = torch.cat((before_update, floor_hit.reshape(1))).unsqueeze(0)
+        row = torch.cat(self._parts(before_update, floor_hit, lr)).unsqueeze(0)
         # a select, not index_copy_: under deterministic algorithms indexing may take a path
         # that checks its index on the host, which a capture cannot hold
         here = (self._row_numbers == self._position).unsqueeze(1)
@@ -217,6 +227,6 @@ class StepHistory:
             self._rows.append_block(self._meta, self._ring[: len(self._meta)].clone())
             self._meta = []
         return [
-            StepRow(step, lr, loss, scale, skipped > 0, floor > 0)
-            for (step, lr), (loss, scale, skipped, floor) in self._rows.flush(wait)
+            StepRow(step, device_lr if lr is None else lr, loss, scale, skipped > 0, floor > 0)
+            for (step, lr), (loss, scale, skipped, floor, device_lr) in self._rows.flush(wait)
         ]

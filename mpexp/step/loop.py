@@ -36,6 +36,7 @@ from mpexp.step.flops import Throughput
 from mpexp.step.history import OwnRows, StepHistory, StepRow
 from mpexp.step.performance import Compilations, Speed
 from mpexp.step.rollback import BufferRollback
+from mpexp.step.schedules import DeviceSchedule, Schedule
 from mpexp.step.step_graph import WARMUP_STEPS, CudaGraph, StepGraph
 from mpexp.system import PeakMemory, synchronize
 from mpexp.tracking.tracker import Tracker
@@ -54,13 +55,15 @@ def train_step(
     clip_grad_norm: float | None = None,
     inspect=None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    schedule: Schedule | None = None,
 ):
     """One optimizer step; the same code for every precision, loss-scaling strategy and task.
 
     `loss_fn(output, targets)` is the task's loss (mpexp/tasks/), a batch mean. The batch is
     split into `accumulate` micro-batches, each scaled and back-propagated on its own; their
     losses are weighted by size so the gradients add up to the whole batch's. `inspect`, if given,
-    sees the gradients in true units before clipping (diagnostics).
+    sees the gradients in true units before clipping (diagnostics). A `schedule` on the device
+    counts the step unless it was skipped and sets the next step's rate.
 
     Gradients are unscaled before the step only when something reads them there (`inspect`,
     clipping, a calibrating scaler). Otherwise `scaler.step` unscales them: a fused optimizer
@@ -89,6 +92,8 @@ def train_step(
     if clip_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
     scaler.step(optimizer)  # skipped when the gradients (or the loss) are not finite
+    if schedule is not None:
+        schedule.after_step(scaler.found_inf())
     return total
 
 
@@ -117,6 +122,7 @@ class Stepper:
     clip_grad_norm: float | None = None
     graph: StepGraph | None = None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy  # the task's
+    schedule: Schedule | None = None
     # eager steps whose time is set-up, not training: compilation at the first, the CUDA graph's
     # warm-up and capture (timed with a synchronisation each, so few)
     setup_steps: int = 0
@@ -149,8 +155,9 @@ class Stepper:
         """The optimizer step, its history row and the scale update; a skipped step leaves the
         model's buffers (BatchNorm statistics) as they were. No host-device synchronisation: a
         GPU test runs this in CUDA's sync-debug error mode."""
-        # read first: a real step advances the schedule
-        self.history.note(step, self.optimizer.param_groups[0]["lr"])
+        # read first: a real step advances the schedule (a device schedule's rate: in the row)
+        on_device = isinstance(self.schedule, DeviceSchedule)
+        self.history.note(step, None if on_device else self.optimizer.param_groups[0]["lr"])
         inspect = self.diagnostics.inspector(step)
         timed = self.steps_taken < self.setup_steps
         compiled_s = self.compiles.seconds if self.compiles is not None else 0.0
@@ -226,6 +233,7 @@ class Stepper:
     def _device_work(self, inputs, targets, inspect, captured: bool = False) -> None:
         """Everything the step does on the device: the same kernels eager or replayed."""
         self.buffers.save()
+        lr = self.schedule.lr() if self.schedule is not None else None  # the rate it steps with
         loss = train_step(
             self.model,
             inputs,
@@ -237,6 +245,7 @@ class Stepper:
             self.clip_grad_norm,
             inspect=inspect,
             loss_fn=self.loss_fn,
+            schedule=self.schedule,
         )
         skipped = self.scaler.found_inf()
         self.buffers.restore_if(skipped)
@@ -244,7 +253,7 @@ class Stepper:
         before_update = torch.stack((loss, self.scaler.scale_tensor(), skipped))
         self.scaler.update()
         record = self.history.record_captured if captured else self.history.record
-        record(before_update, self.scaler.floor_hit())
+        record(before_update, self.scaler.floor_hit(), lr)
 
     def _captured_work(self, inputs, targets) -> None:
         self._device_work(inputs, targets, None, captured=True)
@@ -462,6 +471,7 @@ class Parts:
     # FLOPs per sample, counted once in the background from setup on, and the device's peak
     throughput: Future[Throughput]
     speed: Speed | None = None  # the speed switches decided at setup (None: all off)
+    schedule: Schedule | None = None  # the learning-rate schedule (None: a constant rate)
 
 
 class Fit:
@@ -509,6 +519,7 @@ class Fit:
             cfg.trainer.accumulate,
             cfg.trainer.clip_grad_norm,
             loss_fn=parts.data.task.loss,
+            schedule=parts.schedule,
         )
         # every compilation, in training and in validation: timed, and survived by the eager model
         self.compiles = Compilations()

@@ -22,6 +22,7 @@ from torch import nn
 
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError
+from mpexp.step.schedules import runs_on_device, schedule_factor
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,12 @@ def plan_speed(cfg: DictConfig, device: torch.device) -> Speed:
     return Speed(compile_on, t.compile_mode, channels_last, graph, fused, off)
 
 
+def schedule_on_device(cfg: DictConfig) -> bool:
+    """Whether the configured schedule (if any) can advance on the device (its factor takes a
+    tensor count); the optimizer's side is tried once it is built (mpexp.step.schedules)."""
+    return runs_on_device(schedule_factor(cfg.scheduler, total_steps=1))
+
+
 def declares_capturable(model: nn.Module) -> bool:
     """Whether the model says that its step is safe to capture as a CUDA graph: `capturable =
     True` on its own class, or on the instance (a builder function's model).
@@ -141,9 +148,12 @@ def _graph_blockers(cfg: DictConfig, fused) -> list[str]:
     reasons = []
     if t.strategy != "single":
         reasons.append(f"trainer.strategy={t.strategy} runs eagerly (one process per GPU)")
-    if cfg.scheduler.get("_target_") is not None:
+    if not schedule_on_device(cfg):
         # the schedule advances in a Python hook on each real step, which a replay never runs
-        reasons.append("a learning-rate schedule advances on the host; use scheduler=none")
+        reasons.append(
+            "the learning-rate schedule's factor takes no tensor, so it advances on the host; "
+            "write it with torch functions or use scheduler=none"
+        )
     if fused is False:
         reasons.append("optimizer.fused=false: an unfused step reads the overflow flag on the host")
     if t.compile is not False and t.compile_mode == "reduce-overhead":
@@ -177,8 +187,9 @@ def build_optimizer(
     no host read of the overflow flag; on the unfused path GradScaler reads it every step. The
     automatic choice stays unfused where that read is needed: under FSDP (overflow flags of
     sharded gradients are combined across ranks first, see mpexp.distributed) and with a learning
-    rate schedule where training goes on past a skipped step (loss scaling, or
-    trainer.on_nonfinite_loss=skip: the schedule advances only on steps really taken).
+    rate schedule that can only advance on the host where training goes on past a skipped step
+    (loss scaling, or trainer.on_nonfinite_loss=skip: the schedule counts only steps really
+    taken). A schedule on the device (mpexp.step.schedules) keeps the fused step.
     A step captured as a CUDA graph takes the fused optimizer, capturable: its step count and
     learning-rate arithmetic stay on the device.
     """
@@ -189,7 +200,8 @@ def build_optimizer(
         if "capturable" in inspect.signature(target).parameters:
             extra["capturable"] = True
     if fused is None:
-        scheduled = cfg.scheduler.get("_target_") is not None and scaler.continues_after_skip()
+        # a schedule on the host must see each skipped step: unfused, GradScaler skips on the host
+        scheduled = not schedule_on_device(cfg) and scaler.continues_after_skip()
         fused = device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
         if device.type == "cuda" and not fused:
             log.info("Unfused optimizer: GradScaler reads the overflow flag on the host per step.")
@@ -310,6 +322,19 @@ def describe(optimizer, speed: Speed) -> dict:
         "cuda_graph_off": speed.graph_off,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
     }
+
+
+def step_path(ran: dict) -> str:
+    """How the training step ran, in words the sweep report compares across precisions: two
+    legs whose paths differ are timing the harness as much as the precision."""
+    parts = [
+        "fused" if ran.get("fused_optimizer") else "unfused",
+        "compiled" if ran.get("compile") else "eager",
+        "captured" if ran.get("cuda_graph") else "not captured",
+    ]
+    if ran.get("schedule", "none") != "none":
+        parts.append(f"schedule on the {ran['schedule']}")
+    return ", ".join(parts)
 
 
 def describe_step(speed: Speed) -> str:

@@ -1,23 +1,30 @@
 """Learning-rate schedules that advance only on optimizer steps that really happened.
 
-Why a step post-hook, not `scheduler.step()` in the loop: under loss scaling, a step whose gradients
-overflow is skipped, and it must not advance the schedule. The decision is GradScaler's: for the
-usual (non-fused) optimizers, `GradScaler.step` reads the overflow flag on the host itself and
-calls `optimizer.step()` only when it is clear. So "the optimizer really stepped" is exactly
-"optimizer.step() ran", and a post-hook on it advances the schedule with no extra synchronisation
-and no guessing. The alternative, a schedule driven by a device-side count of real steps, would
-need the learning rate as a device tensor inside the optimizer, which only the fused and capturable
-optimizer variants accept (and those differ between torch versions).
+A step whose gradients overflow under loss scaling is skipped, and it must not advance the
+schedule. Two ways to keep that promise, decided once at setup (`build_schedule`):
 
-Fused optimizers under loss scaling (or with trainer.on_nonfinite_loss=skip) are the exception:
-they skip on the device inside `optimizer.step()`, so the hook would count skipped steps too. That
-pairing is refused. Without either, a skipped step (non-finite gradients) stops the run at the
-next flush, so the schedule's count past it never matters.
+- **On the device** (`DeviceSchedule`, wherever the optimizer takes its learning rate as a
+  tensor: fused and capturable optimizers): a count of the steps really taken lives on the
+  device and grows by one minus the step's skip flag; after each step the next step's learning
+  rate is computed from it there, into the tensor the optimizer reads. No host read, nothing in Python
+  between steps, so the step stays fused, sync-free and capturable as a CUDA graph whatever the
+  precision: fp16 with loss scaling and a schedule runs the same step path as bf16.
+- **On the host** (`HostSchedule`, a LambdaLR advanced by a post-hook on `optimizer.step()`):
+  for optimizers that take only a float. Unfused optimizers call `optimizer.step()` only when
+  GradScaler's host read of the overflow flag says the step is real, so the hook counts real
+  steps exactly; fused ones under loss scaling skip inside the kernel, which the hook cannot
+  see, so that pairing is refused there.
+
+A schedule is a function of the config's keys (and of `total_steps`, if it takes it) that returns
+the learning-rate factor for a number of real steps. Written with operators and `torch` functions
+that take a 0-d tensor as well as an int, it runs on the device; a factor that only takes ints
+keeps the host schedule.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,20 +37,27 @@ from mpexp.config import to_dict
 from mpexp.errors import ConfigError
 from mpexp.precision.scaling import LossScaler
 
+log = logging.getLogger(__name__)
 
-def cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+Factor = Callable[[Any], Any]  # real steps taken (an int or a 0-d tensor) -> learning-rate factor
+
+
+def cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Factor:
     """Linear warm-up to the base rate, then half a cosine down to min_lr_ratio x base."""
+    span = max(1, total_steps - warmup_steps)
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    def factor(step):
+        if not isinstance(step, torch.Tensor):
+            return factor(torch.tensor(step)).item()
+        warm = (step + 1) / max(1, warmup_steps)
+        progress = ((step - warmup_steps) / span).clamp(0.0, 1.0)
+        decayed = min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + torch.cos(math.pi * progress))
+        return torch.where(step < warmup_steps, warm, decayed)
 
     return factor
 
 
-def step_decay(step_size: int, gamma: float) -> Callable[[int], float]:
+def step_decay(step_size: int, gamma: float) -> Factor:
     """Multiply the rate by gamma every step_size real steps."""
     return lambda step: gamma ** (step // step_size)
 
@@ -54,31 +68,144 @@ def spans_run(target: str | None) -> bool:
     return target is not None and "total_steps" in inspect.signature(get_object(target)).parameters
 
 
-def build_schedule(
-    cfg: Mapping[str, Any],
-    optimizer: torch.optim.Optimizer,
-    scaler: LossScaler,
-    total_steps: int,
-) -> LambdaLR | None:
-    """Attach the `scheduler` config's schedule to the optimizer (None without one).
-
-    `_target_` is a function of the config's other keys (and of `total_steps`, if it takes it)
-    that returns the learning-rate factor for each real optimizer step.
-    """
+def schedule_factor(cfg: Mapping[str, Any], total_steps: int) -> Factor | None:
+    """The `scheduler` config's factor function (None without a schedule)."""
     target = cfg.get("_target_")
     if target is None:
         return None
     settings = {k: v for k, v in to_dict(cfg).items() if k != "_target_"}
     if spans_run(target):
         settings["total_steps"] = total_steps
-    factor = get_object(target)(**settings)
+    return get_object(target)(**settings)
+
+
+def runs_on_device(factor: Factor | None) -> bool:
+    """Whether a schedule's factor can be computed from a device tensor of the step count (no
+    schedule at all: nothing to compute, so yes)."""
+    if factor is None:
+        return True
+    try:
+        value = factor(torch.zeros((), dtype=torch.long))
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return isinstance(value, torch.Tensor) and value.numel() == 1
+
+
+def takes_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this optimizer, as configured, steps with a tensor learning rate: tried once on a
+    one-element parameter of the first parameter's device and dtype (torch's support differs by
+    optimizer, implementation and version, and says so only by raising)."""
+    first = optimizer.param_groups[0]["params"][0]
+    param = torch.zeros(1, device=first.device, dtype=first.dtype, requires_grad=True)
+    param.grad = torch.zeros_like(param)
+    settings = {**optimizer.defaults, "lr": torch.tensor(1e-3, device=first.device)}
+    try:
+        type(optimizer)([param], **settings).step()
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+class DeviceSchedule:
+    """The learning rate as a device tensor per parameter group, computed each step from a
+    device count of the steps really taken (see the module's docstring)."""
+
+    where = "device"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: Factor | None):
+        self.optimizer, self.factor = optimizer, factor
+        device = optimizer.param_groups[0]["params"][0].device
+        groups = optimizer.param_groups
+        self.base = torch.tensor([float(g["lr"]) for g in groups], device=device)
+        self.lrs = self.base.clone()  # what the optimizer reads: one element per group
+        self.real_steps = torch.zeros((), dtype=torch.long, device=device)
+        self._bind()
+        self._set()
+
+    def _bind(self) -> None:
+        # views into one tensor: one kernel sets every group's rate
+        for i, group in enumerate(self.optimizer.param_groups):
+            group["lr"] = self.lrs[i]
+
+    def _set(self) -> None:
+        """The next step's rates, from the real steps taken so far (device work only)."""
+        if self.factor is not None:
+            torch.mul(self.base, self.factor(self.real_steps), out=self.lrs)
+
+    def after_step(self, skipped: torch.Tensor) -> None:
+        """Count the step unless it was skipped, and set the next one's rate (device work)."""
+        self.real_steps.add_((skipped == 0).long())
+        self._set()
+
+    def lr(self) -> torch.Tensor:
+        """The first group's rate for the coming step, on the device: a copy, which the step
+        then changes (the history's `lr`)."""
+        return self.lrs[0].clone()
+
+    def state_dict(self) -> dict:
+        return {"real_steps": int(self.real_steps)}  # read at a checkpoint, not per step
+
+    def load_state_dict(self, state: dict) -> None:
+        # a checkpoint of a host schedule (LambdaLR) counts its real steps as last_epoch
+        steps = state["real_steps"] if "real_steps" in state else state["last_epoch"]
+        self.real_steps.fill_(steps)
+        self._bind()  # the optimizer's load_state_dict put the saved rates in their place
+        self._set()
+
+
+class HostSchedule(LambdaLR):
+    """The schedule for optimizers that take only a float rate: advanced on the host by a
+    post-hook on each `optimizer.step()` that runs (see the module's docstring)."""
+
+    where = "host"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: Factor):
+        super().__init__(optimizer, factor)
+        optimizer.register_step_post_hook(lambda *_: self.step())
+
+    def after_step(self, skipped: torch.Tensor) -> None:
+        pass  # the post-hook has advanced it if the step ran
+
+    def lr(self) -> None:
+        return None  # the host knows it: the history notes it before the step
+
+    def load_state_dict(self, state: dict) -> None:
+        if "real_steps" in state:  # a checkpoint of a device schedule
+            state = {**self.state_dict(), "last_epoch": state["real_steps"]}
+        super().load_state_dict(state)
+
+
+Schedule = DeviceSchedule | HostSchedule
+
+
+def build_schedule(
+    cfg: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer,
+    scaler: LossScaler,
+    total_steps: int,
+) -> Schedule | None:
+    """Attach the `scheduler` config's schedule to the optimizer: on the device where the
+    optimizer takes a tensor rate and the factor a tensor count, on the host otherwise (None
+    without a schedule)."""
+    factor = schedule_factor(cfg, total_steps)
+    if factor is None:
+        return None
+    if runs_on_device(factor) and takes_tensor_lr(optimizer):
+        return DeviceSchedule(optimizer, factor)
+    name = cfg["_target_"].rpartition(".")[2]
     if getattr(optimizer, "_step_supports_amp_scaling", False) and scaler.continues_after_skip():
-        name = target.rpartition(".")[2]
         raise ConfigError(
             f"The {name} schedule with a fused optimizer under loss scaling: the fused step skips "
-            "overflowing steps on the device, so the schedule cannot tell skipped steps from real "
-            "ones without a host read every step. Drop optimizer.fused or use scheduler=none."
+            "overflowing steps on the device, and this schedule or optimizer cannot follow them "
+            "there (its factor needs an int, or the optimizer a float rate), so it could not tell "
+            "skipped steps from real ones without a host read every step. Drop optimizer.fused "
+            "or use scheduler=none."
         )
-    schedule = LambdaLR(optimizer, factor)
-    optimizer.register_step_post_hook(lambda *_: schedule.step())
-    return schedule
+    log.info(
+        "The %s schedule advances on the host: %s.",
+        name,
+        "its factor takes no tensor"
+        if not runs_on_device(factor)
+        else f"{type(optimizer).__name__} as configured takes no tensor learning rate",
+    )
+    return HostSchedule(optimizer, factor)
