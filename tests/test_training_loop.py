@@ -4,7 +4,6 @@ unscale, and modules kept out of autocast."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 

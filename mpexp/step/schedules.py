@@ -5,9 +5,9 @@ schedule. Two ways to keep that promise, decided once at setup (`build_schedule`
 
 - **On the device** (`DeviceSchedule`, wherever the optimizer takes its learning rate as a
   tensor: fused and capturable optimizers): a count of the steps really taken lives on the
-  device and grows by one minus the step's skip flag; after each step the next step's learning
-  rate is computed from it there, into the tensor the optimizer reads. No host read, nothing in Python
-  between steps, so the step stays fused, sync-free and capturable as a CUDA graph whatever the
+  device and grows by one minus the step's skip flag; after each step the next step's
+  learning rate is computed from it there, into the tensor the optimizer reads. No host read,
+  nothing in Python between steps, so the step stays fused, sync-free and capturable as a CUDA graph whatever the
   precision: fp16 with loss scaling and a schedule runs the same step path as bf16.
 - **On the host** (`HostSchedule`, a LambdaLR advanced by a post-hook on `optimizer.step()`):
   for optimizers that take only a float. Unfused optimizers call `optimizer.step()` only when
