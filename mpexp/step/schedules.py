@@ -7,8 +7,8 @@ schedule. Two ways to keep that promise, decided once at setup (`build_schedule`
   tensor: fused and capturable optimizers): a count of the steps really taken lives on the
   device and grows by one minus the step's skip flag; after each step the next step's
   learning rate is computed from it there, into the tensor the optimizer reads. No host read,
-  nothing in Python between steps, so the step stays fused, sync-free and capturable as a CUDA graph whatever the
-  precision: fp16 with loss scaling and a schedule runs the same step path as bf16.
+  nothing in Python between steps, so the step stays fused, sync-free and capturable as a CUDA
+  graph whatever the precision: fp16 with loss scaling and a schedule runs bf16's step path.
 - **On the host** (`HostSchedule`, a LambdaLR advanced by a post-hook on `optimizer.step()`):
   for optimizers that take only a float. Unfused optimizers call `optimizer.step()` only when
   GradScaler's host read of the overflow flag says the step is real, so the hook counts real
