@@ -41,6 +41,8 @@ STRATEGIES = ("single", "ddp", "fsdp")
 EPOCH_REDUCTIONS: dict[str, Callable] = {
     "perf/epoch_time_s": max,
     "perf/samples_per_s": sum,
+    "perf/data_wait_s": max,  # the slowest rank's data holds every rank back
+    "perf/data_wait_share": max,
     "mem/peak_allocated_mib": max,
     "mem/peak_rss_mib": max,
 }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 
 import pytest
 import torch
@@ -23,6 +25,8 @@ EPOCH_KEYS = {
     "val/acc",
     "perf/epoch_time_s",
     "perf/samples_per_s",
+    "perf/data_wait_s",
+    "perf/data_wait_share",
     "mem/peak_rss_mib",
 }
 
@@ -106,6 +110,35 @@ def test_samples_per_second_counts_the_last_partial_batch(tmp_path):
     steps, (epoch,) = read_metrics(tmp_path)
     assert len(steps) == 16  # 15 batches of 64 and one of 40
     assert epoch["perf/samples_per_s"] * epoch["perf/epoch_time_s"] == pytest.approx(1000)
+
+
+class SlowData(SyntheticData):
+    """Synthetic data whose every training batch takes 250 ms to arrive: a starved step."""
+
+    def train_batches(self, *args, **kwargs):
+        for batch in super().train_batches(*args, **kwargs):
+            time.sleep(0.25)
+            yield batch
+
+
+def test_a_run_that_waits_on_its_data_says_so_once(tmp_path, caplog):
+    cfg = make_cfg(
+        *TINY,
+        "dataset._target_=tests.test_training.SlowData",
+        "dataset.train_size=128",
+        "trainer.epochs=3",
+    )
+    with caplog.at_level(logging.WARNING, logger="mpexp"):
+        train(cfg, RunContext(tmp_path))
+    _, epochs = read_metrics(tmp_path)
+    for epoch in epochs:  # 2 batches of 250 ms each
+        assert 0.5 <= epoch["perf/data_wait_s"] < epoch["perf/epoch_time_s"]
+        assert epoch["perf/data_wait_share"] == pytest.approx(
+            epoch["perf/data_wait_s"] / epoch["perf/epoch_time_s"]
+        )
+    starved = [r.message for r in caplog.records if "for data" in r.message]
+    assert len(starved) == 1, starved  # once a run, from the second epoch on
+    assert starved[0].startswith("Epoch 2 waited") and "dataset.num_workers" in starved[0]
 
 
 class HostTensors(TorchDispatchMode):

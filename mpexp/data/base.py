@@ -130,6 +130,14 @@ class TrainingData(ABC):
         """Warn about values that will spoil training (non-finite inputs); `name` is the
         dataset's option, for the message. Called once, on the main rank."""
 
+    def faster_data_hint(self) -> str:
+        """What to change when the step waits on this data (said once a run, see
+        mpexp.step.loop.STARVED_SHARE)."""
+        return (
+            "Give the loader more workers (dataset.num_workers) where the dataset has them, "
+            "or keep the data on the device (dataset.loader=device)."
+        )
+
     def record(self) -> dict:
         """What the run records about the data beyond its config (`ran.data`), e.g. an image
         folder's classes; asked before training and again at its end."""

@@ -15,7 +15,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -458,6 +458,30 @@ class StepLog:
         )
 
 
+# the share of an epoch spent waiting for batches past which a run is warned (perf/data_wait_share)
+STARVED_SHARE = 0.1
+
+
+class WaitClock:
+    """The batches of an epoch, with the host time spent waiting for each one added up: time
+    the step could not run for lack of data (on a GPU the device may still be busy with queued
+    steps meanwhile, so this bounds its own wait from above)."""
+
+    def __init__(self, batches: Iterator[Batch]):
+        self._batches = iter(batches)
+        self.seconds = 0.0
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        began = time.perf_counter()
+        try:
+            return next(self._batches)
+        finally:
+            self.seconds += time.perf_counter() - began
+
+
 @dataclass
 class Parts:
     """What the loop trains: built once by mpexp.train, never re-decided here."""
@@ -534,6 +558,7 @@ class Fit:
         self.row: dict | None = None  # the last epoch's metrics
         self.resumed_time = 0.0  # time the epoch in progress had taken before a checkpoint
         self.compile_failed = False
+        self.warned_starved = False  # the data-wait warning is given once a run
 
     def restore(self, resume: Resume) -> None:
         """Continue from a checkpoint: weights, optimizer, scaler, schedule, RNGs and the log."""
@@ -598,7 +623,8 @@ class Fit:
         setup_before, timed_before = self.stepper.setup_s, self.stepper.timed_steps
         static = self.stepper.graph is not None  # a captured step reads its batch in place
         batches = data.train_batches(epoch, self.trainer.seed, self.device, static, start=done)
-        for batch, (inputs, targets) in enumerate(batches, start=done + 1):
+        waiting = WaitClock(batches)
+        for batch, (inputs, targets) in enumerate(waiting, start=done + 1):
             step += 1
             self.tracker.step = step  # where the user's own mpexp.log() calls log
             self.stepper.step(step, inputs, targets)
@@ -624,7 +650,7 @@ class Fit:
         bar.close()
         self.position = Position(epoch + 1, 0, step)
         timed = self.stepper.timed_steps - timed_before
-        return self._epoch_row(epoch, step, epoch_time, (timed, setup))
+        return self._epoch_row(epoch, step, epoch_time, (timed, setup), waiting.seconds)
 
     def speed_ran(self) -> dict:
         """The speed switches as they took effect: a model that could not be compiled, or a
@@ -679,9 +705,15 @@ class Fit:
         return metrics, compiling
 
     def _epoch_row(
-        self, epoch: int, step: int, epoch_time: float, setup: tuple[int, float] = (0, 0.0)
+        self,
+        epoch: int,
+        step: int,
+        epoch_time: float,
+        setup: tuple[int, float] = (0, 0.0),
+        data_wait: float = 0.0,
     ) -> dict:
-        """`setup`: the set-up steps in this epoch and their time, both left out of its speed."""
+        """`setup`: the set-up steps in this epoch and their time, both left out of its speed;
+        `data_wait`: the seconds the loop waited for its batches."""
         p = self.parts
         task = p.data.task
         metrics, val_compile_s = self._validate()
@@ -695,6 +727,8 @@ class Fit:
             "perf/samples_per_s": (p.data.samples_per_epoch() - setup[0] * p.data.batch_size)
             / epoch_time,
             self.memory.key: self.memory.read_mib(),
+            "perf/data_wait_s": data_wait,
+            "perf/data_wait_share": min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
         }
         if setup[0] or setup[1] or val_compile_s:
             row["perf/compile_s"] = setup[1] + val_compile_s
@@ -703,6 +737,7 @@ class Fit:
         row.update(task.throughput(row["perf/samples_per_s"]))
         row.update(p.throughput.result().metrics(row["perf/samples_per_s"]))
         self.tracker.log(row)
+        self._warn_if_starved(row)
         steps = len(self.steps.losses)
         if steps and self.steps.epoch_skipped == steps:
             log.warning(
@@ -726,6 +761,25 @@ class Fit:
             self.steps.skipped,
         )
         return row
+
+    def _warn_if_starved(self, row: dict) -> None:
+        """Once a run, when the step waited on its data for more than a tenth of an epoch's
+        time: a precision comparison would then time the data path. The first epoch is left
+        out unless it is the last (workers starting, files first read)."""
+        share = row["perf/data_wait_share"]
+        first = row["epoch"] == 1 and self.trainer.epochs > 1
+        if self.warned_starved or first or share <= STARVED_SHARE or not self.world.is_main:
+            return
+        self.warned_starved = True
+        log.warning(
+            "Epoch %d waited %.2f s of its %.2f s (%.0f %%) for data: the step outruns its "
+            "data, so its speed is the data path's, not the precision's. %s",
+            row["epoch"],
+            row["perf/data_wait_s"],
+            row["perf/epoch_time_s"],
+            100 * share,
+            self.parts.data.faster_data_hint(),
+        )
 
     def _flush(self, wait: bool = False) -> None:
         """Read back what the device has gathered (all of it with wait=True: one sync)."""

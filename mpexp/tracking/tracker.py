@@ -7,7 +7,8 @@ Metric names are a contract read by dashboards and the report:
   per epoch  epoch, train/epoch_loss, val/loss, val/acc, perf/epoch_time_s, perf/samples_per_s
              (samples actually trained on: a last partial batch counts its size), perf/tflops,
              mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU); perf/mfu where the device's
-             peak is known (mpexp/step/flops.py)
+             peak is known (mpexp/step/flops.py); perf/data_wait_s and perf/data_wait_share (the
+             time the loop waited for its batches, and that over the epoch's time)
   diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/step/diagnostics.py); they
              share `step` with the step rows, so readers tell rows apart by their other keys
   summary    the final epoch's metrics, amp/skipped_steps, and under `ran` what ran, with
