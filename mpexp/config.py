@@ -105,6 +105,7 @@ class TrainerConfig:
     resume: Optional[str] = None
     accumulate: int = 1
     clip_grad_norm: Optional[float] = None
+    z_loss: float = 0.0  # a language model's auxiliary loss on its logits' log-normaliser
     on_nonfinite_loss: NonfiniteLoss = NonfiniteLoss["raise"]
     peak_tflops: Optional[float] = None  # null: from mpexp.step.flops.PEAK_TFLOPS by GPU name
 
@@ -279,6 +280,8 @@ class GPTConfig(ModelConfig):
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    bias: bool = True  # false: no bias in any Linear or LayerNorm
+    qk_norm: bool = False  # normalise each head's queries and keys before their product
 
 
 # --- precision -----------------------------------------------------------------------------------

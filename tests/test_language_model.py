@@ -401,11 +401,11 @@ def test_attention_logits_are_measured_on_the_diagnostics_steps(tmp_path):
     train(cfg, RunContext(tmp_path / "run"))
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
     rows = [json.loads(line) for line in metrics.splitlines()]
-    logits = [r for r in rows if "diag/total/attn_logit_absmax" in r]
+    logits = [r for r in rows if "diag/total/attn_logit_max" in r]
     assert [r["step"] for r in logits] == [8, 16]
     for row in logits:
-        layers = [row[f"diag/blocks.{i}.attn/attn_logit_absmax"] for i in (0, 1)]
-        assert row["diag/total/attn_logit_absmax"] == max(layers) > 0
+        layers = [row[f"diag/blocks.{i}.attn/attn_logit_max"] for i in (0, 1)]
+        assert row["diag/total/attn_logit_max"] == max(layers) > 0
     grads = [r for r in rows if "diag/blocks.0.attn.qkv/underflow" in r]
     assert [r["step"] for r in grads] == [8, 16]  # the fp16 statistics of its projections
 

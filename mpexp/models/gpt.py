@@ -9,10 +9,17 @@ Its matrix products are nn.Linear layers whose sizes are multiples of 16 when `n
 presets' are), so `precision=fp8` converts every one of them; the tied output product is no
 Linear layer and stays in bf16, as language models usually keep their head.
 
-Each attention layer can measure the range of its attention logits (q.k / sqrt(head width)) on the
-steps the diagnostics ask it to: the place where fp16 overflows first in a transformer. It does so
-only when `measure_logits` is set, in float32 from the step's own q and k (mpexp/step/diagnostics.py
-sets and reads it).
+Three switches that language-model precision studies ablate: `qk_norm` normalises each head's
+queries and keys (a LayerNorm over the head's width) before their product, which bounds the
+attention logits' growth; `bias=false` drops the biases of every Linear and LayerNorm, as recent
+GPTs do; and the task's z-loss (`trainer.z_loss`, mpexp/tasks/language_model.py) keeps the output
+logits' normaliser near 1.
+
+Each attention layer can measure its largest attention logit (|q.k| / sqrt(head width)) when
+`measure_logits` is set, in float32 from its own q and k (mpexp/step/diagnostics.py sets it for an
+extra forward pass of its own and reads `logit_absmax`). That measures the logits' growth, which
+unchecked collapses attention onto single positions; it is no fp16 overflow site, since fused
+attention kernels accumulate q.k in float32.
 """
 
 from __future__ import annotations
@@ -31,13 +38,16 @@ INIT_STD = 0.02  # GPT-2's initialisation of weights and embeddings
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which a position sees itself and the positions before it."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, qk_norm: bool):
         super().__init__()
         self.n_head = n_head
         self.dropout = dropout
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
+        head = n_embd // n_head
+        self.q_norm = nn.LayerNorm(head, bias=bias) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(head, bias=bias) if qk_norm else nn.Identity()
         self.measure_logits = False  # set by the diagnostics for the steps they inspect
         self.logit_absmax: torch.Tensor | None = None  # that step's largest |logit|, on device
 
@@ -46,7 +56,8 @@ class CausalSelfAttention(nn.Module):
         # (n, length, 3 * width) -> q, k, v, each (n, heads, length, width / heads)
         qkv = self.qkv(x).view(n, length, 3, self.n_head, width // self.n_head)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        if self.measure_logits:  # the largest over the step's micro-batches
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.measure_logits:  # the diagnostics' own forward pass, never a compiled one
             value = causal_logit_absmax(q, k)
             before = self.logit_absmax
             self.logit_absmax = value if before is None else torch.maximum(before, value)
@@ -75,15 +86,15 @@ def causal_logit_absmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 class Block(nn.Module):
     """x + attention(LayerNorm(x)), then x + MLP(LayerNorm(x))."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, qk_norm: bool):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
-        self.ln_2 = nn.LayerNorm(n_embd)
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias, qk_norm)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = nn.Sequential(
-            nn.Linear(n_embd, 4 * n_embd),
+            nn.Linear(n_embd, 4 * n_embd, bias=bias),
             nn.GELU(),
-            nn.Linear(4 * n_embd, n_embd),
+            nn.Linear(4 * n_embd, n_embd, bias=bias),
             nn.Dropout(dropout),
         )
 
@@ -108,6 +119,8 @@ class GPT(nn.Module):
         n_head: int = 4,
         n_embd: int = 64,
         dropout: float = 0.0,
+        bias: bool = True,
+        qk_norm: bool = False,
     ):
         super().__init__()
         for key, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
@@ -125,15 +138,17 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
+        self.blocks = nn.ModuleList(
+            Block(n_embd, n_head, dropout, bias, qk_norm) for _ in range(n_layer)
+        )
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self._init_weights(n_layer)
 
     def _init_weights(self, n_layer: int) -> None:
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, std=INIT_STD)
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
         # the layers that write into the residual stream: their outputs add up over 2 x n_layer
         # branches, so GPT-2 scales their initial weights down to keep the stream's variance

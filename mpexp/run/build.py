@@ -5,7 +5,7 @@ background, the optimizer, the schedule and the compiled forward pass (`build_tr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 from hydra.utils import get_object
@@ -55,6 +55,22 @@ def build_model(node: DictConfig, task: Task, what: str) -> torch.nn.Module:
     return model
 
 
+def with_objective(task: Task, trainer: DictConfig) -> Task:
+    """The task with the training objective's own terms (`trainer.z_loss`), which only a task
+    that has them takes."""
+    if not trainer.z_loss:
+        return task
+    if "z_loss" not in {f.name for f in fields(task)}:
+        raise ConfigError(
+            f"trainer.z_loss={trainer.z_loss} applies to language models (a loss on the "
+            f"log-normaliser of their output logits); this run's task is {task.name}. Drop it "
+            "or train model=gpt on dataset=text."
+        )
+    if trainer.z_loss < 0:
+        raise ConfigError(f"trainer.z_loss={trainer.z_loss} must be 0 or more, e.g. 1e-4.")
+    return replace(task, z_loss=trainer.z_loss)
+
+
 @dataclass
 class Built:
     """The parts a config built before training, and the facts about them a run records."""
@@ -79,7 +95,7 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
 
     speed = performance.plan_speed(cfg, device)
     data: TrainingData = build(cfg.dataset)
-    task = data.setup(device, speed.memory_format())
+    task = data.task = with_objective(data.setup(device, speed.memory_format()), cfg.trainer)
     dataset = f"dataset={choices.get('dataset') or cfg.dataset._target_}"
     declared = getattr(data, "task_type", None)
     if declared is not None and not isinstance(task, declared):

@@ -28,13 +28,17 @@
   non-zero overflow fraction means a non-finite tensor. The weights are what torchao casts to
   e4m3; the weight gradients are not cast by torchao (the gradients flowing between layers are),
   so theirs say how much of their range each format would keep.
-- Attention logits (the same `diagnostics.grad_stats_every=N`, on models whose attention layers
-  can measure them, such as model=gpt): every N steps, per attention layer and over all of them
-  (`total`), the largest |q.k| / sqrt(head width) of the step's forward pass, in float32. fp16
-  holds at most 65504: in a transformer the attention logits are where it overflows first, as
-  they grow with the weights' norms during training. A layer offers this by an attribute
-  `measure_logits`, which the diagnostics set for the steps they inspect, and
-  `logit_absmax`, the 0-d tensor that forward pass left there.
+- Attention-logit growth (the same `diagnostics.grad_stats_every=N`, on models whose attention
+  layers can measure it, such as model=gpt): every N steps, per attention layer and over all of
+  them (`total`), the largest |q.k| / sqrt(head width) on the step's batch, in float32
+  (`attn_logit_max`). Logits that keep growing with the weights' norms collapse attention onto
+  single positions and precede loss spikes; `model.qk_norm=true` bounds them. They are no fp16
+  overflow site: fused attention kernels accumulate q.k in float32. The measurement is an extra
+  forward pass of its own, eager, without gradients and in eval mode, before the step: the
+  (compiled) training forward never changes, so a diagnostics step compiles nothing, and no
+  dropout draw moves the run's random stream. A layer offers it by an attribute
+  `measure_logits`, which the diagnostics set for that pass, and `logit_absmax`, the 0-d tensor
+  the pass leaves there.
 - Overflow attribution (`diagnostics.overflow_attribution=true`): the names of the parameters whose
   gradients were not finite, on each step where any was (a skipped step, under loss scaling).
 - The loss-scale floor of dynamic and hysteresis scaling, checked here because it is read back the
@@ -48,6 +52,7 @@ of the whole gradients, as in a single process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -234,7 +239,9 @@ class Diagnostics:
         self.fp8_recipe = fp8.recipe if fp8 else None
         self._fp8 = DeviceRows()
 
-        # attention layers that can measure their logits' range on the steps inspected
+        # attention layers that can measure their logits' growth on the steps inspected
+        self.root = root
+        self.precision = precision
         self.attention = [(n, m) for n, m in root.named_modules() if hasattr(m, "measure_logits")]
         self._logits = DeviceRows()
 
@@ -243,9 +250,27 @@ class Diagnostics:
         stats = self.every > 0 and step % self.every == 0
         if not (stats or self.attribute):
             return None
-        for _, layer in self.attention:  # this step's forward pass measures its logits
-            layer.measure_logits = stats
         return partial(self._inspect, step, stats)
+
+    @torch.no_grad()
+    def measure_attention(self, step: int, inputs: torch.Tensor) -> None:
+        """On a statistics step, before it: the attention layers' largest logits on its batch,
+        from a forward pass of the plain model of its own (see the module's docstring)."""
+        if not (self.attention and self.every > 0 and step % self.every == 0):
+            return
+        for _, layer in self.attention:
+            layer.measure_logits = True
+        training = self.root.training
+        self.root.eval()
+        autocast = self.precision.autocast() if self.precision else contextlib.nullcontext()
+        try:
+            with autocast:
+                self.root(inputs)
+        finally:
+            self.root.train(training)
+            for _, layer in self.attention:
+                layer.measure_logits = False
+        self._logits.append(step, self._logit_absmax())
 
     def _inspect(self, step: int, stats: bool) -> None:
         grads = [
@@ -254,8 +279,6 @@ class Diagnostics:
         ]
         if self.attribute:
             self._flags = self._nonfinite(grads)
-        if stats and self.attention:
-            self._logits.append(step, self._logit_absmax())
         if stats and self.fp8_layers:
             self._fp8.append(step, self._fp8_counts())
         elif stats:
@@ -268,10 +291,9 @@ class Diagnostics:
             self._stats.append(step, per_layer.flatten())
 
     def _logit_absmax(self) -> torch.Tensor:
-        """Each attention layer's largest |logit| of this step, and the layers' switch off."""
+        """Each attention layer's largest |logit| of the measuring pass."""
         values = []
         for _, layer in self.attention:
-            layer.measure_logits = False
             values.append(layer.logit_absmax.float())
             layer.logit_absmax = None
         return torch.stack(values)
@@ -308,8 +330,8 @@ class Diagnostics:
             self.tracker.log(self._fp8_row(step, counts))
         for step, values in self._logits.flush(wait):
             names = [name for name, _ in self.attention]
-            row = {f"diag/{n}/attn_logit_absmax": v for n, v in zip(names, values, strict=True)}
-            self.tracker.log({"step": step, **row, "diag/total/attn_logit_absmax": max(values)})
+            row = {f"diag/{n}/attn_logit_max": v for n, v in zip(names, values, strict=True)}
+            self.tracker.log({"step": step, **row, "diag/total/attn_logit_max": max(values)})
 
     def _attribute(self, step: int, flags: list[float]) -> None:
         names = [name for (name, _), bad in zip(self.params, flags, strict=True) if bad]

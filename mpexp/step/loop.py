@@ -159,6 +159,8 @@ class Stepper:
         on_device = isinstance(self.schedule, DeviceSchedule)
         self.history.note(step, None if on_device else self.optimizer.param_groups[0]["lr"])
         inspect = self.diagnostics.inspector(step)
+        if inspect is not None:
+            self.diagnostics.measure_attention(step, inputs)
         timed = self.steps_taken < self.setup_steps
         compiled_s = self.compiles.seconds if self.compiles is not None else 0.0
         if timed:
