@@ -81,9 +81,19 @@ NonfiniteLoss = Choice("NonfiniteLoss", {"raise": "raise", "skip": "skip"})
 FloorPolicy = Choice("FloorPolicy", {"raise": "raise", "continue": "continue"})
 
 
+def run_length(trainer, steps_per_epoch: int) -> tuple[int, int]:
+    """The run's last epoch and its optimizer steps in all, from `trainer.epochs` or
+    `trainer.max_steps` (the run then stops at that step, mid-epoch if need be)."""
+    if trainer.max_steps is None:
+        return trainer.epochs, trainer.epochs * steps_per_epoch
+    return -(-trainer.max_steps // steps_per_epoch), trainer.max_steps
+
+
 @dataclass
 class TrainerConfig:
-    epochs: int = 10
+    epochs: Optional[int] = 10  # null with max_steps: as many as it takes
+    max_steps: Optional[int] = None  # optimizer steps in all, instead of whole epochs
+    eval_every_steps: Optional[int] = None  # null: validate (and checkpoint) at each epoch's end
     device: Device = Device.auto
     seed: int = 42
     log_every: int = 50

@@ -64,6 +64,8 @@ RESUMABLE_KEYS = frozenset(
         "dataset.cache_dir",
         "trainer.resume",
         "trainer.epochs",
+        "trainer.max_steps",
+        "trainer.eval_every_steps",
         "trainer.progress",
         "trainer.log_every",
         "trainer.checkpoint_every_steps",
@@ -81,6 +83,11 @@ ADDED_KEYS = {
     "dataset.augment.crop_padding": 0,
     "dataset.augment.flip": False,
     "optimizer.decay_norms_and_biases": True,
+    "trainer.max_steps": None,
+    "trainer.eval_every_steps": None,
+    "trainer.z_loss": 0.0,
+    "model.bias": True,
+    "model.qk_norm": False,
 }
 
 
@@ -536,6 +543,9 @@ def _other(path: Path) -> str:
 
 def check_not_finished(state: dict, cfg: DictConfig, target: str | Path) -> None:
     """Refuse a resume that has nothing left to train, saying how to train on."""
+    if cfg.trainer.max_steps is not None:
+        _check_steps_left(state, cfg, target)
+        return
     done = Position(**state["position"]).epoch - 1  # epochs completed at the checkpoint
     wanted = cfg.trainer.epochs
     if done < wanted:
@@ -557,6 +567,23 @@ def check_not_finished(state: dict, cfg: DictConfig, target: str | Path) -> None
     )
 
 
+def _check_steps_left(state: dict, cfg: DictConfig, target: str | Path) -> None:
+    """`check_not_finished` for a run measured in steps (trainer.max_steps)."""
+    done, wanted = Position(**state["position"]).step, cfg.trainer.max_steps
+    if done < wanted:
+        return
+    longer = (
+        f"give more steps: trainer.max_steps={2 * done}"
+        if not spans_run(state["config"]["scheduler"].get("_target_"))
+        else "start a new, longer run: its learning-rate schedule spans the run's length"
+    )
+    raise ResumeRefused(
+        f"trainer.resume={target}: the run has taken {done} steps, and trainer.max_steps="
+        f"{wanted} asks for no more; there is nothing to resume and nothing was changed. To "
+        f"train on, {longer}."
+    )
+
+
 def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
     """Refuse to resume under a config that would make the result a different experiment."""
     saved = flatten(state["config"], sep=".")
@@ -570,13 +597,10 @@ def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
         for key in saved.keys() | now.keys()
         if key not in RESUMABLE_KEYS and saved.get(key, missing) != now.get(key, missing)
     )
-    if (
-        not changed
-        and spans_run(saved.get("scheduler._target_"))
-        and (saved.get("trainer.epochs") != now.get("trainer.epochs"))
-    ):
+    length = ("trainer.epochs", "trainer.max_steps")
+    if not changed and spans_run(saved.get("scheduler._target_")):
         # e.g. a cosine schedule spans the whole run: more epochs would bend the curve mid-run
-        changed = ["trainer.epochs"]
+        changed = [k for k in length if saved.get(k, missing) != now.get(k, missing)]
     if not changed:
         return
 

@@ -128,8 +128,12 @@ def load_run(path: Path) -> Run:
         run.problem = f"metrics.jsonl cannot be read ({err})"
         return run
 
-    planned = run.config.get("trainer", {}).get("epochs", "?")
-    done = f"after {len(run.epochs)} of {planned} epochs"
+    trainer = run.config.get("trainer", {})
+    if trainer.get("max_steps"):
+        step = run.steps[-1]["step"] if run.steps else 0
+        done = f"after {step} of {trainer['max_steps']} steps"
+    else:
+        done = f"after {len(run.epochs)} of {trainer.get('epochs', '?')} epochs"
     if run.status == "failed":
         run.problem = f"it failed {done}: {error}" if error else _why_not(path, f"it failed {done}")
     elif run.status == "interrupted":

@@ -154,7 +154,7 @@ def build_training(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.nn.Module]:
     """The optimizer, the learning-rate schedule and the forward pass (compiled where asked)."""
     optimizer = performance.build_optimizer(cfg, built.model, device, built.scaler, built.speed)
-    total_steps = built.data.steps_per_epoch() * cfg.trainer.epochs
+    _, total_steps = config.run_length(cfg.trainer, built.data.steps_per_epoch())
     schedule = build_schedule(cfg.scheduler, optimizer, built.scaler, total_steps)
     performance.configure_backends(device, cfg.trainer)
     forward = performance.compile_model(built.model, built.speed)

@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mpexp.config import TrainConfig, unknown_keys
+from mpexp.config import TrainConfig, run_length, unknown_keys
 from mpexp.errors import ConfigError
 from mpexp.run.rundir import train_command
 
@@ -55,7 +55,13 @@ def validate(cfg: DictConfig) -> None:
     check_schema(cfg)
     trainer, data, opt = cfg.trainer, cfg.dataset, cfg.optimizer
 
-    _integer(trainer.epochs, "trainer.epochs", 1)
+    if trainer.epochs is None and trainer.max_steps is None:
+        raise ConfigError(
+            "trainer.epochs=null needs trainer.max_steps=<steps>: the run must know its length."
+        )
+    for key in ("epochs", "max_steps", "eval_every_steps"):
+        if trainer[key] is not None:
+            _integer(trainer[key], f"trainer.{key}", 1)
     _integer(trainer.log_every, "trainer.log_every", 1)
     # NumPy's global generator takes seeds of 32 bits (and the synthetic set's seed follows it)
     _integer(trainer.seed, "trainer.seed", 0, MAX_SEED)
@@ -255,7 +261,15 @@ def validate_run_length(cfg: DictConfig, steps_per_epoch: int, samples: int) -> 
             "and dataset.drop_last=true drops the partial batch: the run would take no step. "
             "Lower dataset.batch_size, set dataset.drop_last=false, or train on more data."
         )
-    total_steps = steps_per_epoch * cfg.trainer.epochs
+    trainer = cfg.trainer
+    epochs, max_steps = trainer.epochs, trainer.max_steps
+    if max_steps is not None and epochs is not None and epochs * steps_per_epoch < max_steps:
+        raise ConfigError(
+            f"trainer.max_steps={max_steps} and trainer.epochs={epochs} disagree: {epochs} "
+            f"epochs of {steps_per_epoch} steps end at step {epochs * steps_per_epoch}. Set "
+            "trainer.epochs=null to train max_steps steps, or drop trainer.max_steps."
+        )
+    _, total_steps = run_length(trainer, steps_per_epoch)
     steps = cfg.loss_scaling.get("calibration_steps")
     if steps is not None and steps >= total_steps:
         raise ConfigError(

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from mpexp.checkpoints.checkpoint import Checkpointer, Position, Resume
+from mpexp.config import run_length
 from mpexp.data.base import Batch, TrainingData
 from mpexp.distributed import World
 from mpexp.errors import NumericsError, UserError, reason
@@ -464,6 +465,18 @@ class StepLog:
 STARVED_SHARE = 0.1
 
 
+@dataclass
+class Interval:
+    """The steps since the last validation (an epoch's, by default): what its row reports."""
+
+    start: float  # perf_counter() at its start, less what it had taken before a resume
+    setup_s: float  # the stepper's set-up time at its start
+    timed_steps: int  # and its set-up steps
+    samples: int = 0  # samples trained on (this rank's)
+    counted: int = 0  # of those, already in the run's samples_seen
+    waited: float = 0.0  # seconds waited for batches
+
+
 class WaitClock:
     """The batches of an epoch, with the host time spent waiting for each one added up: time
     the step could not run for lack of data (on a GPU the device may still be busy with queued
@@ -482,6 +495,11 @@ class WaitClock:
             return next(self._batches)
         finally:
             self.seconds += time.perf_counter() - began
+
+    def take(self) -> float:
+        """The seconds waited since the last take."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 @dataclass
@@ -557,10 +575,17 @@ class Fit:
         progress = cfg.trainer.progress
         self.hide_bar = (None if progress is None else not progress) if world.is_main else True
         self.position = Position()  # where training stands: the next epoch, batches done in it
-        self.row: dict | None = None  # the last epoch's metrics
-        self.resumed_time = 0.0  # time the epoch in progress had taken before a checkpoint
+        self.row: dict | None = None  # the last validation's metrics (an epoch's, by default)
+        self.resumed_time = 0.0  # time the interval in progress had taken before a checkpoint
+        self.resumed_samples: int | None = 0  # and the samples it had trained on
+        self.samples_seen = 0  # training samples so far, over all ranks
+        # how long the run trains and when it validates: every epoch, or every N steps
+        self.last_epoch, self.total_steps = run_length(cfg.trainer, parts.data.steps_per_epoch())
+        self.eval_every = cfg.trainer.eval_every_steps
+        self.interval: Interval | None = None  # the steps since the last validation
         self.compile_failed = False
         self.warned_starved = False  # the data-wait warning is given once a run
+        self.rows = 0  # validation rows this process has logged
 
     def restore(self, resume: Resume) -> None:
         """Continue from a checkpoint: weights, optimizer, scaler, schedule, RNGs and the log."""
@@ -571,6 +596,11 @@ class Fit:
         self.steps.load_state(carried)
         self.row = carried["epoch_row"]
         self.resumed_time = carried["elapsed"]
+        self.resumed_samples = carried.get("interval_samples")
+        data = self.parts.data
+        self.samples_seen = carried.get(
+            "samples_seen", self.position.step * data.batch_size * self.world.size
+        )
 
     def run(self) -> dict:
         """Train the remaining epochs; return the final metrics."""
@@ -578,11 +608,10 @@ class Fit:
         compiled = self.parts.forward is not self.parts.model
         try:
             with self.compiles if compiled else contextlib.nullcontext():
-                for epoch in range(self.position.epoch, self.trainer.epochs + 1):
-                    self.row = self._epoch(epoch)
-                    self._checkpoint(
-                        Position(epoch + 1, 0, self.position.step), 0.0, self._stop_agreed()
-                    )
+                for epoch in range(self.position.epoch, self.last_epoch + 1):
+                    self._epoch(epoch)
+                    if self.position.step >= self.total_steps:
+                        break
         except Exception:
             self._write_own_values()
             raise
@@ -609,50 +638,96 @@ class Fit:
                 "diagnostics.overflow_attribution=true names the parameters that overflow."
             )
 
-    def _epoch(self, epoch: int) -> dict:
+    def _epoch(self, epoch: int) -> None:
+        """Train epoch `epoch` (the rest of it after a resume), validating, logging a row and
+        checkpointing at its end, or every `trainer.eval_every_steps` steps and at the run's
+        last step."""
         data, step = self.parts.data, self.position.step
         done = self.position.batch if epoch == self.position.epoch else 0  # trained before a resume
-        self.memory.reset()
-        if not done:
-            self.steps.new_epoch()
+        steps_per_epoch = data.steps_per_epoch()
+        if self.interval is None:  # this process's first: a resume may carry one on
+            self._open_interval(done=done)
         bar = tqdm(
-            total=data.steps_per_epoch(),
+            total=steps_per_epoch,
             initial=done,
-            desc=f"epoch {epoch}/{self.trainer.epochs}",
+            desc=f"epoch {epoch}/{self.last_epoch}",
             disable=self.hide_bar,
         )
-        start = time.perf_counter() - (self.resumed_time if done else 0.0)
-        setup_before, timed_before = self.stepper.setup_s, self.stepper.timed_steps
         static = self.stepper.graph is not None  # a captured step reads its batch in place
         batches = data.train_batches(epoch, self.trainer.seed, self.device, static, start=done)
         waiting = WaitClock(batches)
+        interval = self.interval
         for batch, (inputs, targets) in enumerate(waiting, start=done + 1):
             step += 1
             self.tracker.step = step  # where the user's own mpexp.log() calls log
             self.stepper.step(step, inputs, targets)
+            interval.samples += len(targets)  # on the host: a shape, no device read
             bar.update()
             flush = step % self.trainer.log_every == 0
             if flush:
                 self._flush()
-                self._show_progress(bar, start)
+                self._show_progress(bar, interval.start)
+            last = step >= self.total_steps
+            if last or (self.eval_every and step % self.eval_every == 0):
+                interval.waited += waiting.take()
+                at = Position(epoch + 1, 0, step) if batch == steps_per_epoch else None
+                self._close_interval(epoch, at or Position(epoch, batch, step))
+                interval = self.interval
+                if last:
+                    break
+                continue
             # ranks must stop at the same step: they agree where they meet anyway, at a flush
             stopping = self._stop_agreed() if flush or not self.world.distributed else False
             if self.saver.due(step) or stopping:
                 self._flush(wait=True)
                 began = time.perf_counter()
-                self._checkpoint(Position(epoch, batch, step), began - start, stopping)
-                start += time.perf_counter() - began  # writing checkpoints is not training time
+                self._checkpoint(Position(epoch, batch, step), began - interval.start, stopping)
+                interval.start += time.perf_counter() - began  # checkpoints are not training time
+        else:
+            interval.waited += waiting.take()
+            if self.eval_every is None:
+                self._close_interval(epoch, Position(epoch + 1, 0, step))
+            else:
+                self.position = Position(epoch + 1, 0, step)
+        bar.close()
 
+    def _open_interval(self, done: int = 0) -> None:
+        """Start timing the steps up to the next validation. After a resume they may continue
+        an interval that a checkpoint interrupted (`done` batches into its epoch): its time and
+        samples carry over."""
+        samples = self.resumed_samples
+        if samples is None:  # a checkpoint from before intervals: its epoch's batches so far
+            samples = done * self.parts.data.batch_size
+        if not (samples or self.resumed_time):
+            self.steps.new_epoch()
+        self.memory.reset()
+        self.interval = Interval(
+            start=time.perf_counter() - self.resumed_time,
+            setup_s=self.stepper.setup_s,
+            timed_steps=self.stepper.timed_steps,
+            samples=samples,
+            counted=samples,  # in samples_seen already, as the checkpoint kept it
+        )
+        self.resumed_time, self.resumed_samples = 0.0, 0
+
+    def _close_interval(self, epoch: int, position: Position) -> None:
+        """Validate, log the interval's row, checkpoint at `position`, and open the next."""
+        interval = self.interval
         synchronize(self.device)
         # compilation and the CUDA graph's warm-up and capture are set-up, not training time:
         # perf/compile_s has them
-        setup = self.stepper.setup_s - setup_before
-        epoch_time = time.perf_counter() - start - setup
+        setup = self.stepper.setup_s - interval.setup_s
+        seconds = time.perf_counter() - interval.start - setup
         self._flush(wait=True)
-        bar.close()
-        self.position = Position(epoch + 1, 0, step)
-        timed = self.stepper.timed_steps - timed_before
-        return self._epoch_row(epoch, step, epoch_time, (timed, setup), waiting.seconds)
+        timed = self.stepper.timed_steps - interval.timed_steps
+        self.samples_seen += (interval.samples - interval.counted) * self.world.size
+        interval.counted = interval.samples
+        self.row = self._epoch_row(epoch, position.step, seconds, (timed, setup), interval)
+        self.position = position
+        self._checkpoint(position, 0.0, self._stop_agreed())
+        self.interval = None
+        if position.step < self.total_steps:
+            self._open_interval()
 
     def speed_ran(self) -> dict:
         """The speed switches as they took effect: a model that could not be compiled, or a
@@ -711,11 +786,13 @@ class Fit:
         epoch: int,
         step: int,
         epoch_time: float,
-        setup: tuple[int, float] = (0, 0.0),
-        data_wait: float = 0.0,
+        setup: tuple[int, float],
+        interval: Interval,
     ) -> dict:
-        """`setup`: the set-up steps in this epoch and their time, both left out of its speed;
-        `data_wait`: the seconds the loop waited for its batches."""
+        """The row of an epoch (or of the steps since the last validation, with
+        `trainer.eval_every_steps`): `setup` is its set-up steps and their time, both left out
+        of its speed; `interval` its samples and the seconds it waited for them."""
+        data_wait = interval.waited
         p = self.parts
         task = p.data.task
         metrics, val_compile_s = self._validate()
@@ -725,9 +802,9 @@ class Fit:
             "train/epoch_loss": self.steps.epoch_loss(),
             **metrics,
             "perf/epoch_time_s": epoch_time,
+            "samples": self.samples_seen,
             # the set-up steps' samples are left out with their time
-            "perf/samples_per_s": (p.data.samples_per_epoch() - setup[0] * p.data.batch_size)
-            / epoch_time,
+            "perf/samples_per_s": (interval.samples - setup[0] * p.data.batch_size) / epoch_time,
             self.memory.key: self.memory.read_mib(),
             "perf/data_wait_s": data_wait,
             "perf/data_wait_share": min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
@@ -737,8 +814,10 @@ class Fit:
         row = self.world.reduce_epoch(row)
         # from the samples/s already computed (summed over ranks): no device read of its own
         row.update(task.throughput(row["perf/samples_per_s"]))
+        row.update(task.progress(self.samples_seen))
         row.update(p.throughput.result().metrics(row["perf/samples_per_s"]))
         self.tracker.log(row)
+        self.rows += 1
         self._warn_if_starved(row)
         steps = len(self.steps.losses)
         if steps and self.steps.epoch_skipped == steps:
@@ -769,7 +848,7 @@ class Fit:
         time: a precision comparison would then time the data path. The first epoch is left
         out unless it is the last (workers starting, files first read)."""
         share = row["perf/data_wait_share"]
-        first = row["epoch"] == 1 and self.trainer.epochs > 1
+        first = self.rows == 1 and row["step"] < self.total_steps
         if self.warned_starved or first or share <= STARVED_SHARE or not self.world.is_main:
             return
         self.warned_starved = True
@@ -819,12 +898,19 @@ class Fit:
         return self.world.any(bool(self.stop.received))
 
     def _checkpoint(self, position: Position, elapsed: float, stopping: bool) -> None:
+        at_interval_end = self.interval is None or elapsed == 0.0
         log_state = {
             **self.steps.state(),
             "elapsed": elapsed,
             "epoch_row": self.row,
+            # the interval in progress (none at a validation): its samples, and all of them
+            "interval_samples": 0 if at_interval_end else self.interval.samples,
+            "samples_seen": self.samples_seen
+            + (0 if at_interval_end else self.interval.samples - self.interval.counted)
+            * self.world.size,
         }
-        stops = stopping and position.epoch <= self.trainer.epochs  # one at the end lets it finish
+        # one at the end lets it finish
+        stops = stopping and position.step < self.total_steps and position.epoch <= self.last_epoch
         signum = self.stop.received or signal.SIGTERM  # another rank may have got it
         if stops and self.world.is_main:  # said at once: a big checkpoint takes a while to write
             log.info(

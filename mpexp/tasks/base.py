@@ -156,6 +156,10 @@ class Task(ABC):
         """Rates beyond samples per second that the task's unit of work gives (tokens/s)."""
         return {}
 
+    def progress(self, samples: int) -> dict[str, int]:
+        """How far training has come in the task's unit of work beyond samples (tokens)."""
+        return {}
+
     def record(self) -> dict[str, Any]:
         """`ran.task`: the task's name, its result metric and how the report compares it."""
         return {"name": self.name, **self.result.record(), **asdict(self)}

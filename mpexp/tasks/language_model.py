@@ -90,3 +90,6 @@ class LanguageModelling(Task):
 
     def throughput(self, samples_per_s: float) -> dict[str, float]:
         return {"perf/tokens_per_s": samples_per_s * self.block_size}
+
+    def progress(self, samples: int) -> dict[str, int]:
+        return {"tokens": samples * self.block_size}  # trained on, over all ranks

@@ -172,10 +172,14 @@ class Tracker:
 
     def _wandb_start(self, run: RunContext, config: dict, wandb_cfg: Any) -> dict[str, Any]:
         """What the W&B process needs to start the run (wandb_process.py's `init`)."""
-        metrics = [("step", {}), ("epoch", {})]
+        # a run that validates every N steps plots its validations against steps, as its losses
+        trainer = config.get("trainer", {})
+        by_steps = trainer.get("eval_every_steps") or trainer.get("max_steps")
+        axis = "step" if by_steps else "epoch"
+        metrics = [("step", {}), ("epoch", {}), ("samples", {}), ("tokens", {})]
         metrics += [(pattern, {"step_metric": "step"}) for pattern in STEP_METRICS]
-        metrics += [(pattern, {"step_metric": "epoch"}) for pattern in EPOCH_METRICS]
-        metrics += [(name, {"step_metric": "epoch", "summary": kinds})
+        metrics += [(pattern, {"step_metric": axis}) for pattern in EPOCH_METRICS]
+        metrics += [(name, {"step_metric": axis, "summary": kinds})
                     for name, kinds in self._summaries.items()]  # fmt: skip
         return {
             "init": {
