@@ -384,3 +384,24 @@ def test_by_default_a_user_models_python_state_is_never_frozen_by_a_capture(
     assert forced["ran"]["cuda_graph"] is True and forced["ran"]["graph_replays"] > 0
     assert forced_losses[:WARMUP_STEPS] == eager_losses[:WARMUP_STEPS]
     assert forced_losses != eager_losses
+
+
+def test_a_schedule_under_loss_scaling_is_replayed_with_the_eager_runs_rates(monkeypatch, tmp_path):
+    """fp16 with dynamic loss scaling and a cosine schedule: the step is captured (the rate is
+    computed on the device from the count of real steps), and every step's rate, loss, scale and
+    skip is the eager run's, skipped steps holding the rate back."""
+    overrides = ("precision=fp16", "loss_scaling.init_scale=16777216", "dataset.height=8",
+                 "dataset.width=8", "dataset.train_size=384", "dataset.batch_size=32",
+                 "scheduler=cosine", "scheduler.warmup_steps=4")  # fmt: skip
+    _, eager_steps, _ = _graph_run(monkeypatch, tmp_path, "eager", False, *overrides)
+    graphed, steps, _ = _graph_run(monkeypatch, tmp_path, "graph", True, *overrides)
+    assert graphed["ran"]["cuda_graph"] is True and graphed["ran"]["graph_replays"] > 10
+    assert graphed["ran"]["schedule"] == "device"
+    assert graphed["ran"]["step_path"].endswith("captured, schedule on the device")
+    keys = ("step", "lr", "train/loss", "amp/scale", "amp/skipped_steps")
+    assert [[r[k] for k in keys] for r in steps] == [[r[k] for k in keys] for r in eager_steps]
+    skipped = [r["step"] for r, before in zip(steps[1:], steps, strict=False)
+               if r["amp/skipped_steps"] > before["amp/skipped_steps"]]  # fmt: skip
+    assert skipped  # the high initial scale overflows first
+    for step in skipped:  # a skipped step does not advance the schedule
+        assert steps[step]["lr"] == steps[step - 1]["lr"]
