@@ -30,6 +30,7 @@ def make_run(
     span: tuple[str, str] | None = None,
     host: str = "box",
     gpu_mib: list[float] | None = None,
+    step_path: str | None = None,
 ) -> Path:
     """A finished run directory as `python -m mpexp.train precision=<p> trainer.seed=<s>` leaves
     it, with the given val accuracy and time of each epoch (and, with `gpu_mib`, each epoch's
@@ -61,6 +62,8 @@ def make_run(
             "host": host,
         },
     }
+    if step_path:
+        summary["ran"]["step_path"] = step_path
     if span:
         summary["started_at"], summary["ended_at"] = span
     (path / "summary.json").write_text(json.dumps(summary))
@@ -364,6 +367,24 @@ def test_sequential_jobs_with_enough_epochs_get_no_timing_warning(tmp_path):
         make_run(tmp_path, str(k), "fp32", k, [0.9] * 4, [2.0, 1.0, 1.0, 1.0], span=span)
     assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
     assert "## Warnings" not in (tmp_path / "report.md").read_text()
+
+
+def test_a_leg_whose_step_ran_another_way_than_fp32s_is_flagged(tmp_path):
+    fast = "fused, compiled, captured, schedule on the device"
+    paths = {
+        "fp32": fast,
+        "bf16": fast,
+        "fp16": "unfused, compiled, not captured, schedule on the host",
+    }
+    for k, (precision, path) in enumerate(paths.items()):
+        for seed in (0, 1):
+            make_run(tmp_path, f"{k}{seed}", precision, seed, [0.9] * 4, [2.0, 1.0, 1.0, 1.0],
+                     step_path=path)  # fmt: skip
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    warnings = (tmp_path / "report.md").read_text().split("## Warnings", 1)[1].split("\n## ")[0]
+    flagged = [line for line in warnings.splitlines() if "Another step path" in line]
+    assert len(flagged) == 1 and "`precision=fp16`" in flagged[0], flagged
+    assert f"its fp32 reference ran {fast}" in flagged[0]
 
 
 def test_fp8_is_judged_against_fp32_and_against_bf16(tmp_path, capsys):
