@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +18,12 @@ from mpexp.data.text import TextData
 from mpexp.data.tokens import TokenFiles
 from mpexp.errors import ConfigError, DataError
 from mpexp.run.runner import train
+from mpexp.sample import main as sample_main
+from mpexp.sample import sample
 from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.tracker import RunContext
-from tests.conftest import CPU, make_cfg
-from tests.test_language_model import TINY_LM, corpus, text_data
+from tests.conftest import CPU, TINY, make_cfg, run_cli
+from tests.test_language_model import TINY_LM, corpus, text_data, tiny_lm
 from tests.test_resume import assert_same_final_state, comparable, killed_and_resumed
 from tests.test_training import read_metrics
 
@@ -230,6 +233,8 @@ def test_bpe_bits_per_byte_are_of_the_original_text(tmp_path):
     assert per_token > 2
     assert summary["val/bpb"] == pytest.approx(summary["val/loss"] / math.log(2) / per_token)
     assert summary["ran"]["data"]["tokenizer"] == "bpe"
+    text, _ = sample(tmp_path / "run", 20, "It is a", 0.8, 0, "cpu")  # its own tokenizer
+    assert text.startswith("It is a") and len(text) > len("It is a") + 20
 
 
 def test_a_changed_tokenizer_refuses_the_resume_with_one_message(tmp_path):
@@ -277,3 +282,32 @@ def test_the_byte_tokenizer_keeps_the_resume_key_and_bits_per_byte_of_before(tmp
         1.0,
         {"tokenizer": "byte"},
     )
+
+
+# --- mpexp-sample --------------------------------------------------------------------------------
+
+
+def test_mpexp_sample_prints_text_from_a_finished_run(tmp_path):
+    run = tmp_path / "run"
+    train(make_cfg(*tiny_lm(tmp_path, "trainer.epochs=1", "precision=bf16")), RunContext(run))
+    args = [str(run), "--tokens", "40", "--prompt", "It is a", "--seed", "3"]
+    printed = run_cli("mpexp.sample", *args, cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    text = printed.stdout.removesuffix("\n")
+    assert text.startswith("It is a") and len(text.encode()) >= len("It is a") + 30
+    assert "step-00000016.pt, the best kept by val/loss" in printed.stderr
+    assert "bf16 (autocast bfloat16)" in printed.stderr  # in the run's precision
+    assert sample(run, 40, "It is a", 0.8, 3, "cpu")[0] == text  # the seed decides the draws
+
+
+def test_mpexp_sample_refuses_a_run_it_cannot_sample_with_one_line(tmp_path, capsys):
+    image_run = tmp_path / "image"
+    train(make_cfg(*TINY, "trainer.epochs=1"), RunContext(image_run))
+    assert sample_main([str(image_run)]) == 2
+    assert "is not a language-model run" in capsys.readouterr().err
+    text_run = tmp_path / "text"
+    train(make_cfg(*tiny_lm(tmp_path, "trainer.epochs=1")), RunContext(text_run))
+    shutil.rmtree(text_run / "checkpoints")  # as a run killed before its first checkpoint
+    assert sample_main([str(text_run)]) == 2
+    err = capsys.readouterr().err
+    assert "has no checkpoint to sample from" in err and len(err.strip().splitlines()) == 1

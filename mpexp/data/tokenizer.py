@@ -138,7 +138,7 @@ def encode(
     fresh = saved is not None and saved["key"] == key and tokenizer_path.is_file()
     if spec == "bpe" and not fresh:
         learn_bpe(data, split, vocab, tokenizer_path)
-    digest = _digest(tokenizer_path)
+    digest = file_digest(tokenizer_path)
     tokenizer = load(tokenizer_path)
     size = tokenizer.get_vocab_size()
     dtype = np.uint16 if size <= 1 << 16 else np.uint32
@@ -197,7 +197,7 @@ def _read_key(path: Path) -> dict | None:
     return saved if whole else None
 
 
-def _digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
