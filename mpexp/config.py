@@ -246,6 +246,10 @@ class WindowsConfig:
     val_size: int = 256  # validation windows
     val_fraction: float = 0.1  # the corpus's tail that validates
     cache_dir: str = TEXT_CACHE  # where the token file and its key are written
+    # byte (a vocabulary of 256), bpe (learned from the training part, vocab_size tokens) or the
+    # path of a Hugging Face tokenizer.json
+    tokenizer: str = "byte"
+    vocab_size: Optional[int] = None  # bpe's to learn; else null: the tokenizer's
     batch_size: int = 32
     drop_last: bool = True
 
@@ -259,6 +263,23 @@ class TextDatasetConfig(WindowsConfig):
 class DownloadedTextConfig(WindowsConfig):
     root: str = DATA_ROOT
     download: bool = True
+
+
+@dataclass
+class TokensDatasetConfig:
+    """Pre-tokenized train.bin / val.bin in nanoGPT's layout (mpexp/data/tokens.py)."""
+
+    _target_: str = MISSING
+    path: Optional[str] = None  # the folder of train.bin and val.bin
+    vocab_size: int = 50257  # GPT-2's, as nanoGPT's prepare.py scripts write
+    dtype: Optional[str] = None  # uint16 or uint32; null: uint16 up to 65,536 tokens, else uint32
+    bytes_per_token: Optional[float] = None  # of the text the tokens encode; null: no val/bpb
+    block_size: Optional[int] = None
+    train_size: int = 4096
+    val_size: int = 256
+    val_fraction: float = 0.1  # of train.bin, only where there is no val.bin
+    batch_size: int = 32
+    drop_last: bool = True
 
 
 # --- model ---------------------------------------------------------------------------------------
@@ -402,6 +423,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "image_folder": ImageFolderDatasetConfig,
         "text": TextDatasetConfig,
         "downloaded_text": DownloadedTextConfig,
+        "tokens": TokensDatasetConfig,
     },
     "model": {
         "base": ModelConfig,

@@ -2,8 +2,9 @@
 windows, per precision.
 
 For each precision, one after the other on one device:
-  mpexp  `python -m mpexp.train model=<model> dataset=text precision=<p> ...` in a process of its
-         own, exactly as a user's command runs (W&B off); tokens/s from its metrics.jsonl;
+  mpexp  `python -m mpexp.train model=<model> dataset=text precision=<p> ...` (or dataset=tokens on
+         nanoGPT's train.bin / val.bin, with --dataset tokens) in a process of its own, exactly as
+         a user's command runs (W&B off); tokens/s from its metrics.jsonl;
   plain  in a process of its own too, the same model (mpexp/models/gpt.py, built from the same
          config and seed), the same optimizer and learning rate, the same windows of the same
          token file (the offsets drawn as mpexp draws them), the same autocast dtype and, where
@@ -18,6 +19,7 @@ The validation loss each mpexp run reached in its fixed number of steps is repor
 
     python scripts/bench_lm.py                                  # CPU: the tiny GPT, fp32 and bf16
     python scripts/bench_lm.py --json bench_lm.json
+    python scripts/bench_lm.py --dataset tokens --precisions fp32   # uint16 token files
     python scripts/bench_lm.py --device cuda --model gpt2_small --precisions bf16,fp16,fp8 \\
         --batch-size 16 --train-size 2048 --epochs 3 trainer.compile=true
 """
@@ -45,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 
 from mpexp.data.base import epoch_seed  # noqa: E402
-from mpexp.data.text import TokenCache, path_source, stdlib_source  # noqa: E402
+from mpexp.data.text import TextData, TokenCache, path_source, stdlib_source  # noqa: E402
 from mpexp.models.gpt import GPT  # noqa: E402
 from mpexp.step.performance import optimizer_spec, parameter_groups  # noqa: E402
 
@@ -53,15 +55,19 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 def overrides(args, precision: str, run_dir: Path) -> list[str]:
+    if args.dataset == "tokens":
+        data = ["dataset=tokens", f"dataset.path={args.tokens_dir}",
+                f"dataset.vocab_size={args.vocab_size}"]  # fmt: skip
+    else:
+        data = ["dataset=text", f"dataset.cache_dir={args.cache_dir}"]
     return [
         f"model={args.model}",
-        "dataset=text",
+        *data,
         f"precision={precision}",
         f"trainer.device={args.device}",
         f"trainer.epochs={args.epochs}",
         f"dataset.train_size={args.train_size}",
         f"dataset.batch_size={args.batch_size}",
-        f"dataset.cache_dir={args.cache_dir}",
         f"trainer.seed={args.seed}",
         "trainer.progress=false",
         "wandb.mode=disabled",
@@ -97,7 +103,9 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     model_cfg = {k: v for k, v in cfg["model"].items() if k != "_target_"}
-    model = GPT(vocab_size=256, **model_cfg).to(device)
+    train_tokens, val_tokens, vocab = token_parts(args, cfg["dataset"])
+    padded = -(-vocab // 64) * 64  # the model's vocabulary, as mpexp pads it
+    model = GPT(vocab_size=padded, **model_cfg).to(device)
     if precision == "fp8":  # every Linear layer of the GPT is fp8-convertible, as in mpexp
         import torchao.float8 as float8
 
@@ -109,15 +117,10 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
     forward = torch.compile(model) if mpexp["ran"].get("compile") else model
     dtype = DTYPES.get(precision)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    path = cfg["dataset"]["path"]
-    source = stdlib_source() if path is None else path_source(path)
-    # the token file mpexp's run wrote (and checked against its source) for this corpus
-    tokens = np.memmap(TokenCache(source, Path(args.cache_dir)).tokens_path, np.uint8, mode="r")
     block, batch, n = model_cfg["block_size"], args.batch_size, args.train_size
-    split = round(len(tokens) * (1 - cfg["dataset"]["val_fraction"]))
-    val_offsets = np.linspace(split, len(tokens) - block - 1, cfg["dataset"]["val_size"])
+    val_offsets = np.linspace(0, len(val_tokens) - block - 1, cfg["dataset"]["val_size"])
 
-    def windows(offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def windows(tokens: np.ndarray, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         index = offsets.round().astype(np.int64)[:, None] + np.arange(block + 1)
         tokens_in = torch.from_numpy(tokens[index].astype(np.int64))
         if device.type == "cuda":
@@ -127,15 +130,15 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
     rates = []
     for epoch in range(1, args.epochs + 1):
         generator = torch.Generator().manual_seed(epoch_seed(args.seed, epoch))
-        offsets = torch.randint(split - block, (n,), generator=generator).numpy()
+        offsets = torch.randint(len(train_tokens) - block, (n,), generator=generator).numpy()
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         for first in range(0, n - n % batch, batch):
-            x, y = windows(offsets[first : first + batch])
+            x, y = windows(train_tokens, offsets[first : first + batch])
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 logits = forward(x)
-                loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
+                loss = F.cross_entropy(logits.reshape(-1, padded), y.reshape(-1))
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
@@ -145,9 +148,33 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
         rates.append((n - n % batch) * block / (time.perf_counter() - start))
         with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             for first in range(0, len(val_offsets), batch):  # validated, untimed, as mpexp does
-                x, y = windows(val_offsets[first : first + batch])
-                F.cross_entropy(forward(x).reshape(-1, 256).float(), y.reshape(-1))
+                x, y = windows(val_tokens, val_offsets[first : first + batch])
+                F.cross_entropy(forward(x).reshape(-1, padded).float(), y.reshape(-1))
     return {"tokens_per_s": statistics.median(rates[1:])}
+
+
+def token_parts(args, data: dict) -> tuple[np.ndarray, np.ndarray, int]:
+    """The training and validation tokens mpexp's run read, and their vocabulary."""
+    if args.dataset == "tokens":
+        dtype = np.uint16 if args.vocab_size <= 1 << 16 else np.uint32
+        folder = Path(args.tokens_dir)
+        train, val = (np.memmap(folder / f"{p}.bin", dtype, mode="r") for p in ("train", "val"))
+        return train, val, args.vocab_size
+    source = stdlib_source() if data["path"] is None else path_source(data["path"])
+    # the token file mpexp's run wrote (and checked against its source) for this corpus
+    tokens = np.memmap(TokenCache(source, Path(args.cache_dir)).tokens_path, np.uint8, mode="r")
+    split = round(len(tokens) * (1 - data["val_fraction"]))
+    return tokens[:split], tokens[split:], 256
+
+
+def write_token_files(args, folder: Path) -> None:
+    """The standard library's bytes as nanoGPT's train.bin and val.bin (uint16, its tail 10 %
+    validating), for --dataset tokens without --tokens-dir."""
+    data = TextData(None, block_size=64, cache_dir=args.cache_dir)
+    data.setup(torch.device("cpu"))
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, part in (("train", data.train_tokens), ("val", data.val_tokens)):
+        np.asarray(part).astype(np.uint16).tofile(folder / f"{name}.bin")
 
 
 def plain_process(args, precision: str, mpexp: dict, tmp: Path) -> dict:
@@ -172,6 +199,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="mpexp and plain runs, in turn")
     parser.add_argument("--cache-dir", default=None, help="token cache (default: a temp dir)")
+    parser.add_argument("--dataset", choices=("text", "tokens"), default="text")
+    parser.add_argument(
+        "--tokens-dir",
+        help="--dataset tokens: a folder with train.bin and val.bin (default: the standard "
+        "library's bytes written there as uint16)",
+    )
+    parser.add_argument("--vocab-size", type=int, default=256, help="--dataset tokens: its ids'")
     parser.add_argument("--json", type=Path, help="write the results here too")
     parser.add_argument("--plain-from", type=Path, help=argparse.SUPPRESS)  # plain_process's
     parser.add_argument("extra", nargs="*", help="more overrides for the mpexp runs")
@@ -185,6 +219,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         args.cache_dir = args.cache_dir or str(tmp / "cache")
+        if args.dataset == "tokens" and args.tokens_dir is None:
+            args.tokens_dir = str(tmp / "tokens")
+            write_token_files(args, Path(args.tokens_dir))
         for precision in args.precisions.split(","):
             pairs = []
             for _ in range(args.repeats):

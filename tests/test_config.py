@@ -17,7 +17,7 @@ from mpexp.config import (
     unknown_keys,
 )
 from mpexp.data.base import TrainingData
-from mpexp.data.text import TextData
+from mpexp.data.windows import TokenWindows
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
 from mpexp.run.build import build
@@ -34,7 +34,7 @@ def options(group: str) -> list[str]:
 
 
 # the options for language models; every other model and dataset is for image classification
-TEXT_DATASETS = ("text", "tiny_shakespeare")
+TEXT_DATASETS = ("text", "tiny_shakespeare", "tokens")
 TEXT_MODELS = ("gpt", "gpt2_small")
 IMAGE_MODELS = [m for m in options("model") if m not in TEXT_MODELS]
 
@@ -49,6 +49,7 @@ def test_groups_hold_the_documented_options():
         "synthetic_cifar10",
         "text",
         "tiny_shakespeare",
+        "tokens",
     ]
     assert options("model") == [
         "deepcnn",
@@ -151,7 +152,7 @@ def test_keys_added_past_the_schema_are_found_with_the_closest_declared_one():
 def test_dataset_options_build(option):
     data = build(make_cfg(f"dataset={option}").dataset)
     if option in TEXT_DATASETS:
-        assert isinstance(data, TextData) and data.task_type is LanguageModelling
+        assert isinstance(data, TokenWindows) and data.task_type is LanguageModelling
         assert data.block_size is None  # model=deepcnn has no context length to take
         assert build(make_cfg(f"dataset={option}", "model=gpt").dataset).block_size == 64
     else:

@@ -27,15 +27,15 @@ import logging
 import os
 import sys
 import sysconfig
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from mpexp.data.base import Batch, TrainingData, epoch_seed
-from mpexp.errors import DataError
+from mpexp.data.tokenizer import Encoded, encode
+from mpexp.data.windows import TokenWindows
+from mpexp.errors import ConfigError, DataError
 from mpexp.tasks.language_model import LanguageModelling
 
 log = logging.getLogger(__name__)
@@ -106,9 +106,9 @@ class TokenCache:
     def __init__(self, source: Source, folder: Path):
         self.source = source
         digest = hashlib.sha256(str(source.root).encode()).hexdigest()[:16]
-        stem = f"{source.root.name or 'corpus'}-{digest}"
-        self.tokens_path = folder / f"{stem}.bin"
-        self.key_path = folder / f"{stem}.json"
+        self.stem = f"{source.root.name or 'corpus'}-{digest}"
+        self.tokens_path = folder / f"{self.stem}.bin"
+        self.key_path = folder / f"{self.stem}.json"
 
     def open(self) -> np.memmap:
         """The tokens, built first when the cache is missing or does not match the source."""
@@ -233,10 +233,8 @@ def _decodes(decoder, chunk: bytes, final: bool = False) -> bool:
     return True
 
 
-class TextData(TrainingData):
-    """Random windows of byte tokens from a text corpus (see the module's docstring)."""
-
-    task_type = LanguageModelling
+class TextData(TokenWindows):
+    """Random windows of tokens of a text corpus (see the module's docstring)."""
 
     def __init__(
         self,
@@ -246,18 +244,20 @@ class TextData(TrainingData):
         val_size: int = 256,
         val_fraction: float = 0.1,
         cache_dir: str = "~/.cache/mpexp/data/text",
+        tokenizer: str = "byte",
+        vocab_size: int | None = None,
         batch_size: int = 32,
         drop_last: bool = True,
     ):
-        super().__init__(batch_size, drop_last)
+        super().__init__(block_size, train_size, val_size, val_fraction, batch_size, drop_last)
         self.path = path
-        self.block_size = block_size
-        self.sizes = (train_size, val_size)
-        self.val_fraction = val_fraction
         self.cache_dir = Path(cache_dir).expanduser()
-        self.tokens: np.ndarray | None = None
-        self.split = 0  # the first validation token
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.tokens: np.ndarray | None = None  # the corpus's bytes
+        self.split = 0  # the first validation byte
         self.source: Source | None = None
+        self.encoded: Encoded | None = None  # the corpus in a tokenizer's tokens, if not bytes
 
     def corpus(self) -> Source:
         """Where the text comes from (a subclass may fetch it first)."""
@@ -271,83 +271,90 @@ class TextData(TrainingData):
                 "dataset=text needs the window length: a model with a context length "
                 "(model=gpt sets model.block_size) or dataset.block_size=<tokens>."
             )
+        if self.tokenizer == "byte" and (self.vocab_size or VOCAB_SIZE) < VOCAB_SIZE:
+            raise ConfigError(
+                f"dataset.vocab_size={self.vocab_size} is smaller than the byte tokenizer's "
+                f"{VOCAB_SIZE} tokens: leave it unset (null) with dataset.tokenizer=byte."
+            )
+        if self.tokenizer == "bpe" and self.vocab_size is None:
+            raise ConfigError(
+                "dataset.tokenizer=bpe needs the vocabulary to learn: dataset.vocab_size=<tokens> "
+                "(e.g. 4096)."
+            )
         self.source = self.corpus()
         if not self.source.files:
             raise DataError(
                 f"{self.source.name} holds no files to read. Give a UTF-8 text file or a folder "
                 "with text files in it (hidden files and __pycache__ are left out)."
             )
-        self.tokens = TokenCache(self.source, self.cache_dir).open()
+        cache = TokenCache(self.source, self.cache_dir)
+        self.tokens = cache.open()
         self.split = round(len(self.tokens) * (1 - self.val_fraction))
-        self._check_sizes()
-        self.task = LanguageModelling(vocab_size=VOCAB_SIZE, block_size=self.block_size)
-        return self.task
-
-    def _check_sizes(self) -> None:
-        n = len(self.tokens)
-        if n == 0:
+        if len(self.tokens) == 0:
             what = "is empty" if self.source.files == (self.source.root,) else "has no text files"
             raise DataError(
                 f"{self.source.name} {what}: there is nothing to train on. Give a UTF-8 text "
                 "file or a folder of them with dataset.path=<file or folder>."
             )
-        window = self.block_size + 1
-        for part, tokens in (("training", self.split), ("validation", n - self.split)):
-            if tokens < window:
-                raise DataError(
-                    f"{self.source.name} has {n:,} tokens (bytes): its {part} part "
-                    f"({tokens:,} tokens with dataset.val_fraction={self.val_fraction}) is "
-                    f"shorter than one window of model.block_size + 1 = {window} tokens. Use a "
-                    "longer text, a smaller block_size or another dataset.val_fraction."
+        if self.tokenizer == "byte":
+            self.train_tokens = self.tokens[: self.split]
+            self.val_tokens = self.tokens[self.split :]
+            vocab, bytes_per_token = self.vocab_size or VOCAB_SIZE, 1.0
+        else:
+            self.encoded = encode(
+                self.tokens, self.split, self.cache_dir, cache.stem, self.source.key(),
+                self.tokenizer, self.vocab_size or 0,
+            )  # fmt: skip
+            self.train_tokens, self.val_tokens = self.encoded.train, self.encoded.val
+            vocab = self.vocab_size or self.encoded.tokenizer_vocab
+            if vocab < self.encoded.tokenizer_vocab:
+                raise ConfigError(
+                    f"dataset.vocab_size={vocab} is smaller than the vocabulary of "
+                    f"dataset.tokenizer={self.tokenizer} ({self.encoded.tokenizer_vocab:,} "
+                    "tokens): raise it, or leave it unset to take the tokenizer's."
                 )
-
-    @property
-    def train_size(self) -> int:
-        return self.sizes[0]
+            bytes_per_token = self.encoded.bytes_per_token
+        self.check_windows(
+            f"{self.source.name} has {len(self.tokens):,} bytes",
+            f" with dataset.val_fraction={self.val_fraction}",
+        )
+        self.task = LanguageModelling(
+            vocab_size=vocab, block_size=self.block_size, bytes_per_token=bytes_per_token
+        )
+        return self.task
 
     def resume_key(self) -> dict:
         """The corpus's length and a digest of evenly spread samples of it: text added, cut or
         edited since a checkpoint moves the split and the windows' offsets, and a resume would
         go on with other windows and validate on other text. (Not the cache key: touching a
-        file without changing it must not refuse a resume.)"""
+        file without changing it must not refuse a resume.) With a tokenizer, its digest too:
+        another tokenizer makes other tokens of the same text."""
         n, block = len(self.tokens), 4096
         digest = hashlib.sha256()
         for start in np.linspace(0, max(0, n - block), num=64, dtype=np.int64):
             digest.update(np.asarray(self.tokens[start : start + block]).tobytes())
-        return {"tokens": n, "digest": digest.hexdigest()[:16]}
+        key = {"tokens": n, "digest": digest.hexdigest()[:16]}
+        if self.encoded is not None:
+            key["tokenizer"] = self.encoded.digest
+        return key
+
+    def record(self) -> dict:
+        if self.encoded is None:
+            return {"tokenizer": "byte"}
+        return {
+            "tokenizer": self.tokenizer,
+            "tokenizer_file": str(self.encoded.tokenizer_path),
+            "tokenizer_digest": self.encoded.digest,
+        }
 
     def describe(self) -> str:
+        n = len(self.tokens)
+        size = f"{n:,} bytes ({n / 1e6:,.1f} MB) of {self.source.name}"
+        if self.encoded is None:
+            return f"{self.train_size:,} windows of {self.block_size} tokens per epoch from {size}"
+        tokens = len(self.train_tokens) + len(self.val_tokens)
         return (
-            f"{self.train_size:,} windows of {self.block_size} tokens per epoch from "
-            f"{len(self.tokens):,} byte tokens ({len(self.tokens) / 1e6:,.1f} MB) of "
-            f"{self.source.name}"
+            f"{self.train_size:,} windows of {self.block_size} tokens per epoch from {tokens:,} "
+            f"{self.tokenizer} tokens ({self.encoded.bytes_per_token:.2f} bytes per token) of "
+            f"{size}"
         )
-
-    def train_batches(
-        self, epoch: int, seed: int, device: torch.device, static: bool = False, start: int = 0
-    ) -> Iterator[Batch]:
-        """Windows at offsets drawn from (seed, epoch); this rank's every world_size-th one."""
-        generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
-        last = self.split - self.block_size  # offsets below it keep the window in training's part
-        offsets = torch.randint(last, (self.train_size,), generator=generator)
-        offsets = self.rank_share(offsets).numpy()
-        b = self.batch_size
-        stop = len(offsets) - len(offsets) % b if self.drop_last else len(offsets)
-        for first in range(start * b, stop, b):
-            yield self._windows(offsets[first : first + b], device)
-
-    def val_batches(self, device: torch.device) -> Iterator[Batch]:
-        """`val_size` windows spread evenly over the validation tail, in order."""
-        last = len(self.tokens) - self.block_size - 1  # the last offset with a whole window
-        offsets = np.linspace(self.split, last, self.sizes[1]).round().astype(np.int64)
-        for first in range(0, len(offsets), self.batch_size):
-            yield self._windows(offsets[first : first + self.batch_size], device)
-
-    def _windows(self, offsets: np.ndarray, device: torch.device) -> Batch:
-        """(inputs, targets) of the windows at `offsets`: read from the memory map (only these
-        tokens come off the disk), pinned and copied without blocking on CUDA."""
-        index = offsets[:, None] + np.arange(self.block_size + 1)
-        windows = torch.from_numpy(self.tokens[index].astype(np.int64))
-        if device.type == "cuda":
-            windows = windows.pin_memory().to(device, non_blocking=True)
-        return windows[:, :-1], windows[:, 1:]

@@ -12,12 +12,16 @@ import torch.nn.functional as F
 
 from mpexp.tasks.base import IGNORE_INDEX, Result, Task
 
+VOCAB_MULTIPLE = 64
+
 
 @dataclass(frozen=True)
 class LanguageModelling(Task):
     vocab_size: int
     block_size: int  # tokens per window the model sees
-    bytes_per_token: float = 1.0  # 1 for byte-level tokens: bits per byte = bits per token
+    # bytes of the original text per token, for val/bpb: 1 for byte-level tokens (bits per byte
+    # = bits per token); None where the data does not know it (no val/bpb then)
+    bytes_per_token: float | None = 1.0
     # trainer.z_loss: the weight of an auxiliary loss on the square of the logits' log-normaliser
     # (log of the softmax's denominator), which keeps it near 0 so that the logits cannot drift
     # upwards together; the training loss only, validation reports the cross-entropy
@@ -35,8 +39,14 @@ class LanguageModelling(Task):
         "val/token_acc": "max,last",
     }
 
+    @property
+    def model_vocab_size(self) -> int:
+        """The model's vocabulary: the data's, padded up to a multiple of 64 (as nanoGPT pads
+        GPT-2's 50,257 to 50,304) for the tensor cores' tiles. No target is a padding id."""
+        return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
     def model_kwargs(self) -> dict[str, Any]:
-        return {"vocab_size": self.vocab_size}
+        return {"vocab_size": self.model_vocab_size}
 
     def describe_inputs(self) -> str:
         return f"windows of {self.block_size} tokens (vocabulary {self.vocab_size})"
@@ -46,7 +56,7 @@ class LanguageModelling(Task):
         return tokens, tokens.clone()
 
     def check_output(self, shape: tuple[int, ...]) -> str | None:
-        expected = (1, self.block_size, self.vocab_size)
+        expected = (1, self.block_size, self.model_vocab_size)
         if shape == expected:
             return None
         return (
@@ -74,19 +84,19 @@ class LanguageModelling(Task):
     def val_metrics(self, sums: list[float], count: int) -> dict[str, float]:
         loss_sum, correct = sums
         loss = loss_sum / count
-        return {
+        metrics = {
             "val/loss": loss,
             # overflows to inf only for a loss above ~709 nats, far past any model that learns
             "val/ppl": math.exp(min(loss, 709.0)),
-            "val/bpb": loss / math.log(2) / self.bytes_per_token,
             "val/token_acc": correct / count,
         }
+        if self.bytes_per_token is not None:
+            metrics["val/bpb"] = loss / math.log(2) / self.bytes_per_token
+        return metrics
 
     def epoch_text(self, row: dict[str, Any]) -> str:
-        return (
-            f"Val Loss: {row['val/loss']:.4f}, Val PPL: {row['val/ppl']:.2f}, "
-            f"Val BPB: {row['val/bpb']:.3f}"
-        )
+        text = f"Val Loss: {row['val/loss']:.4f}, Val PPL: {row['val/ppl']:.2f}"
+        return text + (f", Val BPB: {row['val/bpb']:.3f}" if "val/bpb" in row else "")
 
     def throughput(self, samples_per_s: float) -> dict[str, float]:
         return {"perf/tokens_per_s": samples_per_s * self.block_size}

@@ -1,0 +1,215 @@
+"""Subword tokens for dataset=text: a byte-level BPE learned from the corpus's training part, or a
+tokenizer.json the user has (GPT-2's, Llama's), through Hugging Face `tokenizers`.
+
+The corpus's bytes (mpexp/data/text.py's token cache) are split first, the training part from the
+validation part at a character boundary, and each part is encoded on its own, so no token spans
+the split and the validation text's bytes per token are known exactly: `val/bpb` stays bits per
+byte of the original text, comparable between tokenizers. The learned tokenizer
+(`<stem>-bpe<N>.tokenizer.json`) and the encoded tokens (`<stem>-<tokenizer>.bin`, uint16 or uint32,
+training tokens then validation tokens) are cached beside the byte tokens, with a key
+(`<stem>-<tokenizer>.json`) that records the source, the split and the tokenizer's digest: a
+changed corpus, vocabulary or tokenizer file rebuilds them. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mpexp.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1  # bump when the encoded file's layout changes: older caches are rebuilt
+PIECE = 1 << 16  # bytes of text encoded at a time, cut at a line's end
+BATCH = 64  # pieces handed to the (multi-threaded) encoder at once
+BYTE_ALPHABET = 256  # a byte-level BPE starts from every byte: its vocabulary is never smaller
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A corpus encoded by a tokenizer: its two parts' tokens and what they came from."""
+
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer_path: Path
+    digest: str  # of the tokenizer file's bytes
+    tokenizer_vocab: int
+    bytes_per_token: float  # of the validation text
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise ConfigError(
+            "dataset.tokenizer other than byte needs Hugging Face tokenizers: "
+            "pip install 'mpexp[bpe]' (or pip install tokenizers)."
+        ) from None
+    return tokenizers
+
+
+def load(path: Path):
+    """A tokenizer.json, or one message saying why it does not load."""
+    tokenizers = _tokenizers()
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for every kind of bad file
+        raise DataError(
+            f"dataset.tokenizer={path} does not load as a Hugging Face tokenizer.json ({err}). "
+            "Give the tokenizer.json file itself, dataset.tokenizer=bpe to learn one from the "
+            "corpus, or dataset.tokenizer=byte."
+        ) from None
+
+
+def char_boundary(data: np.ndarray, at: int) -> int:
+    """The first position from `at` on that starts a UTF-8 character (or the end)."""
+    while at < len(data) and data[at] & 0xC0 == 0x80:
+        at += 1
+    return at
+
+
+def pieces(data: np.ndarray, start: int, stop: int) -> Iterator[str]:
+    """The text of data[start:stop] in pieces of about `PIECE` bytes, each cut after a newline
+    where there is one (else at a character boundary)."""
+    while start < stop:
+        end = min(stop, start + PIECE)
+        if end < stop:
+            chunk = np.asarray(data[start:end])
+            newline = np.flatnonzero(chunk == ord("\n"))
+            end = start + int(newline[-1]) + 1 if len(newline) else char_boundary(data, end)
+        yield bytes(np.asarray(data[start:end])).decode("utf-8")
+        start = end
+
+
+def learn_bpe(data: np.ndarray, split: int, vocab_size: int, path: Path):
+    """A byte-level BPE of `vocab_size` tokens learned from data[:split], written to `path`."""
+    tokenizers = _tokenizers()
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    log.info("Learning a byte-level BPE of %d tokens from %s bytes", vocab_size, f"{split:,}")
+    tokenizer.train_from_iterator(pieces(data, 0, split), trainer)
+    _write_atomically(path, tokenizer.to_str().encode())
+    return tokenizer
+
+
+def encode(
+    data: np.ndarray, split: int, cache: Path, stem: str, source_key: dict, spec: str, vocab: int
+) -> Encoded:
+    """The corpus's bytes (`data`, the training part before `split`) as the tokens of `spec`
+    (`bpe` with `vocab` tokens, or a tokenizer.json's path), from the cache or built into it."""
+    split = char_boundary(data, split)
+    if spec == "bpe":
+        if vocab < BYTE_ALPHABET:
+            raise ConfigError(
+                f"dataset.vocab_size={vocab} is smaller than a byte-level BPE's {BYTE_ALPHABET} "
+                "byte tokens: give dataset.vocab_size >= 256 (e.g. 4096)."
+            )
+        name = f"bpe{vocab}"
+        tokenizer_path = cache / f"{stem}-{name}.tokenizer.json"
+    else:
+        tokenizer_path = Path(spec).expanduser().resolve()
+        if not tokenizer_path.is_file():
+            raise DataError(
+                f"dataset.tokenizer={spec} is no file. Give a Hugging Face tokenizer.json, "
+                "dataset.tokenizer=bpe to learn one from the corpus, or dataset.tokenizer=byte."
+            )
+        name = "tok-" + hashlib.sha256(str(tokenizer_path).encode()).hexdigest()[:8]
+    tokens_path, key_path = cache / f"{stem}-{name}.bin", cache / f"{stem}-{name}.json"
+    key = {"version": CACHE_VERSION, "source": source_key, "split": split, "tokenizer": spec}
+    if spec == "bpe":
+        key["vocab_size"] = vocab
+    saved = _read_key(key_path)
+    fresh = saved is not None and saved["key"] == key and tokenizer_path.is_file()
+    if spec == "bpe" and not fresh:
+        learn_bpe(data, split, vocab, tokenizer_path)
+    digest = file_digest(tokenizer_path)
+    tokenizer = load(tokenizer_path)
+    size = tokenizer.get_vocab_size()
+    dtype = np.uint16 if size <= 1 << 16 else np.uint32
+    expected = None if saved is None else saved["train"] + saved["val"]
+    if not (
+        fresh
+        and saved["digest"] == digest
+        and tokens_path.is_file()
+        and tokens_path.stat().st_size == (expected or 0) * np.dtype(dtype).itemsize
+    ):
+        saved = _encode_into(tokenizer, data, split, tokens_path, dtype)
+        saved.update(key=key, digest=digest)
+        _write_atomically(key_path, json.dumps(saved).encode())
+    tokens = np.memmap(tokens_path, dtype=dtype, mode="r")
+    train, val = tokens[: saved["train"]], tokens[saved["train"] :]
+    val_bytes = len(data) - split
+    return Encoded(train, val, tokenizer_path, digest, size, val_bytes / max(1, len(val)))
+
+
+def _encode_into(tokenizer, data: np.ndarray, split: int, path: Path, dtype) -> dict:
+    """Write the training part's tokens, then the validation part's, to `path`; their counts."""
+    log.info("Encoding %s bytes with %s", f"{len(data):,}", path.name)
+    counts = {}
+    partial = path.with_suffix(f".bin.{os.getpid()}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with partial.open("wb") as out:
+            for part, (start, stop) in (("train", (0, split)), ("val", (split, len(data)))):
+                before = out.tell()
+                batch = []
+                for piece in [*pieces(data, start, stop), None]:
+                    if piece is not None:
+                        batch.append(piece)
+                    if batch and (piece is None or len(batch) == BATCH):
+                        for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+                            out.write(np.asarray(encoding.ids, dtype=dtype).tobytes())
+                        batch = []
+                counts[part] = (out.tell() - before) // np.dtype(dtype).itemsize
+        os.replace(partial, path)
+    except OSError as err:
+        raise DataError(
+            f"The encoded corpus cannot be written in {path.parent} ({err.strerror or err}). "
+            "Point dataset.cache_dir at a writable folder with room for it."
+        ) from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return counts
+
+
+def _read_key(path: Path) -> dict | None:
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    whole = isinstance(saved, dict) and {"key", "train", "val", "digest"} <= saved.keys()
+    return saved if whole else None
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    except OSError as err:
+        partial.unlink(missing_ok=True)
+        raise DataError(
+            f"{path.name} cannot be written in {path.parent} ({err.strerror or err}). Point "
+            "dataset.cache_dir at a writable folder."
+        ) from None
