@@ -20,6 +20,8 @@ from mpexp.tracking.tracker import RunContext
 from tests.conftest import TINY, make_cfg
 from tests.test_compile import Backend
 from tests.test_language_model import tiny_lm
+from tests.test_tokens import VOCAB, bin_pair
+from tests.test_training import read_metrics
 
 
 def _largest_logit(model: GPT, tokens: torch.Tensor) -> float:
@@ -113,3 +115,27 @@ def test_the_logit_growth_diagnostic_compiles_nothing_on_its_steps(monkeypatch, 
     for row in growth:
         layers = [row[f"diag/blocks.{i}.attn/attn_logit_max"] for i in (0, 1)]
         assert row["diag/total/attn_logit_max"] == max(layers) > 0
+
+
+def test_the_gpt2_small_recipe_trains_on_token_files_as_its_preset_says(tmp_path):
+    """experiment=gpt2_small at a CPU's scale (one small block, short windows): the recipe's
+    optimizer, schedule on the device, accumulation, clipping and step budget as composed."""
+    folder = bin_pair(tmp_path)
+    cfg = make_cfg(
+        "experiment=gpt2_small", f"dataset.path={folder}", f"dataset.vocab_size={VOCAB}",
+        "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+        "dataset.batch_size=16", "dataset.train_size=64", "dataset.val_size=16",
+        "trainer.accumulate=2", "trainer.max_steps=6", "trainer.eval_every_steps=3",
+        "scheduler.warmup_steps=2", "trainer.log_every=3", "trainer.progress=false",
+        "wandb.mode=disabled",
+    )  # fmt: skip
+    summary = train(cfg, RunContext(tmp_path / "run"))
+    ran = summary["ran"]
+    assert (ran["accumulate"], ran["clip_grad_norm"], ran["schedule"]) == (2, 1.0, "device")
+    assert summary["ran"]["task"]["vocab_size"] == VOCAB
+    steps, rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [3, 6] and rows[-1]["tokens"] == 6 * 16 * 32
+    rates = [r["lr"] for r in steps]  # warm-up over 2 steps, then cosine to a tenth of 6e-4
+    assert rates[:2] == pytest.approx([3e-4, 6e-4]) and rates[-1] == pytest.approx(
+        6e-5 + (6e-4 - 6e-5) * 0.5 * (1 + math.cos(math.pi * 3 / 4)), rel=1e-5
+    )

@@ -98,7 +98,9 @@ def takes_tensor_lr(optimizer: torch.optim.Optimizer) -> bool:
     first = optimizer.param_groups[0]["params"][0]
     param = torch.zeros(1, device=first.device, dtype=first.dtype, requires_grad=True)
     param.grad = torch.zeros_like(param)
-    settings = {**optimizer.defaults, "lr": torch.tensor(1e-3, device=first.device)}
+    accepted = inspect.signature(type(optimizer)).parameters  # AdamW's defaults hold more
+    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    settings["lr"] = torch.tensor(1e-3, device=first.device)
     try:
         type(optimizer)([param], **settings).step()
     except (TypeError, ValueError, RuntimeError):
