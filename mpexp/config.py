@@ -264,8 +264,14 @@ class SimpleCNNConfig(ModelConfig):
 
 
 @dataclass
+class ResNetConfig(ModelConfig):
+    weights: Optional[str] = None  # torchvision's ImageNet weights (e.g. IMAGENET1K_V1); null: none
+
+
+@dataclass
 class ViTConfig(ModelConfig):
-    patch_size: int = 4
+    patch_size: Optional[int] = None  # pixels per patch side; null: from the image size
+    max_tokens: int = 1024  # patches per image beyond which a patch size is refused
     width: int = 192
     depth: int = 6
     heads: int = 3
@@ -393,6 +399,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "model": {
         "base": ModelConfig,
         "simplecnn": SimpleCNNConfig,
+        "resnet": ResNetConfig,
         "vit": ViTConfig,
         "gpt": GPTConfig,
     },
