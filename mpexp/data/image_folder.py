@@ -2,10 +2,18 @@
 named after it. The images are decoded in DataLoader worker processes as batches are needed, so a
 set of any size trains; only the list of files is held in memory.
 
-`path/train/<class>/` and `path/val/<class>/` are the two splits. A folder of class folders alone
-(`path/<class>/`, or `path/train/<class>/` without `val/`) is split per class, `val_fraction` of
-each class's images validating, drawn by `split_seed`: the same split for every run, whatever its
-`trainer.seed`, so that seeds and precisions are compared on the same images.
+`path/train/<class>/` and `path/val/<class>/` are the two splits (`valid/` or `validation/` in
+place of `val/`). A folder of class folders alone (`path/<class>/`, or `path/train/<class>/`
+without a validation folder) is split per class, `val_fraction` of each class's images validating,
+drawn from (`split_seed`, the class's name): the same split for every run, whatever its
+`trainer.seed`, so that seeds and precisions are compared on the same images, and a file added to
+or removed from one class moves no other class's images. A `path/test/<class>/` beside `train/` is
+evaluated once, when training ends, and reported apart (`test/acc`, `test/loss`).
+
+A checkpoint keeps the folder's resume key (each class's files with their sizes, per split, and
+the normalisation); a resume on a folder that has changed since is refused, naming what changed:
+an image moved between the splits would be validated on after it was trained on. Symbolic links
+are followed within the folder; one that leads out of it, or round in a loop, is refused.
 
 An epoch's order is a seeded permutation of the training images, sharded across ranks as the
 in-memory sets shard it (mpexp/data/base.py); a resumed run asks for the images from its batch on,
@@ -17,9 +25,12 @@ Batches travel as uint8 in pinned memory; on the device they are converted to fl
 memory format, cropped and flipped as the in-memory sets are (mpexp/data/augment.py) and normalised.
 On CUDA the next batch is copied on a stream of its own while the current step runs.
 
-An image that cannot be decoded is replaced by the next image of its split that can, counted,
-named in a warning once and recorded in `ran.data.undecodable`: a damaged file among many does not
-stop a long run, and every run on the same files sees the same images.
+Images are decoded upright (their EXIF orientation applied). An image that cannot be decoded is
+replaced by the next image of its split that can, counted, named in a warning once and recorded in
+`ran.data.undecodable`: a damaged file among many does not stop a long run, and every run on the
+same files sees the same images. A class none of whose images decodes stops the run, named. A read
+that fails with a transient error (EIO, EAGAIN, a stale network handle) is tried again before the
+image counts as damaged.
 """
 
 from __future__ import annotations
@@ -255,9 +266,8 @@ class ImageFolderData(TrainingData):
             self.layout += ", test/"
             splits["test"] = scan_classes(root, root / "test", ignored)
             check_same_classes(splits["train"], splits["test"], root, "test")
-        if (
-            len(splits["train"]) < 2
-        ):  # a path one level too high: a 100 % accuracy that means nothing
+        # a path one level too high: a 100 % accuracy that means nothing
+        if len(splits["train"]) < 2:
             (only,) = splits["train"]
             raise DataError(
                 f"dataset.path={self.path} holds one class folder ({only}): one class leaves "
