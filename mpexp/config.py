@@ -207,7 +207,7 @@ class ImageFolderDatasetConfig:
     workers."""
 
     _target_: str = MISSING
-    path: Optional[str] = None  # train/ and val/ class folders, or class folders to split
+    path: Optional[str] = None  # train/, val/ (valid/) and test/ class folders, or ones to split
     val_fraction: float = 0.1  # of each class, where there is no val/
     split_seed: int = 0  # that split's draw: the same for every trainer.seed
     image_size: int = 224  # the square the model sees
