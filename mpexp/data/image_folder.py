@@ -114,6 +114,14 @@ def _decode(path: str, least: int | None) -> torch.Tensor:
         return v2.functional.pil_to_tensor(image.convert("RGB"))
 
 
+def file_size(path: bytes) -> int:
+    """The file's size in bytes, -1 where it cannot be read (gone, no permission)."""
+    try:
+        return retrying(lambda: os.stat(path).st_size)
+    except OSError:
+        return -1
+
+
 def undecodable_reason(path: str) -> str | None:
     """Why `path` cannot be decoded, or None when it can."""
     try:
@@ -149,13 +157,15 @@ class Split(Dataset):
         return range(int(where[0]), int(where[-1]) + 1) if len(where) else range(0)
 
     def digest(self, label: int) -> str:
-        """A class's files, their number, total size and a digest of their names and sizes."""
+        """A class's files, their number, total size and a digest of their names and sizes (-1:
+        a file gone since the scan)."""
+        members, root = self.of_class(label), os.fsencode(self.root)
         digest, total = hashlib.sha256(), 0
-        for index in self.of_class(label):
-            size = retrying(lambda i=index: os.path.getsize(self.path(i)))
-            digest.update(self.files[index] + b"\0" + str(size).encode() + b"\0")
-            total += size
-        return f"{len(self.of_class(label))} files, {total:,} bytes, {digest.hexdigest()[:12]}"
+        for name in self.files[members.start : members.stop]:
+            size = file_size(os.path.join(root, name))
+            digest.update(name + b"\0" + str(size).encode() + b"\0")
+            total += max(size, 0)
+        return f"{len(members)} files, {total:,} bytes, {digest.hexdigest()[:12]}"
 
     def __getitem__(self, key: tuple[int, int | None, int]):
         """(image, label, index, source): `source` is the index of the file decoded, the next
