@@ -528,3 +528,16 @@ def test_a_transient_read_error_is_retried_not_counted_as_damage(photos, monkeyp
     data = open_folder(photos)
     assert len(epoch(data)) == 6
     assert failed and not data.undecodable
+
+
+def test_a_checkpoint_that_kept_no_record_of_the_folder_is_not_resumed(photos, tmp_path,
+                                                                       monkeypatch):  # fmt: skip
+    """A run from before the key (simulated): its split may have been drawn otherwise, and
+    nothing says the folder is the same."""
+    args = [*IN_PROCESS, f"dataset.path={photos}"]
+    run = tmp_path / "run"
+    with monkeypatch.context() as old_mpexp:
+        old_mpexp.setattr(ImageFolderData, "resume_key", lambda self: None)
+        train(make_cfg(*args, "trainer.epochs=1"), RunContext(run))
+    with pytest.raises(ConfigError, match="kept no record of the data it trained on"):
+        train(make_cfg(*args, "trainer.epochs=2", f"trainer.resume={run}"), RunContext(run))

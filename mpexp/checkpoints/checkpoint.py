@@ -369,11 +369,18 @@ class Resume:
 
     def check_data(self, now: dict | None) -> None:
         """Refuse a resume whose data is not what the checkpoint trained on (`now`: the data's
-        resume_key), before the run changes anything. A checkpoint written before the key was
-        kept has none: nothing to compare."""
+        resume_key), before the run changes anything; and one whose checkpoint keeps no key
+        where the data now has one (written before mpexp kept it): nothing says that the data is
+        the same, and an image folder's split by val_fraction has been drawn otherwise since."""
         saved = self.state.get("data")
-        if saved is None or saved == now:
+        if saved == now:
             return
+        if saved is None:
+            raise ResumeRefused(
+                f"trainer.resume: {self.path} was written by an mpexp that kept no record of the "
+                "data it trained on, so a resume cannot check that the data is the same (an "
+                "image folder's split is drawn per class since): start a new run."
+            )
         now = now or {}
         # in the key's own order: what the data puts first says most
         keys = [*now, *(k for k in saved if k not in now)]
