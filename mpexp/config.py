@@ -218,7 +218,7 @@ class ImageFolderDatasetConfig:
     workers."""
 
     _target_: str = MISSING
-    path: Optional[str] = None  # train/ and val/ class folders, or class folders to split
+    path: Optional[str] = None  # train/, val/ (valid/) and test/ class folders, or ones to split
     val_fraction: float = 0.1  # of each class, where there is no val/
     split_seed: int = 0  # that split's draw: the same for every trainer.seed
     image_size: int = 224  # the square the model sees
@@ -296,8 +296,14 @@ class SimpleCNNConfig(ModelConfig):
 
 
 @dataclass
+class ResNetConfig(ModelConfig):
+    weights: Optional[str] = None  # torchvision's ImageNet weights (e.g. IMAGENET1K_V1); null: none
+
+
+@dataclass
 class ViTConfig(ModelConfig):
-    patch_size: int = 4
+    patch_size: Optional[int] = None  # pixels per patch side; null: from the image size
+    max_tokens: int = 1024  # patches per image beyond which a patch size is refused
     width: int = 192
     depth: int = 6
     heads: int = 3
@@ -428,6 +434,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "model": {
         "base": ModelConfig,
         "simplecnn": SimpleCNNConfig,
+        "resnet": ResNetConfig,
         "vit": ViTConfig,
         "gpt": GPTConfig,
     },

@@ -98,7 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--precisions", help="comma-separated; default: all on CUDA, fp32 on CPU")
-    p.add_argument("--model", help="deepcnn | simplecnn | resnet18 | vit (default: per device)")
+    p.add_argument(
+        "--model", help="deepcnn | simplecnn | resnet18_cifar | vit (default: per device)"
+    )
     p.add_argument("--train-size", type=int, help="training samples per epoch")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--epochs", type=int, help="timed epochs; one more runs first as warm-up")

@@ -138,7 +138,9 @@ def test_augmentation_is_off_for_digits_and_on_in_the_cifar10_resnet_preset():
         assert (augment.crop_padding, augment.flip) == (0, False)
     cfg = make_cfg("experiment=cifar10_resnet")
     assert (cfg.dataset.augment.crop_padding, cfg.dataset.augment.flip) == (4, True)
-    assert cfg.dataset._target_.endswith("CIFAR10Data") and cfg.model._target_.endswith("resnet18")
+    assert cfg.dataset._target_.endswith("CIFAR10Data") and cfg.model._target_.endswith(
+        "resnet18_cifar"
+    )
     opt = cfg.optimizer
     assert (opt._target_, opt.lr, opt.momentum, opt.weight_decay) == ("torch.optim.SGD", 0.1,
                                                                       0.9, 5e-4)  # fmt: skip

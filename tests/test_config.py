@@ -56,6 +56,8 @@ def test_groups_hold_the_documented_options():
         "gpt",
         "gpt2_small",
         "resnet18",
+        "resnet18_cifar",
+        "resnet50",
         "simplecnn",
         "simplecnn_small",
         "vit",
@@ -229,11 +231,12 @@ def test_every_preset_composes_and_builds_with_every_model_and_dataset(experimen
         task = LanguageModelling(vocab_size=256, block_size=cfg.dataset.block_size)
     else:
         task = Classification(channels=3, height=32, width=32, num_classes=10)
-    # ViT-Base's and GPT-2 small's 85 M parameters take seconds to initialise on a CPU; the
-    # shapes are what is checked here, and the meta device propagates them without computing
-    device = "meta" if model in ("vit_base", "gpt2_small") else "cpu"
+    # ViT-Base's and GPT-2 small's 85 M parameters (ResNet-50's 25 M) take seconds to initialise
+    # on a CPU; the shapes are what is checked here, and the meta device propagates them without
+    # computing
+    device = "meta" if model in ("vit_base", "gpt2_small", "resnet50") else "cpu"
     with torch.device(device):
-        net = build(cfg.model, **task.model_kwargs())
+        net = build(cfg.model, **task.model_kwargs()).eval()  # as build_model tries one image
         inputs, _ = task.example(1, device)
         assert task.check_output(tuple(net(inputs).shape)) is None
 

@@ -103,7 +103,7 @@ def reads(tmp_path, name: str, steps: int, flushes: int, *overrides: str) -> int
             [
                 "precision=fp32",
                 "loss_scaling=dynamic",
-                "model=resnet18",
+                "model=resnet18_cifar",
                 "dataset.height=8",
                 "dataset.width=8",
             ],

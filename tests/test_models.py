@@ -5,11 +5,14 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
+from torchvision.models import ResNet18_Weights, ResNet50_Weights
 
 from mpexp.errors import ConfigError
 from mpexp.models.deepcnn import DeepCNN
 from mpexp.models.vit import SelfAttention, vit
 from mpexp.run.build import build, build_model
+from mpexp.step import flops
+from mpexp.tasks.classification import Classification
 from tests.conftest import make_cfg
 
 
@@ -77,3 +80,65 @@ def test_vit_refuses_what_it_cannot_take_naming_the_key(overrides, message):
     info = build(cfg.dataset).setup(torch.device("cpu"))
     with pytest.raises(ConfigError, match=message):
         build_model(cfg.model, info, "vit")
+
+
+def forward_macs(model: nn.Module, side: int) -> float:
+    """Multiply-accumulates of one image's forward pass, by the count the run's FLOPs come from."""
+    with flops._FlopCount() as counter:
+        model.to("meta")(torch.empty(1, 3, side, side, device="meta"))
+    return counter.total / 2
+
+
+@pytest.mark.parametrize(("name", "published"), [("resnet18", ResNet18_Weights),
+                                                  ("resnet50", ResNet50_Weights)])  # fmt: skip
+def test_imagenet_resnets_at_224_have_torchvisions_published_flops(name, published):
+    """torchvision publishes its models' forward GFLOPS as multiply-accumulates: ResNet-18 1.81."""
+    task = Classification(channels=3, height=224, width=224, num_classes=1000)
+    with torch.device("meta"):
+        model = build(make_cfg(f"model={name}").model, **task.model_kwargs())
+    assert forward_macs(model, 224) / 1e9 == pytest.approx(published.DEFAULT.meta["_ops"], rel=0.01)
+    # what the run records: forward, loss and backward of one sample, about three forwards
+    per_sample = flops.flops_per_sample(model, task, 2)
+    assert 2.8 < per_sample / (2 * forward_macs(model, 224)) < 3.0
+
+
+def test_the_cifar_resnet_keeps_small_images_whole_and_is_the_cifar_presets():
+    with torch.device("meta"):
+        cifar = build(make_cfg("model=resnet18_cifar").model, num_classes=10)
+        imagenet = build(make_cfg("model=resnet18").model, num_classes=10)
+    assert cifar.conv1.kernel_size == (3, 3) and isinstance(cifar.maxpool, nn.Identity)
+    assert forward_macs(cifar, 32) == pytest.approx(0.556e9, rel=0.01)
+    assert make_cfg("experiment=cifar10_resnet").model._target_.endswith("resnet18_cifar")
+    # at 224 px the CIFAR stem costs about 15 ImageNet ResNet-18s: why resnet18 is ImageNet's
+    assert 14 < forward_macs(cifar, 224) / forward_macs(imagenet, 224) < 16
+
+
+def test_imagenet_resnets_take_one_channel_and_refuse_weights_they_cannot_use():
+    with torch.device("meta"):
+        grey = build(make_cfg("model=resnet18").model, in_channels=1, num_classes=10)
+        assert grey(torch.randn(2, 1, 64, 64)).shape == (2, 10)
+    with pytest.raises(ConfigError, match=r"model.weights=NEWEST names no weights of resnet18: "
+                                          r"give one of IMAGENET1K_V1, DEFAULT"):  # fmt: skip
+        build(make_cfg("model=resnet18", "model.weights=NEWEST").model, num_classes=10)
+    with pytest.raises(ConfigError, match=r"model.weights=DEFAULT are for RGB images; this data "
+                                          r"has 1 channel"):  # fmt: skip
+        build(make_cfg("model=resnet18", "model.weights=DEFAULT").model, in_channels=1)
+
+
+@pytest.mark.parametrize(("side", "patch", "tokens"), [(28, 4, 49), (32, 4, 64), (64, 8, 64),
+                                                       (224, 16, 196)])  # fmt: skip
+def test_vit_takes_its_patch_size_from_the_image_size(side, patch, tokens):
+    with torch.device("meta"):
+        model = build(make_cfg("model=vit").model, num_classes=10, image_size=(side, side))
+    assert model.patch_size == patch and model.seq_length == tokens + 1  # and the class token
+
+
+def test_vit_refuses_a_patch_size_that_makes_too_many_tokens_naming_the_keys():
+    cfg = make_cfg("model=vit", "model.patch_size=4")
+    with pytest.raises(ConfigError) as err:
+        build(cfg.model, num_classes=10, image_size=(224, 224))
+    assert str(err.value) == (
+        "model.patch_size=4 cuts 224x224 images into 3,136 patches, more than "
+        "model.max_tokens=1,024 (attention's cost grows with their square): give "
+        "model.patch_size=null (16 here, 196 patches), or raise model.max_tokens."
+    )

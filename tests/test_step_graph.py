@@ -308,7 +308,9 @@ class CountingCNN(SimpleCNN):
         return super().forward(x) * (1.0 if self.calls % 2 else 0.5)
 
 
-@pytest.mark.parametrize("name", ["deepcnn", "simplecnn", "resnet18", "vit", "gpt"])
+@pytest.mark.parametrize(
+    "name", ["deepcnn", "simplecnn", "resnet18_cifar", "resnet18", "vit", "gpt"]
+)
 def test_mpexps_own_models_are_captured_by_default_on_cuda(name):
     cfg = make_cfg(f"model={name}")
     if name == "gpt":

@@ -91,11 +91,18 @@ ADDED_KEYS = {
 }
 
 
+# Keys that a run resolves from null to a value its data's resume key keeps (an image folder's
+# normalisation, computed and logged): given back as logged, they change nothing, and
+# Resume.check_data compares the value with the one the run used
+RESOLVED_KEYS = {"dataset.mean": "mean", "dataset.std": "std"}
+
+
 # what every checkpoint holds (Checkpointer.save), and what a single-file one adds to it
 STATE_KEYS = ("position", "scaler", "schedule", "log", "metrics_bytes", "wandb_id", "config",
               "overrides")  # fmt: skip
 FILE_KEYS = ("model", "optimizer", "rng")
 POSITION = ("epoch", "batch", "step")
+CHANGES_NAMED = 4  # differences of the data a refused resume names; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -369,16 +376,26 @@ class Resume:
 
     def check_data(self, now: dict | None) -> None:
         """Refuse a resume whose data is not what the checkpoint trained on (`now`: the data's
-        resume_key), before the run changes anything. A checkpoint written before the key was
-        kept has none: nothing to compare."""
+        resume_key), before the run changes anything; and one whose checkpoint keeps no key
+        where the data now has one (written before mpexp kept it): nothing says that the data is
+        the same, and an image folder's split by val_fraction has been drawn otherwise since."""
         saved = self.state.get("data")
-        if saved is None or saved == now:
+        if saved == now:
             return
+        if saved is None:
+            raise ResumeRefused(
+                f"trainer.resume: {self.path} was written by an mpexp that kept no record of the "
+                "data it trained on, so a resume cannot check that the data is the same (an "
+                "image folder's split is drawn per class since): start a new run."
+            )
+        now = now or {}
+        # in the key's own order: what the data puts first says most
+        keys = [*now, *(k for k in saved if k not in now)]
+        differ = [k for k in keys if saved.get(k) != now.get(k)]
         changed = ", ".join(
-            f"{key} {saved.get(key)} then, {now.get(key)} now"
-            for key in sorted(saved.keys() | now.keys())
-            if saved.get(key) != now.get(key)
-        )
+            f"{key} {saved.get(key, 'absent')} then, {now.get(key, 'absent')} now"
+            for key in differ[:CHANGES_NAMED]
+        ) + (f" and {len(differ) - CHANGES_NAMED} more" if len(differ) > CHANGES_NAMED else "")
         raise ResumeRefused(
             f"trainer.resume: {self.path} was written while training on other data ({changed}): "
             "a resume would go on with other samples and validate on others. Put the data back "
@@ -592,6 +609,10 @@ def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
     for key, before in ADDED_KEYS.items():
         if key not in saved and now.get(key, missing) == before:
             saved[key] = before  # the run predates the key and did what its value does
+    data = state.get("data") or {}
+    for key, kept in RESOLVED_KEYS.items():
+        if saved.get(key, missing) is None and kept in data and key in now:
+            saved[key] = now[key]  # for Resume.check_data to compare with what the run used
     changed = sorted(
         key
         for key in saved.keys() | now.keys()

@@ -93,6 +93,11 @@ class TrainingData(ABC):
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
         """The validation set in a fixed order, every sample once."""
 
+    def test_batches(self, device: torch.device) -> Iterator[Batch] | None:
+        """A held-out test set as `val_batches` gives validation's, evaluated once when training
+        ends and reported as `test/...`; None where the data has none."""
+        return None
+
     def shard(self, rank: int, world_size: int) -> None:
         """Train on rank `rank`'s share of each epoch; `batch_size` is then per rank."""
         self.rank, self.world_size = rank, world_size

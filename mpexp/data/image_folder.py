@@ -2,10 +2,18 @@
 named after it. The images are decoded in DataLoader worker processes as batches are needed, so a
 set of any size trains; only the list of files is held in memory.
 
-`path/train/<class>/` and `path/val/<class>/` are the two splits. A folder of class folders alone
-(`path/<class>/`, or `path/train/<class>/` without `val/`) is split per class, `val_fraction` of
-each class's images validating, drawn by `split_seed`: the same split for every run, whatever its
-`trainer.seed`, so that seeds and precisions are compared on the same images.
+`path/train/<class>/` and `path/val/<class>/` are the two splits (`valid/` or `validation/` in
+place of `val/`). A folder of class folders alone (`path/<class>/`, or `path/train/<class>/`
+without a validation folder) is split per class, `val_fraction` of each class's images validating,
+drawn from (`split_seed`, the class's name): the same split for every run, whatever its
+`trainer.seed`, so that seeds and precisions are compared on the same images, and a file added to
+or removed from one class moves no other class's images. A `path/test/<class>/` beside `train/` is
+evaluated once, when training ends, and reported apart (`test/acc`, `test/loss`).
+
+A checkpoint keeps the folder's resume key (each class's files with their sizes, per split, and
+the normalisation); a resume on a folder that has changed since is refused, naming what changed:
+an image moved between the splits would be validated on after it was trained on. Symbolic links
+are followed within the folder; one that leads out of it, or round in a loop, is refused.
 
 An epoch's order is a seeded permutation of the training images, sharded across ranks as the
 in-memory sets shard it (mpexp/data/base.py); a resumed run asks for the images from its batch on,
@@ -17,23 +25,29 @@ Batches travel as uint8 in pinned memory; on the device they are converted to fl
 memory format, cropped and flipped as the in-memory sets are (mpexp/data/augment.py) and normalised.
 On CUDA the next batch is copied on a stream of its own while the current step runs.
 
-An image that cannot be decoded is replaced by the next image of its split that can, counted,
-named in a warning once and recorded in `ran.data.undecodable`: a damaged file among many does not
-stop a long run, and every run on the same files sees the same images.
+Images are decoded upright (their EXIF orientation applied). An image that cannot be decoded is
+replaced by the next image of its split that can, counted, named in a warning once and recorded in
+`ran.data.undecodable`: a damaged file among many does not stop a long run, and every run on the
+same files sees the same images. A class none of whose images decodes stops the run, named. A read
+that fails with a transient error (EIO, EAGAIN, a stale network handle) is tried again before the
+image counts as damaged.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import ExifTags, Image, ImageOps
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
@@ -53,21 +67,59 @@ LAYOUT = (
     "train/<class>/ and val/<class>/ folders of images, or one folder per class to split by "
     "dataset.val_fraction"
 )
+VAL_FOLDERS = ("val", "valid", "validation")  # the names people give the validation split
+# read errors that a network or overloaded file system gives and takes back: a read that fails so
+# is tried again (READ_TRIES in all, RETRY_WAIT_S doubling in between), not taken as a damaged file
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE})
+READ_TRIES = 4
+RETRY_WAIT_S = 0.05
+
+T = TypeVar("T")
+
+
+def retrying(read: Callable[[], T]) -> T:
+    """`read()`, tried again after a transient read error (TRANSIENT_ERRNOS) up to READ_TRIES
+    times in all; any other error, or the last one, is raised."""
+    tried = 1
+    while True:
+        try:
+            return read()
+        except OSError as err:
+            if err.errno not in TRANSIENT_ERRNOS or tried == READ_TRIES:
+                raise
+        time.sleep(RETRY_WAIT_S * 2 ** (tried - 1))
+        tried += 1
 
 
 def decode(path: str, least: int | None = None) -> torch.Tensor:
-    """An image file as a 3 x H x W uint8 RGB tensor (greyscale repeated, alpha dropped, the first
-    frame of an animation), by Pillow; raises on a file it cannot decode, with Pillow's reason.
+    """An image file as a 3 x H x W uint8 RGB tensor, upright (its EXIF orientation applied,
+    greyscale repeated, alpha dropped, the first frame of an animation), by Pillow; raises on a
+    file it cannot decode, with Pillow's reason. A transient read error is retried (`retrying`).
 
     `least`: the shorter side the image is needed at. A larger JPEG is then decoded at 1/2, 1/4
     or 1/8 of its size, the smallest that keeps that side (libjpeg's DCT scaling): a 12-megapixel
     photo needed at 256 pixels decodes in a fraction of the time of its full size."""
+    return retrying(lambda: _decode(path, least))
+
+
+def _decode(path: str, least: int | None) -> torch.Tensor:
     with Image.open(path) as image:
-        if least is not None:
+        if least is not None:  # a square: the same scale whichever way the photo is turned
             image.draft("RGB", (least, least))
+        # a camera stores a photo as its sensor read it and says in EXIF which way is up
+        if image.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+            image = ImageOps.exif_transpose(image)
         if image.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit greyscale: its high byte
             image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8))
         return v2.functional.pil_to_tensor(image.convert("RGB"))
+
+
+def file_size(path: bytes) -> int:
+    """The file's size in bytes, -1 where it cannot be read (gone, no permission)."""
+    try:
+        return retrying(lambda: os.stat(path).st_size)
+    except OSError:
+        return -1
 
 
 def undecodable_reason(path: str) -> str | None:
@@ -98,6 +150,22 @@ class Split(Dataset):
 
     def path(self, index: int) -> str:
         return os.path.join(self.root, os.fsdecode(self.files[index]))
+
+    def of_class(self, label: int) -> range:
+        """The indices of a class's images: a class's files are consecutive."""
+        where = np.flatnonzero(self.labels == label)
+        return range(int(where[0]), int(where[-1]) + 1) if len(where) else range(0)
+
+    def digest(self, label: int) -> str:
+        """A class's files, their number, total size and a digest of their names and sizes (-1:
+        a file gone since the scan)."""
+        members, root = self.of_class(label), os.fsencode(self.root)
+        digest, total = hashlib.sha256(), 0
+        for name in self.files[members.start : members.stop]:
+            size = file_size(os.path.join(root, name))
+            digest.update(name + b"\0" + str(size).encode() + b"\0")
+            total += max(size, 0)
+        return f"{len(members)} files, {total:,} bytes, {digest.hexdigest()[:12]}"
 
     def __getitem__(self, key: tuple[int, int | None, int]):
         """(image, label, index, source): `source` is the index of the file decoded, the next
@@ -187,21 +255,30 @@ class ImageFolderData(TrainingData):
             raise DataError(f"dataset.path={self.path} is a file, not a folder holding {LAYOUT}.")
         return root
 
-    def _scan(self, root: Path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-        """Each split's image files (relative to `root`) by class; warns once about files that are
-        not images."""
+    def _scan(self, root: Path) -> dict[str, dict[str, list[str]]]:
+        """Each split's image files (relative to `root`) by class: "train", "val", and "test"
+        where there is a test/ folder beside train/; warns once about files that are not
+        images."""
         ignored: list[str] = []
-        train, val = root / "train", root / "val"
-        if train.is_dir() and val.is_dir():
-            self.layout = "train/ and val/"
-            splits = scan_classes(root, train, ignored), scan_classes(root, val, ignored)
-            check_same_classes(splits[0], splits[1], root)
+        train = root / "train"
+        val = self._val_folder(root) if train.is_dir() else None
+        if val is not None:
+            self.layout = f"train/ and {val.name}/"
+            splits = {"train": scan_classes(root, train, ignored)}
+            splits["val"] = scan_classes(root, val, ignored)
+            check_same_classes(splits["train"], splits["val"], root, val.name)
         else:
             whole = train if train.is_dir() else root
             self.layout = f"{'train/' if whole == train else 'class folders'} split by val_fraction"
-            splits = self._split(scan_classes(root, whole, ignored))
-        if len(splits[0]) < 2:  # a path one level too high: a 100 % accuracy that means nothing
-            (only,) = splits[0]
+            train_files, val_files = self._split(scan_classes(root, whole, ignored))
+            splits = {"train": train_files, "val": val_files}
+        if train.is_dir() and (root / "test").is_dir():
+            self.layout += ", test/"
+            splits["test"] = scan_classes(root, root / "test", ignored)
+            check_same_classes(splits["train"], splits["test"], root, "test")
+        # a path one level too high: a 100 % accuracy that means nothing
+        if len(splits["train"]) < 2:
+            (only,) = splits["train"]
             raise DataError(
                 f"dataset.path={self.path} holds one class folder ({only}): one class leaves "
                 f"nothing to learn. Give the folder that holds {LAYOUT}, with two classes or more."
@@ -219,12 +296,25 @@ class ImageFolderData(TrainingData):
             )
         return splits
 
+    def _val_folder(self, root: Path) -> Path | None:
+        """The validation split's folder beside train/ (val/, valid/ or validation/), if any."""
+        found = [root / name for name in VAL_FOLDERS if (root / name).is_dir()]
+        if len(found) > 1:
+            names = " and ".join(f"{p.name}/" for p in found)
+            raise DataError(
+                f"dataset.path={self.path} holds both {names}: which one validates is not clear. "
+                "Merge them into one, or move one out."
+            )
+        return found[0] if found else None
+
     def _split(self, classes: dict[str, list[str]]) -> tuple[dict, dict]:
         """`val_fraction` of each class's images for validation (at least one left to train on),
-        drawn by `split_seed`."""
-        generator = torch.Generator().manual_seed(self.split_seed)
+        drawn from (`split_seed`, the class's name)."""
         train, val = {}, {}
         for name, files in classes.items():
+            # each class drawn from its own name: a file added to or removed from one class
+            # moves no other class's images between the splits
+            generator = torch.Generator().manual_seed(class_seed(self.split_seed, name))
             order = torch.randperm(len(files), generator=generator).tolist()
             held = min(int(len(files) * self.val_fraction + 0.5), len(files) - 1)
             val[name] = sorted(files[i] for i in order[:held])
@@ -246,20 +336,23 @@ class ImageFolderData(TrainingData):
         """Find the images and their classes, compute the normalisation where it is not given,
         and make the DataLoaders (their workers start with the first epoch)."""
         root = self._root()
-        train, val = self._scan(root)
-        self.classes = sorted(train)
+        scanned = self._scan(root)
+        self.classes = sorted(scanned["train"])
         views = self._views()
-        for name, split in (("train", train), ("val", val)):
+        for name, split in scanned.items():
             files = [f for c in self.classes for f in split[c]]
             labels = [i for i, c in enumerate(self.classes) for _ in split[c]]
             self.splits[name] = Split(root, files, labels, views, self.image_size)
         self.memory_format = memory_format
         self._pin = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._keys = {"train": Keys(), "val": Keys()}
+        self._keys = {name: Keys() for name in self.splits}
         self._loaders = {
-            "train": self._loader("train", self._keys["train"], self.drop_last),
-            "val": self._loader("val", self._keys["val"], drop_last=False),
+            # the test split's workers end with its one evaluation
+            name: self._loader(
+                name, self._keys[name], name == "train" and self.drop_last, name != "test"
+            )
+            for name in self.splits
         }
         if self.mean is None or self.std is None:
             self.mean, self.std = self._statistics()
@@ -354,22 +447,33 @@ class ImageFolderData(TrainingData):
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
         """The validation images in a fixed order, each once, resized and centre-cropped."""
-        self._keys["val"].keys = [(i, None, 0) for i in range(len(self.splits["val"]))]
-        yield from self._on_device(self._checked("val", self._loaders["val"]), device)
+        return self._evaluated("val", device)
+
+    def test_batches(self, device: torch.device) -> Iterator[Batch] | None:
+        """The test/ folder's images as validation's are, where there is one."""
+        return self._evaluated("test", device) if "test" in self.splits else None
+
+    def _evaluated(self, split: str, device: torch.device) -> Iterator[Batch]:
+        self._keys[split].keys = [(i, None, 0) for i in range(len(self.splits[split]))]
+        return self._on_device(self._checked(split, self._loaders[split]), device)
 
     def _checked(self, split: str, loader: Iterable) -> Iterator[tuple[torch.Tensor, ...]]:
         """The loader's host batches as (images, labels, indices), after noting the images that
         had to be replaced (a comparison of two host tensors per batch: no device involved)."""
         for images, labels, index, source in loader:
             if not torch.equal(index, source):
-                self._replaced(self.splits[split], index.tolist(), source.tolist())
+                self._replaced(split, index.tolist(), source.tolist())
             yield images, labels, index
 
-    def _replaced(self, split: Split, indices: list[int], sources: list[int]) -> None:
+    def _replaced(self, name: str, indices: list[int], sources: list[int]) -> None:
+        split = self.splits[name]
         for index, source in zip(indices, sources, strict=True):
             if source == index:
                 continue
             if source < 0:
+                tried = {int(split.labels[(index + i) % len(split)]) for i in range(MAX_TRIES)}
+                if len(tried) == 1:  # all within one class: perhaps that class alone
+                    self._check_class(name, tried.pop(), decode_all=True)
                 raise DataError(
                     f"None of {min(MAX_TRIES, len(split))} images in a row from "
                     f"{split.path(index)} on can be decoded "
@@ -378,9 +482,10 @@ class ImageFolderData(TrainingData):
                     f"{split.root} images? Replace the damaged ones, or remove them."
                 )
             for skipped in range(index, source if source > index else source + len(split)):
-                self._note_undecodable(split.path(skipped % len(split)))
+                self._note_undecodable(name, skipped % len(split))
 
-    def _note_undecodable(self, path: str) -> None:
+    def _note_undecodable(self, name: str, index: int) -> None:
+        path = self.splits[name].path(index)
         if path in self.undecodable:
             return
         self.undecodable[path] = reason = undecodable_reason(path) or "unreadable at the time"
@@ -394,6 +499,25 @@ class ImageFolderData(TrainingData):
                 if len(self.undecodable) == NAMED_UNDECODABLE
                 else "",
             )
+        self._check_class(name, int(self.splits[name].labels[index]))
+
+    def _check_class(self, name: str, label: int, decode_all: bool = False) -> None:
+        """Stop where none of a class's images in split `name` can be decoded (as noted so far,
+        or with `decode_all` as found by decoding them now): other classes' images would stand
+        in for all of them, and the class would be silently dropped."""
+        split = self.splits[name]
+        paths = [split.path(i) for i in split.of_class(label)]
+        if decode_all:
+            if any(undecodable_reason(p) is None for p in paths):
+                return
+        elif not all(p in self.undecodable for p in paths):
+            return
+        raise DataError(
+            f"None of the {len(paths)} {name} images of class {self.classes[label]} can be "
+            f"decoded (e.g. {paths[0]}: {undecodable_reason(paths[0])}), so the class would "
+            "never be seen. Replace them with intact copies, or remove the class's folder from "
+            "every split."
+        )
 
     def _on_device(
         self,
@@ -452,6 +576,17 @@ class ImageFolderData(TrainingData):
 
     # --- what the run records ------------------------------------------------------------------
 
+    def resume_key(self) -> dict:
+        """Each class's training and validation files (names and sizes) and the normalisation: a
+        file added, removed or replaced since a checkpoint, a class added or removed, moves images
+        between the splits or the labels, and a resume would validate on images it trained on.
+        (The test split is evaluated once, at the end: what it holds then is what it reports.)"""
+        key: dict = {"classes": len(self.classes)}
+        for split in ("train", "val"):
+            for label, name in enumerate(self.classes):
+                key[f"{split}/{name}"] = self.splits[split].digest(label)
+        return {**key, "mean": list(self.mean), "std": list(self.std)}
+
     def describe(self) -> str:
         shown = ", ".join(self.classes[:8]) + (", ..." if len(self.classes) > 8 else "")
         return f"{self.train_size:,} training images, {len(self.classes)} classes: {shown}"
@@ -464,6 +599,7 @@ class ImageFolderData(TrainingData):
             "classes": self.classes,
             "train_images": self.train_size,
             "val_images": len(self.splits["val"]),
+            **({"test_images": len(self.splits["test"])} if "test" in self.splits else {}),
             "mean": self.mean,
             "std": self.std,
             "undecodable": sorted(self.undecodable),
@@ -484,15 +620,13 @@ def scan_classes(root: Path, folder: Path, ignored: list[str]) -> dict[str, list
         )
     ignored += [str(p.relative_to(root)) for p in loose]
     classes = {}
+    real_root = os.path.realpath(root)
     for class_folder in folders:
+        real = os.path.realpath(class_folder)
+        if not is_inside(real, real_root):  # train/ or the class folder a link out
+            refuse_link_out(class_folder, real, root)
         images, others = [], []
-        for parent, subfolders, names in os.walk(class_folder, followlinks=True):
-            subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
-            for name in sorted(names):
-                if name.startswith("."):
-                    continue
-                rel = str((Path(parent) / name).relative_to(root))
-                (images if name.lower().endswith(IMAGE_EXTENSIONS) else others).append(rel)
+        walk_class(root, real_root, str(class_folder), (real,), images, others)
         if not images:
             held = f"only {len(others)} other files, e.g. {others[0]}" if others else "nothing"
             raise DataError(
@@ -504,17 +638,70 @@ def scan_classes(root: Path, folder: Path, ignored: list[str]) -> dict[str, list
     return classes
 
 
-def check_same_classes(train: dict, val: dict, root: Path) -> None:
-    """train/ and val/ must name the same classes: a label is a class's place among them."""
-    only_train, only_val = sorted(train.keys() - val.keys()), sorted(val.keys() - train.keys())
-    if only_train or only_val:
+def walk_class(
+    root: Path, real_root: str, folder: str, chain: tuple[str, ...], images: list, others: list
+) -> None:
+    """The files below `folder` into `images` and `others`, relative to `root`: each folder's
+    own files (sorted) before its subfolders'. `chain`: the real paths of the folders walked
+    into, the last `folder`'s. A symbolic link is followed where it stays inside `root`; one that
+    leads out of it, or into a folder of `chain` (a loop), is refused."""
+    with os.scandir(folder) as listing:
+        entries = sorted((e for e in listing if not e.name.startswith(".")), key=lambda e: e.name)
+    subfolders = []
+    for entry in entries:
+        real = os.path.join(chain[-1], entry.name)
+        if entry.is_symlink():
+            real = os.path.realpath(entry.path)
+            if not is_inside(real, real_root):
+                refuse_link_out(Path(entry.path), real, root)
+        if entry.is_dir():  # a link to a folder too
+            if real in chain:
+                raise DataError(
+                    f"{entry.path} is a symbolic link to {real}, a folder that holds it: "
+                    f"dataset.path={root} would be read without end. Remove the link."
+                )
+            subfolders.append((entry.path, real))
+            continue
+        rel = os.path.relpath(entry.path, root)
+        (images if entry.name.lower().endswith(IMAGE_EXTENSIONS) else others).append(rel)
+    for path, real in subfolders:
+        walk_class(root, real_root, path, (*chain, real), images, others)
+
+
+def is_inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def refuse_link_out(path: Path, target: str, root: Path) -> None:
+    raise DataError(
+        f"{path} leads through a symbolic link to {target}, outside dataset.path={root}: a run "
+        "reads only the folder it is given, so that its split and its resume check cover every "
+        "image. Copy or move those images into the folder, or give dataset.path the folder "
+        "that holds them all."
+    )
+
+
+def check_same_classes(train: dict, other: dict, root: Path, name: str) -> None:
+    """train/ and another split's folder (`name`) must name the same classes: a label is a
+    class's place among them."""
+    only_train, only_other = (
+        sorted(train.keys() - other.keys()),
+        sorted(other.keys() - train.keys()),
+    )
+    if only_train or only_other:
         differences = [
             f"only in {where}/: {', '.join(names)}"
-            for where, names in (("train", only_train), ("val", only_val))
+            for where, names in (("train", only_train), (name, only_other))
             if names
         ]
         raise DataError(
-            f"The class folders of {root / 'train'} and {root / 'val'} differ ("
+            f"The class folders of {root / 'train'} and {root / name} differ ("
             f"{'; '.join(differences)}). Each split needs a folder, with images, for every class: "
             "add the missing ones, or remove the extra ones."
         )
+
+
+def class_seed(split_seed: int, name: str) -> int:
+    """The seed of one class's split: from `split_seed` and the class's name alone."""
+    digest = hashlib.sha256(f"{split_seed}/".encode() + os.fsencode(name)).digest()
+    return int.from_bytes(digest[:8], "little")

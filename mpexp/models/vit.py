@@ -1,4 +1,5 @@
-"""torchvision's VisionTransformer, sized down for 28x28 and 32x32 images.
+"""torchvision's VisionTransformer, sized down (ViT-Tiny's width), on patches sized for the images:
+4 pixels at 28-32 px, 16 at 224.
 
 Its Linear layers (attention projections and MLPs) carry nearly all of its FLOPs, which is what
 fp8 training converts: the model on which `precision=fp8` can show what it does.
@@ -13,6 +14,11 @@ from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
 from mpexp.errors import ConfigError
+
+# model.patch_size=null takes the first of these that divides the image into at most AUTO_TOKENS
+# patches: 4 at 28-32 px (49, 64 patches), 16 at 224 (ViT-B/16's 14 x 14)
+PATCH_SIDES = (4, 8, 16, 32)
+AUTO_TOKENS = 196
 
 
 class SelfAttention(nn.Module):
@@ -50,15 +56,17 @@ def vit(
     in_channels: int = 3,
     num_classes: int = 10,
     image_size: tuple[int, int] = (32, 32),
-    patch_size: int = 4,
+    patch_size: int | None = None,
     width: int = 192,
     depth: int = 6,
     heads: int = 3,
     mlp_ratio: int = 4,
+    max_tokens: int = 1024,
 ) -> nn.Module:
     """A ViT of `depth` blocks of `width` (ViT-Tiny's width and heads, half its depth) on patches
-    of `patch_size` pixels: 4 gives 49 tokens on 28x28 images and 64 on 32x32, 7 gives 16 on 28x28.
-    """
+    of `patch_size` pixels (None: from the image size, `patch_side`): 4 gives 49 tokens on 28x28
+    images and 64 on 32x32, 7 gives 16 on 28x28, 16 gives 196 on 224x224. A patch size that gives
+    more than `max_tokens` tokens is refused: attention's cost grows with their square."""
     if width % heads:
         raise ConfigError(
             f"model.width={width} must be a multiple of model.heads={heads}: each head takes "
@@ -67,8 +75,18 @@ def vit(
     height, wide = image_size
     if height != wide:
         raise ValueError(f"it takes square images only, not {height}x{wide}")
+    if patch_size is None:
+        patch_size = patch_side(height)
     if height % patch_size:
         raise ValueError(f"{height} pixels are not a whole number of model.patch_size={patch_size}")
+    tokens = (height // patch_size) ** 2
+    if tokens > max_tokens:
+        raise ConfigError(
+            f"model.patch_size={patch_size} cuts {height}x{height} images into {tokens:,} patches, "
+            f"more than model.max_tokens={max_tokens:,} (attention's cost grows with their "
+            f"square): give model.patch_size=null ({_auto_text(height)}), or raise "
+            "model.max_tokens."
+        )
     model = VisionTransformer(
         image_size=height,
         patch_size=patch_size,
@@ -88,3 +106,24 @@ def vit(
     # captured as a CUDA graph (mpexp.step.performance.declares_capturable)
     model.capturable = True
     return model
+
+
+def patch_side(side: int) -> int:
+    """The patch size for `side`-pixel images where none is given: the first of PATCH_SIDES that
+    divides the side into at most AUTO_TOKENS patches."""
+    for patch in PATCH_SIDES:
+        if side % patch == 0 and (side // patch) ** 2 <= AUTO_TOKENS:
+            return patch
+    raise ConfigError(
+        f"model.patch_size=null: no patch of {', '.join(map(str, PATCH_SIDES))} pixels divides "
+        f"{side}x{side} images into at most {AUTO_TOKENS} patches. Give model.patch_size (a "
+        f"divisor of {side}), or another dataset.image_size (224: patches of 16)."
+    )
+
+
+def _auto_text(side: int) -> str:
+    try:
+        patch = patch_side(side)
+    except ConfigError:
+        return f"none fits {side} px"
+    return f"{patch} here, {(side // patch) ** 2} patches"

@@ -73,8 +73,8 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     if resume is not None:
         # the last check a resume can fail comes before the run's files change: a refused resume
         # leaves its run as it was
+        resume.check_data(data_key)  # first: a class added also changes the model's head
         resume.check_fits(model)
-        resume.check_data(data_key)
         if world.is_main:
             resume.rewind()
         at = resume.position

@@ -290,9 +290,10 @@ class Stepper:
 
 @torch.no_grad()
 def evaluate(
-    model, data: TrainingData, device, precision: Precision, pad: bool = False
+    model, data: TrainingData, device, precision: Precision, pad: bool = False, batches=None
 ) -> dict[str, float]:
-    """The validation metrics of the data's task, summed on the device and read once.
+    """The validation metrics of the data's task, summed on the device and read once; of
+    `batches` (the test set's, say) where given, else of the validation set.
 
     With `pad` (a compiled model), a last, smaller batch is padded to the full batch size, so
     that it runs through the graph compiled for full batches rather than compiling one of its
@@ -302,7 +303,7 @@ def evaluate(
     total = None
     count = 0  # on the host: a batch's size is known there, and a tensor of it would be a copy
     try:
-        for inputs, targets in data.val_batches(device):
+        for inputs, targets in batches if batches is not None else data.val_batches(device):
             count += task.val_count(targets)
             if pad and len(targets) < data.batch_size:
                 inputs, targets = _padded(inputs, targets, data.batch_size, task)
@@ -612,12 +613,14 @@ class Fit:
                     self._epoch(epoch)
                     if self.position.step >= self.total_steps:
                         break
+            tested = self._test()
         except Exception:
             self._write_own_values()
             raise
         steps = self.steps
         return {
             **self.row,
+            **tested,
             "amp/skipped_steps": steps.skipped,
             # after the last update: the scale the next step would use (one read, at the end)
             "amp/final_scale": float(self.parts.scaler.scale_tensor()),
@@ -757,6 +760,23 @@ class Fit:
         self.parts.forward = self.parts.model
         self.compile_failed = True
         return self.parts.model
+
+    def _test(self) -> dict[str, float]:
+        """The test set's metrics (`test/...`), evaluated once, after the last epoch, eagerly,
+        and written as a row of their own; none where the data has no test set."""
+        p = self.parts
+        batches = p.data.test_batches(self.device)
+        if batches is None:
+            return {}
+        metrics = evaluate(p.model, p.data, self.device, p.precision, batches=batches)
+        tested = {f"test/{key.split('/', 1)[1]}": value for key, value in metrics.items()}
+        # a row of the step it followed, without `epoch`: readers take rows with one as epochs'
+        self.tracker.log({"step": self.position.step, **tested})
+        log.info(
+            "Test set (held out, evaluated once): %s",
+            ", ".join(f"{key} {value:.4f}" for key, value in tested.items()),
+        )
+        return tested
 
     def _validate(self) -> tuple[dict[str, float], float]:
         """The validation metrics, and the time spent compiling for them (the first validation

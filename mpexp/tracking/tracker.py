@@ -9,6 +9,8 @@ Metric names are a contract read by dashboards and the report:
              mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU); perf/mfu where the device's
              peak is known (mpexp/step/flops.py); perf/data_wait_s and perf/data_wait_share (the
              time the loop waited for its batches, and that over the epoch's time)
+  at the end  test/loss, test/acc (the task's validation metrics on a held-out test set, where the
+             data has one: an image folder's test/), once, in a row with `step` and in the summary
   diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/step/diagnostics.py); they
              share `step` with the step rows, so readers tell rows apart by their other keys
   summary    the final epoch's metrics, amp/skipped_steps, and under `ran` what ran, with
@@ -55,7 +57,7 @@ CHECK_FILE_EVERY_S = 1.0  # how often logging rows looks whether metrics.jsonl i
 # mpexp's own metric names, refused to mpexp.log: a value of the user's under one of them would sit
 # among mpexp's rows, where the report reads it as the loss or the accuracy and W&B plots it on
 # mpexp's axes
-OWN_PREFIXES = ("train/", "val/", "amp/", "perf/", "mem/", "diag/")
+OWN_PREFIXES = ("train/", "val/", "test/", "amp/", "perf/", "mem/", "diag/")
 OWN_KEYS = ("step", "epoch", "lr")
 
 
