@@ -39,7 +39,8 @@ from torchvision.transforms import v2
 
 from mpexp.data.augment import CropFlip, mixed_seed
 from mpexp.data.base import Batch, TrainingData
-from mpexp.errors import DataError
+from mpexp.data.image_cache import KINDS, CacheUnavailable, ResizedImages, store_name
+from mpexp.errors import ConfigError, DataError
 from mpexp.tasks.classification import Classification
 
 log = logging.getLogger(__name__)
@@ -92,12 +93,19 @@ class Split(Dataset):
         self.labels = np.array(labels, dtype=np.int64)
         self.views = views  # "train" and "val": (transform, the shorter side it needs)
         self.size = size  # of the square a transform gives
+        self.cache: ResizedImages | None = None  # dataset.cache=resized: read, not decoded
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def path(self, index: int) -> str:
         return os.path.join(self.root, os.fsdecode(self.files[index]))
+
+    def read(self, index: int, least: int | None) -> torch.Tensor:
+        """Image `index`, from the cache where there is one, else decoded from its file."""
+        if self.cache is not None:
+            return self.cache.image(index)
+        return decode(self.path(index), least)
 
     def __getitem__(self, key: tuple[int, int | None, int]):
         """(image, label, index, source): `source` is the index of the file decoded, the next
@@ -107,7 +115,7 @@ class Split(Dataset):
         for tried in range(min(MAX_TRIES, len(self))):
             source = (index + tried) % len(self)
             try:
-                image = decode(self.path(source), least)
+                image = self.read(source, least)
             except Exception:  # Pillow raises many kinds; ImageFolderData._checked names them
                 continue
             if seed is None:
@@ -154,8 +162,12 @@ class ImageFolderData(TrainingData):
         batch_size: int = 256,
         drop_last: bool = True,
         num_workers: int = 4,
+        cache: str = "none",
+        cache_dir: str = "~/.cache/mpexp/data/images",
     ):
         super().__init__(batch_size, drop_last)
+        if cache not in KINDS:
+            raise ConfigError(f"dataset.cache={cache} is none of {', '.join(KINDS)}.")
         self.path = path
         self.val_fraction, self.split_seed = val_fraction, split_seed
         self.image_size = image_size
@@ -167,6 +179,8 @@ class ImageFolderData(TrainingData):
         self.crop_scale = augment.pop("crop_scale", (0.08, 1.0))
         self.augment = CropFlip(**augment)  # on the device, as for the in-memory sets
         self.num_workers = num_workers
+        self.cache, self.cache_dir = cache, Path(cache_dir).expanduser()
+        self.cache_ran: dict = {"kind": "none"}  # what was read: ran.data.cache
         self.classes: list[str] = []
         self.layout = ""
         self.splits: dict[str, Split] = {}
@@ -253,6 +267,8 @@ class ImageFolderData(TrainingData):
             files = [f for c in self.classes for f in split[c]]
             labels = [i for i, c in enumerate(self.classes) for _ in split[c]]
             self.splits[name] = Split(root, files, labels, views, self.image_size)
+        if self.cache == "resized":
+            self._open_cache(root)
         self.memory_format = memory_format
         self._pin = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -271,6 +287,30 @@ class ImageFolderData(TrainingData):
         s = self.image_size
         self.task = Classification(channels=3, height=s, width=s, num_classes=len(self.classes))
         return self.task
+
+    def _open_cache(self, root: Path) -> None:
+        """Each split's store of resized images (mpexp/data/image_cache.py), built where it is
+        missing or stale; a cache folder that cannot be written costs the cache, not the run."""
+        stores = {}
+        try:
+            for name, split in self.splits.items():
+                paths = [split.path(i) for i in range(len(split))]
+                stem = store_name(root, name, self.resize_size)
+                stores[name] = ResizedImages(paths, self.resize_size, self.cache_dir, stem, decode)
+                stores[name].open(self.num_workers)
+        except CacheUnavailable as why:
+            log.warning(
+                "dataset.cache=resized is NOT used: %s. This run decodes every image in its "
+                "workers instead (ran.data.cache records it). Point dataset.cache_dir (or "
+                "MPEXP_DATA_DIR) at a writable folder with room for the images to use it.",
+                why,
+            )
+            self.cache_ran = {"kind": "none", "asked": "resized", "why": str(why)}
+            return
+        for name, store in stores.items():
+            self.splits[name].cache = store
+        self.cache_ran = {"kind": "resized", "side": self.resize_size,
+                          "files": [str(s.pixels_path) for s in stores.values()]}  # fmt: skip
 
     def _views(self) -> dict[str, tuple]:
         """Training's and validation's transform of a decoded image, each with the shorter side
@@ -467,6 +507,7 @@ class ImageFolderData(TrainingData):
             "mean": self.mean,
             "std": self.std,
             "undecodable": sorted(self.undecodable),
+            "cache": self.cache_ran,
         }
 
 
