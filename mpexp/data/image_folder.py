@@ -37,6 +37,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
+from mpexp.data import gpu_decode
 from mpexp.data.augment import CropFlip, mixed_seed
 from mpexp.data.base import Batch, TrainingData
 from mpexp.data.image_cache import KINDS, CacheUnavailable, ResizedImages, store_name
@@ -94,6 +95,8 @@ class Split(Dataset):
         self.views = views  # "train" and "val": (transform, the shorter side it needs)
         self.size = size  # of the square a transform gives
         self.cache: ResizedImages | None = None  # dataset.cache=resized: read, not decoded
+        self.on_gpu = False  # dataset.decode=gpu: the files' bytes, decoded on the device
+        self.crop_scale: tuple[float, float] | None = None  # training's crop, drawn for the GPU
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -105,6 +108,8 @@ class Split(Dataset):
         """Image `index`, from the cache where there is one, else decoded from its file."""
         if self.cache is not None:
             return self.cache.image(index)
+        if self.on_gpu:
+            return gpu_decode.encoded(self.path(index))
         return decode(self.path(index), least)
 
     def __getitem__(self, key: tuple[int, int | None, int]):
@@ -118,6 +123,9 @@ class Split(Dataset):
                 image = self.read(source, least)
             except Exception:  # Pillow raises many kinds; ImageFolderData._checked names them
                 continue
+            if self.on_gpu:
+                image = gpu_decode.item(image, self.crop_scale, (index, seed, epoch))
+                return image, int(self.labels[source]), index, source
             if seed is None:
                 return transform(image), int(self.labels[source]), index, source
             # torchvision's random transforms draw from torch's global generator: set it from
@@ -164,10 +172,17 @@ class ImageFolderData(TrainingData):
         num_workers: int = 4,
         cache: str = "none",
         cache_dir: str = "~/.cache/mpexp/data/images",
+        decode: str = "cpu",
     ):
         super().__init__(batch_size, drop_last)
         if cache not in KINDS:
             raise ConfigError(f"dataset.cache={cache} is none of {', '.join(KINDS)}.")
+        gpu_decode.check_decode(decode)
+        if cache == "resized" and decode == "gpu":
+            raise ConfigError(
+                "dataset.cache=resized reads images without decoding them, so dataset.decode=gpu "
+                "would have nothing to do: choose one of the two."
+            )
         self.path = path
         self.val_fraction, self.split_seed = val_fraction, split_seed
         self.image_size = image_size
@@ -181,6 +196,7 @@ class ImageFolderData(TrainingData):
         self.num_workers = num_workers
         self.cache, self.cache_dir = cache, Path(cache_dir).expanduser()
         self.cache_ran: dict = {"kind": "none"}  # what was read: ran.data.cache
+        self.decode, self.decode_on = decode, "cpu"  # asked, and what ran: ran.data.decode
         self.classes: list[str] = []
         self.layout = ""
         self.splits: dict[str, Split] = {}
@@ -269,7 +285,13 @@ class ImageFolderData(TrainingData):
             self.splits[name] = Split(root, files, labels, views, self.image_size)
         if self.cache == "resized":
             self._open_cache(root)
+        else:
+            every = [os.fsdecode(f) for split in self.splits.values() for f in split.files]
+            self.decode_on = gpu_decode.choose(self.decode, device, every)
+            for split in self.splits.values():
+                split.on_gpu, split.crop_scale = self.decode_on == "gpu", self.crop_scale
         self.memory_format = memory_format
+        self._device = device
         self._pin = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._keys = {"train": Keys(), "val": Keys()}
@@ -344,6 +366,7 @@ class ImageFolderData(TrainingData):
             # the workers' seeds come from here, not from torch's global generator, which a
             # checkpoint restores: a DataLoader's start must not shift the training's draws
             generator=torch.Generator(),
+            collate_fn=gpu_decode.collate if self.decode_on == "gpu" else None,
         )
 
     def _statistics(self) -> tuple[list[float], list[float]]:
@@ -357,9 +380,9 @@ class ImageFolderData(TrainingData):
         keys.keys = [(i, None, 0) for i in sorted(sample)]
         sums = torch.zeros(2, 3, dtype=torch.float64)
         loader = self._loader("train", keys, drop_last=False, persistent=False)
-        for images, _, _ in self._checked("train", loader):
+        for images, _, _ in self._on_gpu("train", self._checked("train", loader), self._device):
             pixels = images.double().div_(255).transpose(0, 1).flatten(1)
-            sums += torch.stack((pixels.sum(1), pixels.square().sum(1)))
+            sums += torch.stack((pixels.sum(1), pixels.square().sum(1))).cpu()  # set-up: no step
         count = len(sample) * self.image_size**2
         mean = sums[0] / count
         std = (sums[1] / count - mean.square()).clamp_(min=0).sqrt()
@@ -389,13 +412,25 @@ class ImageFolderData(TrainingData):
         self._keys["train"].keys = [(i, seed, epoch) for i in order.tolist()]
         n = self.train_size
         draws = self.augment.draws(n, seed, epoch, device) if self.augment.active else None
-        batches = self._checked("train", self._loaders["train"])
+        batches = self._on_gpu("train", self._checked("train", self._loaders["train"]), device)
         yield from self._on_device(batches, device, static, draws)
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
         """The validation images in a fixed order, each once, resized and centre-cropped."""
         self._keys["val"].keys = [(i, None, 0) for i in range(len(self.splits["val"]))]
-        yield from self._on_device(self._checked("val", self._loaders["val"]), device)
+        batches = self._on_gpu("val", self._checked("val", self._loaders["val"]), device)
+        yield from self._on_device(batches, device)
+
+    def _on_gpu(self, split: str, batches: Iterable, device: torch.device) -> Iterable:
+        """With dataset.decode=gpu, the batches' JPEGs decoded, cropped and resized on `device`
+        (mpexp/data/gpu_decode.py); the batches as they are otherwise."""
+        if self.decode_on != "gpu":
+            yield from batches
+            return
+        for images, labels, index in batches:
+            paths = [self.splits[split].path(i) for i in index.tolist()]  # a host tensor
+            size, resize = self.image_size, self.resize_size
+            yield gpu_decode.on_device(images, paths, device, size, resize), labels, index
 
     def _checked(self, split: str, loader: Iterable) -> Iterator[tuple[torch.Tensor, ...]]:
         """The loader's host batches as (images, labels, indices), after noting the images that
@@ -508,6 +543,7 @@ class ImageFolderData(TrainingData):
             "std": self.std,
             "undecodable": sorted(self.undecodable),
             "cache": self.cache_ran,
+            "decode": self.decode_on if self.cache_ran["kind"] == "none" else "none (cached)",
         }
 
 
