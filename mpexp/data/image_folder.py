@@ -17,6 +17,11 @@ Batches travel as uint8 in pinned memory; on the device they are converted to fl
 memory format, cropped and flipped as the in-memory sets are (mpexp/data/augment.py) and normalised.
 On CUDA the next batch is copied on a stream of its own while the current step runs.
 
+Where decoding cannot keep up with the step, two other ways in: `dataset.cache=resized` reads every
+image from a one-time store of resized pixels (mpexp/data/image_cache.py), `dataset.decode=gpu`
+has the workers read the JPEGs' bytes and decodes them on the GPU (mpexp/data/gpu_decode.py). Both
+hook in at `Split.read`; `ran.data.cache` and `ran.data.decode` record which ran.
+
 An image that cannot be decoded is replaced by the next image of its split that can, counted,
 named in a warning once and recorded in `ran.data.undecodable`: a damaged file among many does not
 stop a long run, and every run on the same files sees the same images.
