@@ -8,8 +8,10 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torchvision.transforms import v2
@@ -185,3 +187,16 @@ def test_a_full_cache_folder_leaves_no_partial_store(photos, tmp_path, monkeypat
 def test_an_unknown_cache_kind_is_refused():
     with pytest.raises(ConfigError, match=r"dataset\.cache=memory is none of none, resized"):
         ImageFolderData(path=".", cache="memory")
+
+
+def test_a_store_is_read_through_a_memory_map_never_whole(photos, tmp_path):
+    """A folder larger than memory trains: an image's read copies its own pixels only, and a
+    worker started by pickling (spawn) gets the store's paths, not its pixels."""
+    data = cached(photos, tmp_path / "cache", resize_size=64)
+    store = data.splits["train"].cache
+    image = store.image(3)
+    assert isinstance(store._pixels, np.memmap)
+    assert image.untyped_storage().nbytes() == image.numel()  # its own pixels, no more
+    assert store.pixels_path.stat().st_size > 100 * 1024
+    assert len(pickle.dumps(store)) < 10 * 1024
+    assert torch.equal(pickle.loads(pickle.dumps(store)).image(3), image)
