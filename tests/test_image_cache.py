@@ -200,3 +200,13 @@ def test_a_store_is_read_through_a_memory_map_never_whole(photos, tmp_path):
     assert store.pixels_path.stat().st_size > 100 * 1024
     assert len(pickle.dumps(store)) < 10 * 1024
     assert torch.equal(pickle.loads(pickle.dumps(store)).image(3), image)
+
+
+def test_building_a_store_draws_nothing_from_the_runs_generator(photos, tmp_path):
+    """A run that builds the store trains as one that reads it: the same weights from the seed."""
+    draws = []
+    for _ in ("built", "read"):
+        torch.manual_seed(0)
+        cached(photos, tmp_path / "cache")
+        draws.append(torch.rand(4))
+    assert torch.equal(*draws)

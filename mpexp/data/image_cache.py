@@ -157,8 +157,10 @@ class ResizedImages:
             folder.mkdir(parents=True, exist_ok=True)
             index = np.zeros((len(self.paths), 3), dtype=np.int64)
             undecodable = []
+            # a generator of its own: the loader's start draws a seed, which must not shift the
+            # run's (a run that builds the store trains as one that reads it)
             loader = DataLoader(_Resizing(self.paths, self.side, self.decode), batch_size=None,
-                                num_workers=workers)  # fmt: skip
+                                num_workers=workers, generator=torch.Generator())  # fmt: skip
             bar = tqdm(loader, total=len(self.paths), unit="img", leave=False,
                        desc=f"Caching images at {self.side} px")  # fmt: skip
             with partial[0].open("wb") as out:
