@@ -1,18 +1,28 @@
 """What the data costs, apart from the step: the in-memory sets' augmentation on the device, and a
-folder of images decoded by DataLoader workers (docs/benchmarks.md, "Data").
+folder of images read by each of its paths (docs/benchmarks.md, "Data").
 
     python scripts/data_bench.py augment                     # one epoch of synthetic_cifar10
     python scripts/data_bench.py folder --workers 0 1 2      # generated 500x375 JPEGs at 224 px
     python scripts/data_bench.py folder --tiny --workers 0 1 2   # 32x32 PNGs at 32 px
+    python scripts/data_bench.py paths --workers 1 2 --step resnet18   # each path beside a step
     python scripts/data_bench.py large                       # a 12-megapixel JPEG, draft mode
 
-The main process runs on one thread, as it would beside a training step; `folder` writes its
-images once into --dir (a temporary folder by default).
+`paths` times the training images per second of each way the image folder can be read: decoded
+by 1 and 2 DataLoader workers, from the resized cache (dataset.cache=resized; its one-time build
+timed apart), decoded on the GPU (dataset.decode=gpu, where CUDA is), taken in turn --repeats
+times; then, with --step, the training step's own images per second for torchvision's model at the
+same size (fp32 here; on CUDA, bf16 autocast too). A path that reads fewer images per second than
+the step takes leaves the step waiting: the run's perf/data_wait_share says by how much.
+
+The main process runs on one thread, as it would beside a training step; `folder` and `paths`
+write their images once into --dir (a temporary folder by default).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -61,16 +71,78 @@ def write_folder(root: Path, tiny: bool) -> None:
                 image.save(folder / f"{i}.{suffix}", quality=90)
 
 
-def folder_rate(root: Path, size: int, workers: int) -> float:
+def folder_rate(root: Path, size: int, workers: int, device: torch.device = CPU, **kwargs) -> float:
     """Training images per second through ImageFolderData.train_batches: the second epoch."""
     data = ImageFolderData(path=str(root), image_size=size, batch_size=64, num_workers=workers,
-                           mean=[0.5] * 3, std=[0.25] * 3)  # fmt: skip
-    data.setup(CPU)
+                           mean=[0.5] * 3, std=[0.25] * 3, **kwargs)  # fmt: skip
+    data.setup(device)
     for epoch in (1, 2):  # the first starts the workers
         began = time.perf_counter()
-        images = sum(len(labels) for _, labels in data.train_batches(epoch, 0, CPU))
+        images = 0
+        for _, labels in data.train_batches(epoch, 0, device):
+            images += len(labels)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - began
     return images / seconds
+
+
+def read_paths(root: Path, size: int, workers: list[int], repeats: int) -> None:
+    """Images per second of each way of reading the folder, taken in turn, `repeats` times: the
+    median and the range."""
+    cache_dir = root / "cache"
+    began = time.perf_counter()
+    cached = ImageFolderData(path=str(root), image_size=size, num_workers=max(workers),
+                             mean=[0.5] * 3, std=[0.25] * 3, cache="resized",
+                             cache_dir=str(cache_dir))  # fmt: skip
+    cached.setup(CPU)
+    built = time.perf_counter() - began
+    print(f"resized cache built in {built:.1f} s with {max(workers)} workers (both splits, once)")
+    paths = {f"decoded by {n} worker(s)": (n, CPU, {}) for n in workers}
+    paths |= {f"resized cache, {n} worker(s)": (n, CPU, {"cache": "resized",
+              "cache_dir": str(cache_dir)}) for n in workers}  # fmt: skip
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        paths |= {f"decoded on the GPU, {n} worker(s) reading": (n, cuda, {"decode": "gpu"})
+                  for n in workers}  # fmt: skip
+    rates: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, (n, device, kwargs) in paths.items():
+            rates[name].append(folder_rate(root, size, n, device, **kwargs))
+    for name, taken in rates.items():
+        print(f"{name}: {statistics.median(taken):.0f} images/s "
+              f"({min(taken):.0f} to {max(taken):.0f}, {len(taken)} repeats)")  # fmt: skip
+
+
+def step_rate(model_name: str, size: int, batch: int, steps: int) -> None:
+    """The training step's own images per second (forward, backward, SGD) for torchvision's
+    `model_name` at `size` pixels on random images: the median of `steps` steps after a warm-up;
+    the process's threads all used, as training uses them."""
+    import torchvision
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = getattr(torchvision.models, model_name)(num_classes=2).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    images = torch.randn(batch, 3, size, size, device=device)
+    labels = torch.randint(0, 2, (batch,), device=device)
+    dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+    for dtype in dtypes:
+        times = []
+        for _ in range(steps + 1):
+            began = time.perf_counter()
+            with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+                loss = torch.nn.functional.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - began)
+        median = statistics.median(times[1:])
+        print(f"step: {model_name} at {size} px, batch {batch}, {str(dtype)[6:]} on "
+              f"{device.type}: {batch / median:.1f} images/s ({median:.2f} s a step, median of "
+              f"{steps})")  # fmt: skip
 
 
 def per_image(root: Path, size: int) -> tuple[float, float]:
@@ -109,11 +181,14 @@ def large_jpeg(root: Path, repeats: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["augment", "folder", "large"])
+    parser.add_argument("what", choices=["augment", "folder", "paths", "large"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="32x32 PNGs at 32 px")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--dir", type=Path, help="where the images are written (kept)")
+    parser.add_argument("--step", help="paths: a torchvision model whose step to time, resnet18")
+    parser.add_argument("--step-batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after a warm-up")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.what == "augment":
@@ -127,6 +202,11 @@ def main() -> None:
         if not (root / "train").is_dir():
             write_folder(root, args.tiny)
         size = 32 if args.tiny else 224
+        if args.what == "paths":
+            read_paths(root, size, args.workers, args.repeats)
+            if args.step:
+                step_rate(args.step, size, args.step_batch, args.steps)
+            return
         decoding, cropping = per_image(root, size)
         print(f"per image: decode {decoding:.2f} ms, random resized crop {cropping:.2f} ms")
         for workers in args.workers:

@@ -31,10 +31,12 @@ def make_run(
     host: str = "box",
     gpu_mib: list[float] | None = None,
     step_path: str | None = None,
+    data_wait: list[float] | None = None,
 ) -> Path:
     """A finished run directory as `python -m mpexp.train precision=<p> trainer.seed=<s>` leaves
     it, with the given val accuracy and time of each epoch (and, with `gpu_mib`, each epoch's
-    CUDA memory peak, as a GPU run logs it; a CPU run's resident set otherwise)."""
+    CUDA memory peak, as a GPU run logs it; a CPU run's resident set otherwise; with `data_wait`,
+    each epoch's share of time waiting on batches, as the loop logs it)."""
     path = root / name
     (path / ".hydra").mkdir(parents=True)
     overrides = [f"precision={precision}", f"trainer.seed={seed}"]
@@ -83,6 +85,9 @@ def make_run(
                 **(memory[epoch - 1] if memory else {"mem/peak_rss_mib": 100.0}),
             }
         )
+        if data_wait:
+            share = data_wait[epoch - 1]
+            rows[-1].update({"perf/data_wait_share": share, "perf/data_wait_s": share * time})
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -288,6 +293,29 @@ def test_gpu_memory_is_compared_after_the_first_epoch(tmp_path):
     fp32_row, fp16_row = read_table(tmp_path / "report.md", "Speed")
     assert fp32_row["peak memory (MiB)"] == "1120.0"
     assert fp16_row["memory vs fp32"] == f"{740 / 1120:.2f}x"
+
+
+def test_the_data_wait_share_is_shown_beside_the_speed_and_a_data_bound_run_named(tmp_path):
+    """Timed epochs' median share, as a percentage; over a tenth, a warning names the run; runs
+    from before the metric existed show n/a."""
+    for seed, waits in enumerate([[0.5, 0.02, 0.04, 0.03], [0.5, 0.05, 0.05, 0.05]]):
+        make_run(tmp_path, str(seed), "fp32", seed, [0.9] * 4, [5.0, 1.0, 1.0, 1.0],
+                 data_wait=waits)  # fmt: skip
+    make_run(
+        tmp_path, "2", "bf16", 0, [0.9] * 4, [5.0, 1.0, 1.0, 1.0], data_wait=[0.6, 0.4, 0.3, 0.5]
+    )
+    make_run(tmp_path, "3", "fp16", 0, [0.9] * 4, [5.0, 1.0, 1.0, 1.0])  # logged no data wait
+    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    md = tmp_path / "report.md"
+    speed = {row["configuration"]: row["data wait (%)"] for row in read_table(md, "Speed")}
+    # 3 and 5 per cent: sd sqrt(2), standard error 1
+    assert speed["precision=fp32"] == f"4.0 ± {T1:.1f}"
+    assert speed["precision=bf16"] == "40.0" and speed["precision=fp16"] == "n/a"
+    runs = [row["data wait (%)"] for row in read_table(md, "Runs")]
+    assert runs == ["3.0", "5.0", "40.0", "n/a"]
+    warnings = md.read_text().split("## Warnings", 1)[1].split("\n## ", 1)[0]
+    (bound,) = [line for line in warnings.splitlines() if "Waiting on data" in line]
+    assert "`2 precision=bf16,trainer.seed=0`" in bound and "fp32" not in bound
 
 
 FP32_CURVE = ([0.5, 0.8, 0.9, 0.92], [3.0, 2.0, 2.0, 2.0])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 import os
 import signal
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -309,19 +311,18 @@ def disabled_tracker(run_dir: Path) -> Tracker:
 @pytest.mark.parametrize(
     ("values", "said"),
     [
-        ({"my/x": torch.ones(3)}, "'my/x' is a tensor of shape (3,); pass one value, a 0-d tensor"),
-        ({"my/x": torch.ones((), dtype=torch.complex64)}, "'my/x' is a torch.complex64 tensor"),
-        ({"my/x": [1.0]}, "the value of 'my/x' is a list; pass a number, a 0-d tensor"),
         ({3: 1.0}, "3 cannot be a key; name values with strings"),
+        ({"my": {4: 1.0}}, "4 cannot be a key; name values with strings"),
         ({"step": 3}, "'step' is one of mpexp's own metric names"),
         ({"train/loss": "oops"}, "'train/loss' is one of mpexp's own metric names"),
         ({"val/my_acc": 0.5}, "choose another prefix for your values, e.g. 'my/val/my_acc'"),
+        ({"val": {"acc": 0.5}}, "'val/acc' is one of mpexp's own metric names"),
         ({"lr": torch.ones(())}, "'lr' is one of mpexp's own metric names"),
         ([0.5], "it takes a dict of values, not list"),
     ],
-    ids=["shape", "complex", "list", "key", "step", "train", "val", "lr", "not-a-dict"],
+    ids=["key", "nested-key", "step", "train", "val", "nested-val", "lr", "not-a-dict"],
 )
-def test_own_values_that_cannot_be_logged_are_named_with_the_call(tmp_path, values, said):
+def test_own_names_that_cannot_be_logged_are_named_with_the_call(tmp_path, values, said):
     tracker = disabled_tracker(tmp_path)
     try:
         with pytest.raises(LogError) as refused:
@@ -332,6 +333,56 @@ def test_own_values_that_cannot_be_logged_are_named_with_the_call(tmp_path, valu
     call = refused.traceback[0]  # this test's line that called mpexp.log
     assert str(refused.value).endswith(f"(mpexp.log called at {call.path}:{call.lineno + 1})")
     assert not (tmp_path / "metrics.jsonl").read_text()  # nothing of the call was written
+
+
+def test_real_numbers_of_any_kind_and_nested_dicts_are_logged(tmp_path):
+    """NumPy scalars and 0-d arrays, one-element tensors and arrays, Python's bools and ints, as
+    numbers in metrics.jsonl; a nested dict's keys joined by '/'."""
+    tracker = disabled_tracker(tmp_path)
+    try:
+        mpexp.log({"my/f32": np.float32(0.5), "my/i64": np.int64(3), "my/flag": np.bool_(True)})
+        mpexp.log({"my/zero_d": np.array(0.25), "my/one": np.array([1.5], dtype=np.float16)})
+        mpexp.log({"my/tensor": torch.tensor([0.125]), "my/ok": True, "my/n": 7})
+        mpexp.log({"my": {"layer": {"absmax": 2.0}, "norm": np.float64(4.0)}})
+    finally:
+        tracker.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [
+        {"step": 0, "my/f32": 0.5, "my/i64": 3, "my/flag": True},
+        {"step": 0, "my/zero_d": 0.25, "my/one": 1.5},
+        {"step": 0, "my/tensor": 0.125, "my/ok": True, "my/n": 7},
+        {"step": 0, "my/layer/absmax": 2.0, "my/norm": 4.0},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (torch.ones(3), "'my/x' is a tensor of shape (3,); pass one value"),
+        (torch.ones((), dtype=torch.complex64), "'my/x' is a torch.complex64 tensor"),
+        (np.ones((2, 2)), "'my/x' is an array of shape (2, 2); pass one value"),
+        (np.complex64(1j), "the value of 'my/x' is a complex64; pass a real number"),
+        ([1.0], "the value of 'my/x' is a list; pass a real number"),
+        (None, "the value of 'my/x' is a NoneType; pass a real number"),
+    ],
+    ids=["tensor-shape", "complex-tensor", "array-shape", "numpy-complex", "list", "none"],
+)
+def test_a_value_that_cannot_be_logged_is_dropped_with_one_warning_naming_the_call(
+    tmp_path, caplog, value, said
+):
+    """The call's other values are logged; the run goes on; a call made every step warns once."""
+    tracker = disabled_tracker(tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mpexp"):
+            for _ in range(3):
+                line = sys._getframe().f_lineno + 1
+                mpexp.log({"my/x": value, "my/kept": 1.0})
+    finally:
+        tracker.close()
+    (warning,) = [r.getMessage() for r in caplog.records if "mpexp.log" in r.getMessage()]
+    assert said in warning and f"(called at {__file__}:{line};" in warning
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 0, "my/kept": 1.0}] * 3
 
 
 def test_own_values_wait_in_call_order_and_are_written_at_the_end(tmp_path):

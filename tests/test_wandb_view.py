@@ -14,17 +14,22 @@ from typing import ClassVar
 
 import pytest
 
-from mpexp.report.runs import Run
+import mpexp
+from mpexp.models.simplecnn import SimpleCNN
+from mpexp.report.runs import Run, load_run
 from mpexp.report.wandb_view import (
     INSTALL,
     SPEC_FILE,
     WALL_TIME,
+    logged_keys,
     result_metric,
     sections,
     to_workspace,
 )
+from mpexp.run.runner import train
 from mpexp.tasks.language_model import LanguageModelling
-from tests.conftest import TINY, run_cli
+from mpexp.tracking.tracker import RunContext
+from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_wandb import final_run, leet_records
 
 # TINY for one short epoch, W&B and the sweep's keys left to each test
@@ -89,7 +94,9 @@ def test_a_sweeps_view_groups_by_precision_not_seed_in_the_sweeps_group(offline_
     assert {config_value(r["config"], "trainer.seed") for r in runs} == {0, 1}
     assert spec["seeds"] == {"line": "mean", "band": "minmax"}
 
-    assert [s["name"] for s in spec["sections"]] == ["Result", "Loss scale", "Speed", "Memory"]
+    assert [s["name"] for s in spec["sections"]] == [
+        "Result", "Loss", "Loss scale", "Speed", "Memory"
+    ]  # fmt: skip
     result = panels(spec, "Result")
     assert [(p["x"], p["y"]) for p in result] == [("epoch", ["val/acc"]), (WALL_TIME, ["val/acc"])]
     (scale,) = [p for p in panels(spec, "Loss scale") if p["y"] == ["amp/scale"]]
@@ -257,7 +264,7 @@ def test_a_spec_becomes_a_workspace_with_closed_diagnostics():
         spec["name"],
     )
     assert [(s.name, s.is_open) for s in workspace.sections] == [
-        ("Result", True), ("Loss scale", True), ("Speed", True), ("Memory", True),
+        ("Result", True), ("Loss", True), ("Loss scale", True), ("Speed", True), ("Memory", True),
         ("Diagnostics", False),
     ]  # fmt: skip
     # the whole model's diagnostics; the per-layer ones are report.md's underflow plot
@@ -282,7 +289,58 @@ def test_a_spec_becomes_a_workspace_with_closed_diagnostics():
 
 def test_diagnostics_appear_only_when_logged():
     names = [s["name"] for s in sections(["val/acc"], {"perf/epoch_time_s", "mem/peak_rss_mib"})]
-    assert names == ["Result", "Loss scale", "Speed", "Memory"]
+    assert names == ["Result", "Loss", "Loss scale", "Speed", "Memory"]
+
+
+class LogsItsOwn(SimpleCNN):
+    """A user's model that logs values of its own: a number and a nested dict, with a string
+    (which cannot be plotted)."""
+
+    def forward(self, x):
+        if self.training:
+            mpexp.log({"my/absmax": x.abs().max(), "my": {"layer": {"mean": 0.5}}, "my/note": "ok"})
+        return super().forward(x)
+
+
+def test_the_view_shows_loss_curves_learning_rate_data_wait_and_the_users_values(tmp_path):
+    """From a run's own metrics: train/loss by step, val/loss by epoch, the learning rate, the
+    data wait (when logged) and each number the user logged with mpexp.log, by step; read back
+    from the Workspace a spec becomes, as W&B would be sent it."""
+    model = "model._target_=tests.test_wandb_view.LogsItsOwn"
+    train(make_cfg(*TINY, model, "trainer.epochs=1"), RunContext(tmp_path))
+    logged = logged_keys([load_run(tmp_path)])
+    spec = {"name": "sweep-a", "entity": None, "project": "mpexp",
+            "runs": {"groups": ["sweep-a"], "job_type": "train"}, "group_by": ["ran.precision"],
+            "seeds": {"line": "mean", "band": "minmax"}, "max_runs": 10,
+            "sections": sections(["val/acc"], logged)}  # fmt: skip
+    assert [(p["title"], p["x"], p["y"]) for p in panels(spec, "Loss")] == [
+        ("train/loss by step", "step", ["train/loss"]),
+        ("val/loss by epoch", "epoch", ["val/loss"]),
+        ("learning rate", "step", ["lr"]),
+    ]
+    own = panels(spec, "Your values (mpexp.log)")
+    assert [(p["x"], p["y"]) for p in own] == [("step", ["my/absmax"]), ("step", ["my/layer/mean"])]
+    speed = [p["y"][0] for p in panels(spec, "Speed")]
+    if "perf/data_wait_s" in logged:  # once the loop logs it (issue 38)
+        assert "perf/data_wait_s" in speed and "perf/data_wait_share" in speed
+
+    pytest.importorskip("wandb_workspaces")
+    workspace = to_workspace(spec, "someone")
+    by_name = {s.name: s for s in workspace.sections}
+    assert [(p.x, p.y) for p in by_name["Loss"].panels] == [
+        ("step", ["train/loss"]),
+        ("epoch", ["val/loss"]),
+        ("step", ["lr"]),
+    ]
+    assert [p.y for p in by_name["Your values (mpexp.log)"].panels] == [
+        ["my/absmax"], ["my/layer/mean"]
+    ]  # fmt: skip
+
+
+def test_many_values_of_the_users_own_start_closed():
+    many = {f"my/v{i:02d}" for i in range(13)}
+    (own,) = [s for s in sections(["val/acc"], many) if s["name"] == "Your values (mpexp.log)"]
+    assert own["open"] is False and len(own["panels"]) == 13
 
 
 def test_the_result_is_the_tasks_metric_or_val_acc():

@@ -25,6 +25,11 @@ Batches travel as uint8 in pinned memory; on the device they are converted to fl
 memory format, cropped and flipped as the in-memory sets are (mpexp/data/augment.py) and normalised.
 On CUDA the next batch is copied on a stream of its own while the current step runs.
 
+Where decoding cannot keep up with the step, two other ways in: `dataset.cache=resized` reads every
+image from a one-time store of resized pixels (mpexp/data/image_cache.py), `dataset.decode=gpu`
+has the workers read the JPEGs' bytes and decodes them on the GPU (mpexp/data/gpu_decode.py). Both
+hook in at `Split.read`; `ran.data.cache` and `ran.data.decode` record which ran.
+
 Images are decoded upright (their EXIF orientation applied). An image that cannot be decoded is
 replaced by the next image of its split that can, counted, named in a warning once and recorded in
 `ran.data.undecodable`: a damaged file among many does not stop a long run, and every run on the
@@ -51,9 +56,11 @@ from PIL import ExifTags, Image, ImageOps
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
+from mpexp.data import gpu_decode
 from mpexp.data.augment import CropFlip, mixed_seed
 from mpexp.data.base import Batch, TrainingData
-from mpexp.errors import DataError
+from mpexp.data.image_cache import KINDS, CacheUnavailable, ResizedImages, store_name
+from mpexp.errors import ConfigError, DataError
 from mpexp.tasks.classification import Classification
 
 log = logging.getLogger(__name__)
@@ -144,6 +151,9 @@ class Split(Dataset):
         self.labels = np.array(labels, dtype=np.int64)
         self.views = views  # "train" and "val": (transform, the shorter side it needs)
         self.size = size  # of the square a transform gives
+        self.cache: ResizedImages | None = None  # dataset.cache=resized: read, not decoded
+        self.on_gpu = False  # dataset.decode=gpu: the files' bytes, decoded on the device
+        self.crop_scale: tuple[float, float] | None = None  # training's crop, drawn for the GPU
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -167,6 +177,14 @@ class Split(Dataset):
             total += max(size, 0)
         return f"{len(members)} files, {total:,} bytes, {digest.hexdigest()[:12]}"
 
+    def read(self, index: int, least: int | None) -> torch.Tensor:
+        """Image `index`, from the cache where there is one, else decoded from its file."""
+        if self.cache is not None:
+            return self.cache.image(index)
+        if self.on_gpu:
+            return gpu_decode.encoded(self.path(index))
+        return decode(self.path(index), least)
+
     def __getitem__(self, key: tuple[int, int | None, int]):
         """(image, label, index, source): `source` is the index of the file decoded, the next
         decodable one where `index`'s cannot be, -1 where none of MAX_TRIES could."""
@@ -175,9 +193,12 @@ class Split(Dataset):
         for tried in range(min(MAX_TRIES, len(self))):
             source = (index + tried) % len(self)
             try:
-                image = decode(self.path(source), least)
+                image = self.read(source, least)
             except Exception:  # Pillow raises many kinds; ImageFolderData._checked names them
                 continue
+            if self.on_gpu:
+                image = gpu_decode.item(image, self.crop_scale, (index, seed, epoch))
+                return image, int(self.labels[source]), index, source
             if seed is None:
                 return transform(image), int(self.labels[source]), index, source
             # torchvision's random transforms draw from torch's global generator: set it from
@@ -222,8 +243,19 @@ class ImageFolderData(TrainingData):
         batch_size: int = 256,
         drop_last: bool = True,
         num_workers: int = 4,
+        cache: str = "none",
+        cache_dir: str = "~/.cache/mpexp/data/images",
+        decode: str = "cpu",
     ):
         super().__init__(batch_size, drop_last)
+        if cache not in KINDS:
+            raise ConfigError(f"dataset.cache={cache} is none of {', '.join(KINDS)}.")
+        gpu_decode.check_decode(decode)
+        if cache == "resized" and decode == "gpu":
+            raise ConfigError(
+                "dataset.cache=resized reads images without decoding them, so dataset.decode=gpu "
+                "would have nothing to do: choose one of the two."
+            )
         self.path = path
         self.val_fraction, self.split_seed = val_fraction, split_seed
         self.image_size = image_size
@@ -235,6 +267,9 @@ class ImageFolderData(TrainingData):
         self.crop_scale = augment.pop("crop_scale", (0.08, 1.0))
         self.augment = CropFlip(**augment)  # on the device, as for the in-memory sets
         self.num_workers = num_workers
+        self.cache, self.cache_dir = cache, Path(cache_dir).expanduser()
+        self.cache_ran: dict = {"kind": "none"}  # what was read: ran.data.cache
+        self.decode, self.decode_on = decode, "cpu"  # asked, and what ran: ran.data.decode
         self.classes: list[str] = []
         self.layout = ""
         self.splits: dict[str, Split] = {}
@@ -343,7 +378,15 @@ class ImageFolderData(TrainingData):
             files = [f for c in self.classes for f in split[c]]
             labels = [i for i, c in enumerate(self.classes) for _ in split[c]]
             self.splits[name] = Split(root, files, labels, views, self.image_size)
+        if self.cache == "resized":
+            self._open_cache(root)
+        else:
+            every = [os.fsdecode(f) for split in self.splits.values() for f in split.files]
+            self.decode_on = gpu_decode.choose(self.decode, device, every)
+            for split in self.splits.values():
+                split.on_gpu, split.crop_scale = self.decode_on == "gpu", self.crop_scale
         self.memory_format = memory_format
+        self._device = device
         self._pin = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._keys = {name: Keys() for name in self.splits}
@@ -364,6 +407,30 @@ class ImageFolderData(TrainingData):
         s = self.image_size
         self.task = Classification(channels=3, height=s, width=s, num_classes=len(self.classes))
         return self.task
+
+    def _open_cache(self, root: Path) -> None:
+        """Each split's store of resized images (mpexp/data/image_cache.py), built where it is
+        missing or stale; a cache folder that cannot be written costs the cache, not the run."""
+        stores = {}
+        try:
+            for name, split in self.splits.items():
+                paths = [split.path(i) for i in range(len(split))]
+                stem = store_name(root, name, self.resize_size)
+                stores[name] = ResizedImages(paths, self.resize_size, self.cache_dir, stem, decode)
+                stores[name].open(self.num_workers)
+        except CacheUnavailable as why:
+            log.warning(
+                "dataset.cache=resized is NOT used: %s. This run decodes every image in its "
+                "workers instead (ran.data.cache records it). Point dataset.cache_dir (or "
+                "MPEXP_DATA_DIR) at a writable folder with room for the images to use it.",
+                why,
+            )
+            self.cache_ran = {"kind": "none", "asked": "resized", "why": str(why)}
+            return
+        for name, store in stores.items():
+            self.splits[name].cache = store
+        self.cache_ran = {"kind": "resized", "side": self.resize_size,
+                          "files": [str(s.pixels_path) for s in stores.values()]}  # fmt: skip
 
     def _views(self) -> dict[str, tuple]:
         """Training's and validation's transform of a decoded image, each with the shorter side
@@ -397,6 +464,7 @@ class ImageFolderData(TrainingData):
             # the workers' seeds come from here, not from torch's global generator, which a
             # checkpoint restores: a DataLoader's start must not shift the training's draws
             generator=torch.Generator(),
+            collate_fn=gpu_decode.collate if self.decode_on == "gpu" else None,
         )
 
     def _statistics(self) -> tuple[list[float], list[float]]:
@@ -410,9 +478,9 @@ class ImageFolderData(TrainingData):
         keys.keys = [(i, None, 0) for i in sorted(sample)]
         sums = torch.zeros(2, 3, dtype=torch.float64)
         loader = self._loader("train", keys, drop_last=False, persistent=False)
-        for images, _, _ in self._checked("train", loader):
+        for images, _, _ in self._on_gpu("train", self._checked("train", loader), self._device):
             pixels = images.double().div_(255).transpose(0, 1).flatten(1)
-            sums += torch.stack((pixels.sum(1), pixels.square().sum(1)))
+            sums += torch.stack((pixels.sum(1), pixels.square().sum(1))).cpu()  # set-up: no step
         count = len(sample) * self.image_size**2
         mean = sums[0] / count
         std = (sums[1] / count - mean.square()).clamp_(min=0).sqrt()
@@ -442,7 +510,7 @@ class ImageFolderData(TrainingData):
         self._keys["train"].keys = [(i, seed, epoch) for i in order.tolist()]
         n = self.train_size
         draws = self.augment.draws(n, seed, epoch, device) if self.augment.active else None
-        batches = self._checked("train", self._loaders["train"])
+        batches = self._on_gpu("train", self._checked("train", self._loaders["train"]), device)
         yield from self._on_device(batches, device, static, draws)
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
@@ -455,7 +523,19 @@ class ImageFolderData(TrainingData):
 
     def _evaluated(self, split: str, device: torch.device) -> Iterator[Batch]:
         self._keys[split].keys = [(i, None, 0) for i in range(len(self.splits[split]))]
-        return self._on_device(self._checked(split, self._loaders[split]), device)
+        batches = self._on_gpu(split, self._checked(split, self._loaders[split]), device)
+        return self._on_device(batches, device)
+
+    def _on_gpu(self, split: str, batches: Iterable, device: torch.device) -> Iterable:
+        """With dataset.decode=gpu, the batches' JPEGs decoded, cropped and resized on `device`
+        (mpexp/data/gpu_decode.py); the batches as they are otherwise."""
+        if self.decode_on != "gpu":
+            yield from batches
+            return
+        for images, labels, index in batches:
+            paths = [self.splits[split].path(i) for i in index.tolist()]  # a host tensor
+            size, resize = self.image_size, self.resize_size
+            yield gpu_decode.on_device(images, paths, device, size, resize), labels, index
 
     def _checked(self, split: str, loader: Iterable) -> Iterator[tuple[torch.Tensor, ...]]:
         """The loader's host batches as (images, labels, indices), after noting the images that
@@ -603,6 +683,8 @@ class ImageFolderData(TrainingData):
             "mean": self.mean,
             "std": self.std,
             "undecodable": sorted(self.undecodable),
+            "cache": self.cache_ran,
+            "decode": self.decode_on if self.cache_ran["kind"] == "none" else "none (cached)",
         }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mpexp.report.stats import Estimate
-from mpexp.report.table import FP8, MIN_TIMED_EPOCHS, Config, Report, Row, run_values
+from mpexp.report.table import DATA_BOUND, FP8, MIN_TIMED_EPOCHS, Config, Report, Row, run_values
 from mpexp.tasks.base import Result
 
 PLOT_TITLES = {
@@ -177,6 +177,15 @@ def _warnings(report: Report) -> list[str]:
             f"ran {reference}. Its speed against fp32 measures that difference as much as the "
             "precision's."
         )
+    data_bound = report.data_bound
+    if data_bound:
+        warnings.append(
+            f"**Waiting on data.** {_names(data_bound)} waited for their batches more than "
+            f"{DATA_BOUND:.0%} of their epochs' time (`perf/data_wait_share`): their epoch times "
+            "and speedups time the data loading, not the precision. Feed them faster (more "
+            "`dataset.num_workers`, `dataset.cache=resized` or `dataset.decode=gpu` for an "
+            "image folder: docs/speed.md) before comparing speed."
+        )
     cut = [r for r in report.rows if r.run.cut_off]
     if cut:
         warnings.append(
@@ -335,6 +344,7 @@ def _speed_section(report: Report) -> list[str]:
             _time_to_target(c),
             _ratio(c.speedup_at_target),
             _estimate(c.samples_per_s, ".0f"),
+            _estimate(c.data_wait_pct, ".1f"),
             _estimate(c.tflops, ".3g"),
             _estimate(c.mfu_pct, ".1f"),
             _number(c.peak_mem_mib, ".1f"),
@@ -342,8 +352,8 @@ def _speed_section(report: Report) -> list[str]:
         ]
 
     headers = ["configuration", "n", "epoch time (s)", "speedup", "compile (s)",
-               "time to target (s)", "speedup at target", "samples/s", "TFLOP/s", "MFU (%)",
-               "peak memory (MiB)", "memory vs fp32"]  # fmt: skip
+               "time to target (s)", "speedup at target", "samples/s", "data wait (%)",
+               "TFLOP/s", "MFU (%)", "peak memory (MiB)", "memory vs fp32"]  # fmt: skip
     lines = ["## Speed", "", *_table(headers, report.configs, cells), ""]
     notes = []
     if any(_emulated(c) for c in report.configs):
@@ -366,6 +376,9 @@ def _speed_section(report: Report) -> list[str]:
         "validation not) until the result first reached the target, to the epoch; speedup at "
         "target is the reference's time over this configuration's, the speedup at an equal "
         "result. " + _targets(report),
+        "Data wait: the share of the epochs' time the step waited for its next batch "
+        "(`perf/data_wait_share`), mean over seeds; n/a for runs that did not log it. Above "
+        f"{DATA_BOUND:.0%} the epoch times measure the data loading as much as the precision.",
         "TFLOP/s: the training FLOPs per sample (counted once at start with PyTorch's FLOP "
         "counter) x samples/s. MFU: TFLOP/s as a share of the device's dense peak for the "
         "precision that ran; n/a where the peak is not known (a CPU, an unlisted GPU: "
@@ -435,6 +448,7 @@ def _runs_section(report: Report) -> list[str]:
             f"{v['epoch_time_s']:.3f} [{spread}]",
             str(v["timed_epochs"]),
             f"{v['samples_per_s']:.0f}",
+            _number(v["data_wait_pct"], ".1f"),
             _number(v["tflops"], ".3g"),
             _number(v["mfu_pct"], ".1f"),
             to_target,
@@ -443,8 +457,8 @@ def _runs_section(report: Report) -> list[str]:
         ]
 
     headers = ["run", "seed", *(_value_header(spec) for spec in specs), "val loss",
-               "epoch time (s): median [min to max]", "timed epochs", "samples/s", "TFLOP/s",
-               "MFU (%)", "time to target (s)", "peak memory (MiB)",
+               "epoch time (s): median [min to max]", "timed epochs", "samples/s",
+               "data wait (%)", "TFLOP/s", "MFU (%)", "time to target (s)", "peak memory (MiB)",
                "skipped steps"]  # fmt: skip
     items = [(c, r) for c in report.configs for r in c.members]
     return ["## Runs", "", *_table(headers, items, cells), ""]

@@ -33,6 +33,9 @@ BASELINE = "fp32"
 BF16, FP8 = "bf16", "fp8"
 MEMORY_KEYS = {"mem/peak_allocated_mib": "cuda", "mem/peak_rss_mib": "rss"}
 MIN_TIMED_EPOCHS = 3  # fewer, and a median epoch time is one or two noisy numbers
+# a run that waits on its data for more than this share of its epochs times the data, not the step
+# (the loop warns at the same share: mpexp/step/loop.py)
+DATA_BOUND = 0.1
 SEED = "trainer.seed"
 # overrides that do not make another configuration: seeds are its repeats, a resumed run is itself
 NOT_CONFIG = (SEED, "trainer.resume")
@@ -53,6 +56,7 @@ class Row:
     samples_per_s: float
     tflops: float | None
     mfu: float | None
+    data_wait_share: float | None  # of the epoch's time spent waiting on batches; None: not logged
     peak_mem_mib: float
     mem_kind: str
     val_loss: float
@@ -124,6 +128,7 @@ def measure(run: Run, folder: str, label: str) -> Row:
         samples_per_s=statistics.median(e["perf/samples_per_s"] for e in timed_epochs),
         tflops=_median_of(timed_epochs, "perf/tflops"),  # runs from before mpexp logged it lack it
         mfu=_median_of(timed_epochs, "perf/mfu"),  # only where the device's peak was known
+        data_wait_share=_median_of(timed_epochs, "perf/data_wait_share"),  # logged since issue 38
         # the timed epochs' too: the first epoch's CUDA peak holds cuDNN's autotuning workspaces
         # (DeepCNN in fp32 on an H100: 4628 MiB, then 1120), which are no precision's footprint
         peak_mem_mib=max(e[mem_key] for e in timed_epochs),
@@ -223,6 +228,11 @@ class Config:
     @property
     def tflops(self) -> Estimate | None:
         return self._mean_of("tflops")
+
+    @property
+    def data_wait_pct(self) -> Estimate | None:
+        """Percent of the epochs' time the step waited on its data, where every run logged it."""
+        return self._mean_of("data_wait_share", 100.0)
 
     @property
     def compile_s(self) -> Estimate:
@@ -400,6 +410,7 @@ class Config:
             "samples_per_s": self.samples_per_s,
             "tflops": self.tflops,
             "mfu_pct": self.mfu_pct,
+            "data_wait_pct": self.data_wait_pct,
         }
         for name, estimate in estimates.items():
             values[name] = None if estimate is None else estimate.value
@@ -444,6 +455,7 @@ def run_values(row: Row, target: float | None) -> dict[str, Any]:
         "samples_per_s": row.samples_per_s,
         "tflops": row.tflops,
         "mfu_pct": None if row.mfu is None else 100 * row.mfu,
+        "data_wait_pct": None if row.data_wait_share is None else 100 * row.data_wait_share,
         "time_to_target_s": row.time_to(target),
         "peak_mem_mib": row.peak_mem_mib,
         "skipped_steps": row.skipped_steps,
@@ -585,6 +597,11 @@ class Report:
             if path and ref_path and path != ref_path:
                 found.append((c, path, ref_path))
         return found
+
+    @property
+    def data_bound(self) -> list[Row]:
+        """Runs that waited on their data for more than DATA_BOUND of their timed epochs."""
+        return [r for r in self.rows if (r.data_wait_share or 0.0) > DATA_BOUND]
 
     def console_lines(self) -> list[str]:
         lines = [

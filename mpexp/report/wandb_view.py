@@ -18,8 +18,10 @@ The spec:
     seeds       how a group is drawn: {"line": "mean", "band": "minmax"}
     max_runs    lines (groups) a panel shows at most
     sections    [{"name", "open", "panels": [{"kind": "line" | "bar", "title", "x", "y",
-                "log_y"}]}], in the order a reader asks: result, loss scale, speed, memory,
-                diagnostics (closed, present only when logged)
+                "log_y"}]}], in the order a reader asks: result, loss (train/loss by step,
+                val/loss by epoch, the learning rate), loss scale, speed (with the data wait),
+                memory, the user's own mpexp.log values, diagnostics (closed); those but the
+                result and loss present only when logged
     url         the saved view's address, once it has been created
 """
 
@@ -38,14 +40,16 @@ from mpexp.report.table import MEMORY_KEYS, NOT_CONFIG, Report
 from mpexp.report.wandb_run import wandb_target
 from mpexp.tasks.base import Result
 from mpexp.tracking.records import write_json_atomically
-from mpexp.tracking.tracker import JOB_TYPE
+from mpexp.tracking.tracker import JOB_TYPE, OWN_KEYS, OWN_PREFIXES
 from mpexp.tracking.wandb_mode import has_wandb_key, sweep_group
 
 SPEC_FILE = "wandb-view.json"
 INSTALL = 'pip install -e ".[wandb-view]"'
 SEEDS = {"line": "mean", "band": "minmax"}
 WALL_TIME = "RelativeTime(Wall)"  # W&B's x-axis of wall-clock time since the run started
-SPEED = ("perf/epoch_time_s", "perf/samples_per_s", "perf/tokens_per_s", "perf/tflops", "perf/mfu")
+SPEED = ("perf/epoch_time_s", "perf/samples_per_s", "perf/tokens_per_s", "perf/tflops", "perf/mfu",
+         "perf/data_wait_s", "perf/data_wait_share")  # fmt: skip
+MAX_OPEN_OWN = 12  # the user's own values: more panels than this, and their section starts closed
 # what ran, `auto` resolved: the names the report and the runs' tags give them
 RAN_KEYS = {"precision": "ran.precision", "loss_scaling": "ran.loss_scaling"}
 MIN_PANEL_RUNS = 10  # W&B's own default
@@ -178,11 +182,22 @@ def sections(results: list[str], logged: set[str]) -> list[dict]:
         _line("loss scale (log axis)", "step", "amp/scale", log_y=True),
         _line("skipped steps", "step", "amp/skipped_steps"),
     ]
+    loss = [
+        _line("train/loss by step", "step", "train/loss"),
+        _line("val/loss by epoch", "epoch", "val/loss"),
+        *([_line("learning rate", "step", "lr")] if "lr" in logged else []),
+    ]
+    speed = [_bar(key) for key in SPEED if key in logged]
+    if "perf/data_wait_s" in logged:  # when in the run the data held the step up
+        speed.append(_line("perf/data_wait_s by epoch", "epoch", "perf/data_wait_s"))
+    own = [_line(k, "step", k) for k in sorted(logged) if _users(k)]
     found = [
         ("Result", True, result),
+        ("Loss", True, loss),
         ("Loss scale", True, scale),
-        ("Speed", True, [_bar(key) for key in SPEED if key in logged]),
+        ("Speed", True, speed),
         ("Memory", True, [_bar(key) for key in MEMORY_KEYS if key in logged]),
+        ("Your values (mpexp.log)", len(own) <= MAX_OPEN_OWN, own),
         ("Diagnostics", False, [_line(k, "step", k) for k in sorted(logged) if _diagnostic(k)]),
     ]
     return [
@@ -197,6 +212,11 @@ def _line(title: str, x: str, y: str, log_y: bool = False) -> dict:
 def _bar(metric: str) -> dict:
     # a bar is the run's summary value, which W&B keeps as the last epoch's
     return {"kind": "bar", "title": f"{metric} (last epoch)", "y": [metric]}
+
+
+def _users(key: str) -> bool:
+    """A value the user logged with mpexp.log: none of mpexp's own names (tracker.OWN_*)."""
+    return not (key in OWN_KEYS or key.startswith(OWN_PREFIXES))
 
 
 def _diagnostic(key: str) -> bool:

@@ -20,7 +20,8 @@ Metric names are a contract read by dashboards and the report:
              summarised as their best epoch's (`.max`, `.min`) and their last (`.last`)
   yours      `mpexp.log(values)` from the user's own code: `step` and the values, plotted in W&B
              against `step`; never under mpexp's own names above (OWN_PREFIXES, OWN_KEYS). Tensor
-             values wait on their device and are read with the loop's own, once per log interval
+             values wait on their device and are read with the loop's own, once per log interval;
+             nested dicts are flattened, a value that cannot be logged is dropped with a warning
 metrics.jsonl deleted (or replaced) while the run trains is written again, whole, from the file the
 tracker holds open. W&B is optional at every point: if it cannot start or stops accepting data,
 training goes on with the local files and one warning.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import numbers
 import os
 import shutil
 import sys
@@ -155,6 +157,7 @@ class Tracker:
         # reads them with its own values (take_waiting), or a checkpoint or the end writes them
         self._waiting: list[dict[str, Any]] = []
         self._warned_capture = False
+        self._warned: set[tuple[str | None, str]] = set()  # mpexp.log's dropped values, said
         # a resumed run's earlier epochs count towards the `best` checkpoint
         self._validations = Validations.read(self.run_dir / "metrics.jsonl", task.result)
         if self.wandb_mode != "disabled":
@@ -279,7 +282,9 @@ class Tracker:
         A row holding tensors is not read here: it waits, with every row logged after it (so that
         rows stay in call order), for the loop to read its tensors with the step's own values.
         """
-        values = _checked(values)
+        values = _taken(values, self._warned)
+        if not values:
+            return
         tensors = [value for value in values.values() if _is_tensor(value)]
         if tensors and not self._values_to_keep(tensors):
             return
@@ -463,7 +468,7 @@ class NullTracker:
         pass
 
     def log_own(self, values: Mapping[str, Any], step: int | None = None) -> None:
-        _checked(values)  # the same mistakes fail on every rank
+        _taken(values, None)  # the same mistakes fail on every rank; rank 0 warns
 
     def take_waiting(self) -> list[dict[str, Any]]:
         return []
@@ -517,10 +522,13 @@ def log_values(values: Mapping[str, Any], step: int | None = None) -> None:
     For code of yours that mpexp runs (a model, dataset, loss scaler or schedule): the values go
     into the run's metrics.jsonl as a row `{"step": ..., **values}` and into its W&B run, plotted
     against `step`. `step` defaults to the training step in progress (0 before the first). Values
-    are numbers, booleans, strings, `mpexp.tracking.Histogram`s or 0-d tensors: a tensor is copied
-    on its device as float32 and read with the loop's own values, once per `trainer.log_every`
-    steps, so logging it never waits for the device. Keys under mpexp's own names (`train/`,
-    `val/`, `amp/`, `perf/`, `mem/`, `diag/`, `lr`, `step`, `epoch`) are refused. Does nothing
+    are real numbers (Python's, NumPy's scalars and one-element arrays, one-element tensors),
+    booleans, strings or `mpexp.tracking.Histogram`s; nested dicts are flattened (`{"a": {"b": 1}}`
+    logs `a/b`). A tensor is copied on its device as float32 and read with the loop's own values,
+    once per `trainer.log_every` steps, so logging it never waits for the device. A value it cannot
+    take is dropped with a warning naming the call, once per call site and key: training goes on.
+    Keys under mpexp's own names (`train/`, `val/`, `amp/`, `perf/`, `mem/`, `diag/`, `lr`,
+    `step`, `epoch`) are refused (LogError). Does nothing
     outside a run, in processes other than the run's (DataLoader workers), on ranks other than 0
     of a distributed run, which write no metrics, and in the FLOP count's pass (user_logs_off).
     See docs/wandb.md, "Your own values".
@@ -530,13 +538,17 @@ def log_values(values: Mapping[str, Any], step: int | None = None) -> None:
     _user_logs[0].log_own(values, step)
 
 
-def _checked(values: Mapping[str, Any]) -> Mapping[str, Any]:
-    """`values` as mpexp.log takes them, or a LogError naming the key, the fix and the call."""
+def _taken(values: Mapping[str, Any], warned: set | None) -> dict[str, Any]:
+    """`values` as mpexp.log writes them: nested dicts flattened (`{"a": {"b": 1}}` -> `a/b`),
+    NumPy numbers and one-element arrays as Python's, one-element tensors as 0-d ones. A key of
+    mpexp's own or one that is no string raises a LogError naming the call (a name is fixed in
+    the code: the first call finds it); a value it cannot take is dropped with a warning naming
+    the call, once per call site and key (`warned`; None: silently, on ranks that write nothing),
+    for a value's kind can change hours into a run, and must not end it."""
     if not isinstance(values, Mapping):
         raise _log_error(f"it takes a dict of values, not {type(values).__name__}.")
-    for key, value in values.items():
-        if not isinstance(key, str):
-            raise _log_error(f"{key!r} cannot be a key; name values with strings, e.g. 'my/value'.")
+    taken = {}
+    for key, value in _flat(values).items():
         if key in OWN_KEYS or key.startswith(OWN_PREFIXES):
             names = ", ".join([*OWN_PREFIXES, *OWN_KEYS])
             step = " (a row's step is mpexp.log's step=...)" if key == "step" else ""
@@ -544,41 +556,94 @@ def _checked(values: Mapping[str, Any]) -> Mapping[str, Any]:
                 f"{key!r} is one of mpexp's own metric names ({names}){step}; choose another "
                 f"prefix for your values, e.g. 'my/{key}'."
             )
-        if _is_tensor(value):
-            _check_tensor(key, value)
-        elif not isinstance(value, bool | int | float | str | Histogram):
-            raise _log_error(
-                f"the value of {key!r} is a {type(value).__name__}; pass a number, a 0-d tensor, "
-                "a bool, a string or a mpexp.tracking.Histogram."
+        value, problem = _value(key, value)
+        if problem is None:
+            taken[key] = value
+        elif warned is not None:
+            _warn_dropped(key, problem, warned)
+    return taken
+
+
+def _flat(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise _log_error(f"{key!r} cannot be a key; name values with strings, e.g. 'my/value'.")
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}/"))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _value(key: str, value: Any) -> tuple[Any, str | None]:
+    """(the value as written, None), or (None, why it cannot be logged and what to pass)."""
+    if _is_tensor(value):
+        return _tensor_value(key, value)
+    numpy = sys.modules.get("numpy")  # loaded with torch; a NumPy value exists only once it is
+    if numpy is not None and isinstance(value, numpy.generic | numpy.ndarray):
+        if value.size != 1:
+            return None, (
+                f"the value of {key!r} is an array of shape {value.shape}; pass one value: "
+                "reduce it first (.mean(), .max()), or log a mpexp.tracking.Histogram of it."
             )
-    return values
+        if value.dtype.kind in "biuf":  # bool, integers, floats
+            return value.reshape(()).item(), None
+    elif isinstance(value, bool | int | float | str | Histogram):
+        return value, None
+    if isinstance(value, numbers.Real):  # fractions, and numbers of other libraries
+        return float(value), None
+    return None, (
+        f"the value of {key!r} is a {type(value).__name__}; pass a real number (Python's, "
+        "NumPy's, or a one-element tensor), a bool, a string or a mpexp.tracking.Histogram."
+    )
 
 
-def _check_tensor(key: str, value: Any) -> None:
-    if value.dim() != 0:
-        raise _log_error(
+def _tensor_value(key: str, value: Any) -> tuple[Any, str | None]:
+    if value.numel() != 1:
+        return None, (
             f"the value of {key!r} is a tensor of shape {tuple(value.shape)}; pass one value, "
             "a 0-d tensor: reduce it first (.mean(), .max(), .norm()), or log a "
             "mpexp.tracking.Histogram of it."
         )
     if value.is_complex() or value.is_quantized:
-        raise _log_error(
+        return None, (
             f"the value of {key!r} is a {value.dtype} tensor; pass a real one (.abs(), .real, "
             ".dequantize())."
         )
+    return value.reshape(()), None
 
 
-def _log_error(text: str) -> LogError:
-    """A LogError that names where mpexp.log was called: the first frame outside this module and
-    torch (whose wrapper keeps torch.compile out of mpexp.log: mpexp/__init__.py)."""
+def _warn_dropped(key: str, problem: str, warned: set) -> None:
+    where = _call_site()
+    if (where, key) in warned:
+        return
+    warned.add((where, key))
+    log.warning(
+        "mpexp.log dropped a value: %s (called at %s; the run goes on, and further values of "
+        "%r from there are dropped without a word)",
+        problem,
+        where or "an unknown place",
+        key,
+    )
+
+
+def _call_site() -> str | None:
+    """file:line of the user's call to mpexp.log: the first frame outside this module and torch
+    (whose wrapper keeps torch.compile out of mpexp.log: mpexp/__init__.py)."""
     frame = sys._getframe(1)
     while frame is not None and (
         frame.f_code.co_filename == __file__
         or frame.f_globals.get("__name__", "").startswith("torch.")
     ):
         frame = frame.f_back
-    where = f" (mpexp.log called at {frame.f_code.co_filename}:{frame.f_lineno})" if frame else ""
-    return LogError(f"mpexp.log: {text}{where}")
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame else None
+
+
+def _log_error(text: str) -> LogError:
+    """A LogError that names where mpexp.log was called."""
+    where = _call_site()
+    return LogError(f"mpexp.log: {text}" + (f" (mpexp.log called at {where})" if where else ""))
 
 
 def _is_tensor(value: Any) -> bool:

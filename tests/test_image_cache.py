@@ -1,0 +1,212 @@
+"""dataset.cache=resized (mpexp/data/image_cache.py) on folders of JPEG and PNG files written here:
+the stored images are the decoded-and-resized ones, a store is reused while its folder and size are
+the same and built again (said) when not, a folder that changes while its store is built is found,
+and a cache folder that cannot be written costs the cache (loudly), not the run."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchvision.transforms import v2
+
+from mpexp.data import image_cache, image_folder
+from mpexp.data.image_folder import ImageFolderData, decode
+from mpexp.errors import ConfigError, DataError
+from mpexp.run.runner import train
+from mpexp.tracking.tracker import RunContext
+from tests.conftest import make_cfg
+from tests.test_image_folder import epoch, write_images
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def photos(tmp_path) -> Path:
+    """A folder of its own for each test: some tests change it."""
+    root = tmp_path / "photos"
+    write_images(root / "train", 6)
+    write_images(root / "val", 2, seed=1)
+    return root
+
+
+def cached(path: Path, cache_dir: Path, **kwargs) -> ImageFolderData:
+    options = {"image_size": 8, "batch_size": 4, "num_workers": 0, "mean": [0.0] * 3,
+               "std": [1.0] * 3, "cache": "resized", "cache_dir": str(cache_dir),
+               **kwargs}  # fmt: skip
+    data = ImageFolderData(path=str(path), **options)
+    data.setup(CPU)
+    return data
+
+
+def builds(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Cached ")]
+
+
+def test_the_stored_images_are_the_decoded_and_resized_ones(photos, tmp_path):
+    data = cached(photos, tmp_path / "cache", resize_size=10)
+    for split in data.splits.values():
+        for i in range(len(split)):
+            expected = v2.functional.resize(decode(split.path(i), 10), 10)
+            assert min(expected.shape[1:]) == 10
+            assert torch.equal(split.cache.image(i), expected)
+    assert data.record()["cache"]["kind"] == "resized" and data.record()["cache"]["side"] == 10
+    # validation (resize, centre crop) reads exactly what the decoding workers give
+    plain = ImageFolderData(path=str(photos), image_size=8, resize_size=10, batch_size=4,
+                            num_workers=0, mean=[0.0] * 3, std=[1.0] * 3)  # fmt: skip
+    plain.setup(CPU)
+    for (x, y), (px, py) in zip(data.val_batches(CPU), plain.val_batches(CPU), strict=True):
+        assert torch.equal(x, px) and torch.equal(y, py)
+
+
+def test_an_epoch_from_the_cache_decodes_nothing_and_workers_agree(photos, tmp_path, monkeypatch):
+    cached(photos, tmp_path / "cache")  # built
+    data = cached(photos, tmp_path / "cache")
+    monkeypatch.setattr(image_folder, "decode", lambda *args: pytest.fail("decoded"))
+    alone = epoch(data)
+    assert len(alone) == 4 and all(x.shape == (4, 3, 8, 8) for x, _ in alone)
+    workers = epoch(cached(photos, tmp_path / "cache", num_workers=2))
+    for (x, y), (wx, wy) in zip(alone, workers, strict=True):
+        assert torch.equal(x, wx) and torch.equal(y, wy)
+
+
+def test_a_store_is_reused_and_built_again_when_the_folder_or_size_changes(
+    photos, tmp_path, caplog
+):
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="mpexp"):
+        cached(photos, cache)
+        assert len(builds(caplog)) == 2  # train and val
+        caplog.clear()
+        cached(photos, cache)
+        assert builds(caplog) == []  # reused, nothing decoded
+        caplog.clear()
+
+        (photos / "train" / "cat" / "000.png").unlink()
+        data = cached(photos, cache)
+        (rebuilt,) = builds(caplog)
+        assert "Cached 17 images" in rebuilt
+        said = [r.getMessage() for r in caplog.records if "not trusted" in r.getMessage()]
+        assert len(said) == 1 and "other files (the folder changed since)" in said[0]
+        assert data.train_size == 17
+        caplog.clear()
+
+        cached(photos, cache, resize_size=12)  # another size: a store of its own
+        assert len(builds(caplog)) == 2 and all("at 12 px" in m for m in builds(caplog))
+
+
+def test_a_store_cut_short_is_not_trusted(photos, tmp_path, caplog):
+    data = cached(photos, tmp_path / "cache")
+    store = data.splits["train"].cache.pixels_path
+    store.write_bytes(store.read_bytes()[:100])
+    with caplog.at_level(logging.INFO, logger="mpexp"):
+        data = cached(photos, tmp_path / "cache")
+    assert any("cut short" in r.getMessage() and "built again" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    split = data.splits["train"]
+    side = data.resize_size  # 9 for 8
+    expected = v2.functional.resize(decode(split.path(5), side), side)
+    assert torch.equal(split.cache.image(5), expected)
+
+
+def test_a_folder_that_changes_during_the_build_is_built_again_or_refused(
+    photos, tmp_path, caplog, monkeypatch
+):
+    """A file rewritten while the store is built: the store is built again from the folder as
+    it is then; rewritten at every build, it is refused with one message."""
+    victim = photos / "train" / "dog" / "001.jpg"
+    calls = []
+    real = image_folder.decode
+
+    def decode_and_touch(path, least=None, every_build=False):
+        calls.append(path)
+        if path == str(victim) and (every_build or len(calls) <= 18):  # during the first build
+            victim.write_bytes(victim.read_bytes() + b"\0")  # a JPEG with a trailing byte
+        return real(path, least)
+
+    monkeypatch.setattr(image_folder, "decode", decode_and_touch)
+    with caplog.at_level(logging.WARNING, logger="mpexp"):
+        data = cached(photos, tmp_path / "cache")
+    (said,) = [r.getMessage() for r in caplog.records if "changed while" in r.getMessage()]
+    assert "it is built again from the folder as it is now" in said
+    key = json.loads(data.splits["train"].cache.key_path.read_text())["key"]
+    assert key == data.splits["train"].cache.key()  # the store matches the folder as it is
+
+    def always(path, least=None):
+        return decode_and_touch(path, least, every_build=True)
+
+    monkeypatch.setattr(image_folder, "decode", always)
+    with pytest.raises(DataError, match=r"changed again while .* was built a second time"):
+        cached(photos, tmp_path / "other_cache")
+    assert not list((tmp_path / "other_cache").glob("*train*"))  # no store left half-trusted
+
+
+def test_a_cache_folder_that_cannot_be_written_trains_without_it_loudly(photos, tmp_path, caplog):
+    """A file where the folder should be (as a read-only or full disk, an OSError): the run
+    warns, decodes as usual and records that the cache was not used."""
+    blocked = tmp_path / "blocked"
+    blocked.write_text("not a folder")
+    cfg = make_cfg("dataset=image_folder", f"dataset.path={photos}", "dataset.image_size=8",
+                   "dataset.batch_size=4", "dataset.num_workers=0", "dataset.mean=[0.5,0.5,0.5]",
+                   "dataset.std=[0.25,0.25,0.25]", "dataset.cache=resized",
+                   f"dataset.cache_dir={blocked / 'images'}", "model=simplecnn", "model.width=4",
+                   "trainer.epochs=1", "trainer.progress=false", "wandb.mode=disabled")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="mpexp"):
+        train(cfg, RunContext(tmp_path / "run"))
+    (warned,) = [r.getMessage() for r in caplog.records if "is NOT used" in r.getMessage()]
+    assert f"{blocked / 'images'} cannot hold the image cache (Not a directory)" in warned
+    assert "dataset.cache_dir" in warned
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    ran = summary["ran"]["data"]["cache"]
+    assert ran["kind"] == "none" and ran["asked"] == "resized" and "cannot hold" in ran["why"]
+
+
+def test_a_full_cache_folder_leaves_no_partial_store(photos, tmp_path, monkeypatch, caplog):
+    """The disk fills after the pixels were written: no part of the store is left, and the run
+    decodes as without the cache."""
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(image_cache.np, "save", full)
+    with caplog.at_level(logging.WARNING, logger="mpexp"):
+        data = cached(photos, tmp_path / "cache")
+    assert "No space left on device" in data.record()["cache"]["why"]
+    assert list((tmp_path / "cache").iterdir()) == []
+    assert all(split.cache is None for split in data.splits.values())
+    assert len(epoch(data)) == 4
+
+
+def test_an_unknown_cache_kind_is_refused():
+    with pytest.raises(ConfigError, match=r"dataset\.cache=memory is none of none, resized"):
+        ImageFolderData(path=".", cache="memory")
+
+
+def test_a_store_is_read_through_a_memory_map_never_whole(photos, tmp_path):
+    """A folder larger than memory trains: an image's read copies its own pixels only, and a
+    worker started by pickling (spawn) gets the store's paths, not its pixels."""
+    data = cached(photos, tmp_path / "cache", resize_size=64)
+    store = data.splits["train"].cache
+    image = store.image(3)
+    assert isinstance(store._pixels, np.memmap)
+    assert image.untyped_storage().nbytes() == image.numel()  # its own pixels, no more
+    assert store.pixels_path.stat().st_size > 100 * 1024
+    assert len(pickle.dumps(store)) < 10 * 1024
+    assert torch.equal(pickle.loads(pickle.dumps(store)).image(3), image)
+
+
+def test_building_a_store_draws_nothing_from_the_runs_generator(photos, tmp_path):
+    """A run that builds the store trains as one that reads it: the same weights from the seed."""
+    draws = []
+    for _ in ("built", "read"):
+        torch.manual_seed(0)
+        cached(photos, tmp_path / "cache")
+        draws.append(torch.rand(4))
+    assert torch.equal(*draws)
