@@ -266,11 +266,7 @@ class TextData(TokenWindows):
     def setup(
         self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
     ) -> LanguageModelling:
-        if self.block_size is None:
-            raise DataError(
-                "dataset=text needs the window length: a model with a context length "
-                "(model=gpt sets model.block_size) or dataset.block_size=<tokens>."
-            )
+        self.require_block_size("dataset=text")
         if self.tokenizer == "byte" and (self.vocab_size or VOCAB_SIZE) < VOCAB_SIZE:
             raise ConfigError(
                 f"dataset.vocab_size={self.vocab_size} is smaller than the byte tokenizer's "

@@ -57,11 +57,7 @@ class TokenFiles(TokenWindows):
     def setup(
         self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
     ) -> LanguageModelling:
-        if self.block_size is None:
-            raise DataError(
-                "dataset=tokens needs the window length: a model with a context length "
-                "(model=gpt sets model.block_size) or dataset.block_size=<tokens>."
-            )
+        self.require_block_size("dataset=tokens")
         if self.path is None:
             raise ConfigError(
                 "dataset=tokens needs the folder of its token files: dataset.path=<folder with "

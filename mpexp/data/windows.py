@@ -57,6 +57,14 @@ class TokenWindows(TrainingData):
     def train_size(self) -> int:
         return self.sizes[0]
 
+    def require_block_size(self, name: str) -> None:
+        """Refuse to set up without a window length; `name` is the dataset's option."""
+        if self.block_size is None:
+            raise DataError(
+                f"{name} needs the window length: a model with a context length "
+                "(model=gpt sets model.block_size) or dataset.block_size=<tokens>."
+            )
+
     def check_windows(self, name: str, what: str) -> None:
         """Refuse a training or validation part shorter than one window; `name` is the data's,
         `what` how it was split, for the message."""
