@@ -4,7 +4,8 @@ The model is rebuilt from the run's recorded config and loaded from its best che
 checkpoint whose step has the lowest val/loss in metrics.jsonl; the newest where none was
 validated), then continues `--prompt` for `--tokens` tokens, under the run's autocast dtype, drawing
 from the softmax at `--temperature` (0: the likeliest token) with a generator seeded by `--seed`.
-Byte-level runs are decoded as UTF-8; BPE runs with the run's own tokenizer file.
+Byte-level runs are decoded as UTF-8; BPE runs with the run's own tokenizer file; dataset=tokens
+runs, whose files do not say their tokenizer, with `--tokenizer <tokenizer.json>`, else as ids.
 
     mpexp-sample outputs/2026-12-01/10-00-00 --tokens 200 --prompt "def "
 """
@@ -65,13 +66,17 @@ def best_checkpoint(run_dir: Path) -> tuple[Path, str]:
 
 
 class Codec:
-    """Text to token ids and back, as the run's data made them."""
+    """Text to token ids and back, as the run's data made them: bytes, the run's tokenizer, the
+    one given (`given`), or none (a dataset=tokens run: ids in, ids out)."""
 
-    def __init__(self, data: dict):
+    def __init__(self, data: dict, given: Path | None = None):
+        from mpexp.data import tokenizer
+
         self.tokenizer = None
-        if data.get("tokenizer", "byte") != "byte":
-            from mpexp.data import tokenizer
-
+        self.ids_only = given is None and data.get("tokenizer", "byte") is None
+        if given is not None:
+            self.tokenizer = tokenizer.load(given)
+        elif data.get("tokenizer", "byte") not in ("byte", None):
             path = Path(data["tokenizer_file"])
             if not path.is_file() or tokenizer.file_digest(path) != data["tokenizer_digest"]:
                 raise UserError(
@@ -81,11 +86,21 @@ class Codec:
             self.tokenizer = tokenizer.load(path)
 
     def encode(self, text: str) -> list[int]:
+        if self.ids_only:
+            try:
+                return [int(i) for i in text.split()]
+            except ValueError:
+                raise UserError(
+                    "The run trained on token files, which do not say their tokenizer: give "
+                    "--tokenizer <tokenizer.json> to prompt with text, or --prompt as token ids."
+                ) from None
         if self.tokenizer is None:
             return list(text.encode("utf-8"))
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
+        if self.ids_only:
+            return "".join(f" {i}" for i in ids)
         if self.tokenizer is None:
             return bytes(ids).decode("utf-8", errors="replace")
         return self.tokenizer.decode(ids)
@@ -118,7 +133,13 @@ def generate(
 
 
 def sample(
-    run_dir: Path, tokens: int, prompt: str, temperature: float, seed: int, device: str
+    run_dir: Path,
+    tokens: int,
+    prompt: str,
+    temperature: float,
+    seed: int,
+    device: str,
+    tokenizer: Path | None = None,
 ) -> tuple[str, str]:
     """(what was sampled, from which checkpoint and how), for the run at `run_dir`."""
     from omegaconf import OmegaConf
@@ -132,7 +153,7 @@ def sample(
     state = checkpoint.load(path)
     cfg = OmegaConf.create(state["config"])
     vocab = ran["task"]["vocab_size"]
-    codec = Codec(ran.get("data") or {})
+    codec = Codec(ran.get("data") or {}, tokenizer)
     weights = {}
     for key, value in state["model"].items():
         for prefix in PREFIXES:
@@ -143,7 +164,7 @@ def sample(
     model.to(device).eval()
     autocast_name = ran.get("autocast_dtype") or "off"
     autocast = DTYPES.get(autocast_name)
-    ids = codec.encode(prompt) or codec.encode("\n")
+    ids = codec.encode(prompt) or ([0] if codec.ids_only else codec.encode("\n"))
     generator = torch.Generator().manual_seed(seed)
     out = generate(model, ids, tokens, vocab, temperature, generator, autocast)
     note = f"{path.name}, {why}; {ran.get('precision')} (autocast {autocast_name}) on {device}"
@@ -167,12 +188,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu"
     )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a tokenizer.json to decode with: for a dataset=tokens run, whose files do not say "
+        "(without it, token ids are printed)",
+    )
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.temperature < 0:
         parser.error("--tokens must be at least 1 and --temperature at least 0")
     try:
         text, note = sample(
-            args.run_dir, args.tokens, args.prompt, args.temperature, args.seed, args.device
+            args.run_dir,
+            args.tokens,
+            args.prompt,
+            args.temperature,
+            args.seed,
+            args.device,
+            args.tokenizer,
         )
     except UserError as err:
         print(f"mpexp-sample: {err}", file=sys.stderr)

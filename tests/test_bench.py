@@ -100,10 +100,11 @@ def test_profile_step_names_where_a_steps_time_goes(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_language_model_benchmark_compares_the_command_with_a_plain_loop(tmp_path):
+@pytest.mark.parametrize("dataset", ["text", "tokens"])
+def test_the_language_model_benchmark_compares_the_command_with_a_plain_loop(tmp_path, dataset):
     out = tmp_path / "bench_lm.json"
     args = ["--epochs", "2", "--train-size", "128", "--batch-size", "16", "--repeats", "2",
-            "--json", str(out), "model.n_embd=32"]  # fmt: skip
+            "--dataset", dataset, "--json", str(out), "model.n_embd=32"]  # fmt: skip
     result = run_script("bench_lm.py", args, tmp_path)
     assert "fp32  mpexp" in result.stdout and "bf16  mpexp" in result.stdout
     rows = json.loads(out.read_text())["results"]

@@ -74,6 +74,9 @@ def test_a_uint16_bin_pair_trains_well_below_the_unigram_entropy(tmp_path):
     assert ran["task"]["vocab_size"] == VOCAB
     assert ran["parameters"] == _gpt_parameters(320)  # the embedding padded to 5 x 64
     assert "val/bpb" not in summary  # token files do not say how many bytes a token is
+    text, _ = sample(tmp_path / "run", 12, "5 7", 0.8, 0, "cpu")  # no tokenizer: ids in and out
+    ids = [int(i) for i in text.split()]
+    assert len(ids) == 2 + 12 and all(0 <= i < VOCAB for i in ids)  # never a padding id
 
 
 def _gpt_parameters(vocab: int) -> int:

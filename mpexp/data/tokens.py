@@ -143,6 +143,9 @@ class TokenFiles(TokenWindows):
             "digest": self.sample_digest(),
         }
 
+    def record(self) -> dict:
+        return {"tokenizer": None}  # the files do not say which made them
+
     def describe(self) -> str:
         val = "the tail of train.bin" if self.split_from_train else "val.bin"
         return (
