@@ -314,3 +314,43 @@ def test_mpexp_sample_refuses_a_run_it_cannot_sample_with_one_line(tmp_path, cap
     assert sample_main([str(text_run)]) == 2
     err = capsys.readouterr().err
     assert "has no checkpoint to sample from" in err and len(err.strip().splitlines()) == 1
+
+
+def llmc_shard(path: Path, tokens: np.ndarray, version: int = 1) -> None:
+    """A token shard as llm.c's data scripts write it: 256 int32 of header, then the ids."""
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (20240520, version, len(tokens))
+    path.write_bytes(header.tobytes() + tokens.astype(np.uint16 if version == 1 else np.uint32)
+                     .tobytes())  # fmt: skip
+
+
+def test_llm_c_shards_train_unchanged_read_as_one_stream(tmp_path):
+    stream = token_stream(9_000)
+    folder = tmp_path / "fineweb"
+    folder.mkdir()
+    for k, (a, b) in enumerate(((0, 4_000), (4_000, 8_000))):  # two training shards
+        llmc_shard(folder / f"fineweb_train_{k + 1:06d}.bin", stream[a:b])
+    llmc_shard(folder / "fineweb_val_000000.bin", stream[8_000:], version=2)  # uint32 ids
+    data = tokens_data(folder)
+    data.setup(CPU)
+    assert len(data.train_tokens) == 8_000 and len(data.val_tokens) == 1_000
+    # a window across the shards' seam reads on from one into the next
+    assert data.train_tokens[3_990:4_010].tolist() == stream[3_990:4_010].tolist()
+    pieces = torch.from_numpy(stream[:8_000].astype(np.int64)).unfold(0, 17, 1)
+    for inputs, targets in data.train_batches(epoch=1, seed=0, device=CPU):
+        assert torch.equal(inputs[:, 1:], targets[:, :-1])
+        for window in torch.cat((inputs, targets[:, -1:]), dim=1):  # a piece of the stream
+            assert (pieces == window).all(dim=1).any()
+    assert next(iter(data.val_batches(CPU)))[0][0].tolist() == stream[8_000:8_016].tolist()
+    train(make_cfg(*tokens_args(folder, "trainer.epochs=1")), RunContext(tmp_path / "run"))
+
+
+def test_a_truncated_llm_c_shard_is_refused_naming_its_count(tmp_path):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    llmc_shard(folder / "x_train_000001.bin", token_stream(2_000))
+    llmc_shard(folder / "x_val_000000.bin", token_stream(500))
+    with (folder / "x_train_000001.bin").open("r+b") as f:
+        f.truncate(1024 + 2 * 1_500)
+    with pytest.raises(DataError, match=r"promises 2,000 uint16 tokens .* truncated"):
+        tokens_data(folder).setup(CPU)

@@ -1,10 +1,15 @@
-"""Pre-tokenized corpora in nanoGPT's layout: a folder with `train.bin` and `val.bin`, each a flat
-array of token ids with no header, read through `numpy.memmap` (a corpus of any size trains, and
-only the windows a batch needs come off the disk). Files written by nanoGPT's prepare.py scripts
-(GPT-2's tokens as uint16) train unchanged.
+"""Pre-tokenized corpora as nanoGPT and llm.c write them, read through `numpy.memmap` (a corpus of
+any size trains, and only the windows a batch needs come off the disk):
 
-The ids are uint16 where the vocabulary fits in 16 bits (`dataset.vocab_size` <= 65,536) and uint32
-above it, unless `dataset.dtype` says otherwise: the files carry no header to tell. Windows,
+- nanoGPT's layout: a folder with `train.bin` and `val.bin`, each a flat array of token ids with
+  no header (its prepare.py scripts write GPT-2's tokens as uint16);
+- llm.c's: shards named `<name>_train_<k>.bin` and `<name>_val_<k>.bin` (or `<name>_train.bin`),
+  each behind a header of 256 int32 (magic 20240520, version 1 for uint16 ids or 2 for uint32,
+  the token count). A split's shards are read in name order as one stream.
+
+Both train unchanged. nanoGPT's ids are uint16 where the vocabulary fits in 16 bits
+(`dataset.vocab_size` <= 65,536) and uint32 above it, unless `dataset.dtype` says otherwise: its
+files carry no header to tell; an llm.c header says it itself. Windows,
 validation and resume follow mpexp/data/windows.py. A folder with `train.bin` alone validates on
 its tail (`dataset.val_fraction`), as dataset=text does, and says so.
 
@@ -28,6 +33,9 @@ from mpexp.tasks.language_model import LanguageModelling
 log = logging.getLogger(__name__)
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+LLMC_MAGIC = 20240520  # the first int32 of an llm.c token shard
+LLMC_HEADER = 256 * 4  # its header's bytes: 256 int32
+LLMC_VERSIONS = {1: np.uint16, 2: np.uint32}  # the header's version: the ids' type
 
 
 class TokenFiles(TokenWindows):
@@ -53,6 +61,7 @@ class TokenFiles(TokenWindows):
         self.bytes_per_token = bytes_per_token
         self.folder: Path | None = None
         self.split_from_train = False  # no val.bin: the training file's tail validates
+        self.names: tuple[str, str | None] = ("train.bin", "val.bin")  # the first files' names
 
     def setup(
         self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
@@ -67,15 +76,23 @@ class TokenFiles(TokenWindows):
             raise ConfigError(f"dataset.vocab_size={self.vocab_size} must be at least 1.")
         dtype = np.dtype(self._dtype())
         self.folder = Path(self.path).expanduser().resolve()
-        train_path, val_path = self.folder / "train.bin", self.folder / "val.bin"
-        if not train_path.is_file():
+        train_files, val_files = split_files(self.folder)
+        if not train_files:
             raise DataError(
-                f"dataset.path={self.path} holds no train.bin. Give the folder with nanoGPT's "
-                "train.bin and val.bin (token ids, no header)."
+                f"dataset.path={self.path} holds no train.bin (nanoGPT's train.bin and val.bin) "
+                "and no llm.c shards (<name>_train_<k>.bin, <name>_val_<k>.bin). Give the folder "
+                "that holds them."
             )
-        train = _open(train_path, dtype)
-        if val_path.is_file():
-            self.train_tokens, self.val_tokens = train, _open(val_path, dtype)
+        self.names = (train_files[0].name, val_files[0].name if val_files else None)
+        train = _stream([_open(f, dtype) for f in train_files])
+        if val_files:
+            self.train_tokens = train
+            self.val_tokens = _stream([_open(f, dtype) for f in val_files])
+        elif isinstance(train, Shards):
+            raise DataError(
+                f"{self.folder} holds {len(train_files)} training shards and no validation "
+                "shard (<name>_val_<k>.bin): give llm.c's validation shard beside them."
+            )
         else:
             self.split_from_train = True
             split = round(len(train) * (1 - self.val_fraction))
@@ -118,7 +135,8 @@ class TokenFiles(TokenWindows):
     def _check_ids(self, dtype: np.dtype) -> None:
         """Refuse ids at or above the vocabulary, looked for in evenly spread samples of both
         files (a whole pass over a corpus of billions of tokens would cost minutes at setup)."""
-        names = ("train.bin", "train.bin" if self.split_from_train else "val.bin")
+        train_name, val_name = self.names
+        names = (train_name, train_name if self.split_from_train else val_name)
         offset = (0, len(self.train_tokens) if self.split_from_train else 0)
         for name, first_id, tokens in zip(
             names, offset, (self.train_tokens, self.val_tokens), strict=True
@@ -147,17 +165,89 @@ class TokenFiles(TokenWindows):
         return {"tokenizer": None}  # the files do not say which made them
 
     def describe(self) -> str:
-        val = "the tail of train.bin" if self.split_from_train else "val.bin"
+        train, val = self.names
+        val = f"the tail of {train}" if self.split_from_train else val
         return (
             f"{self.train_size:,} windows of {self.block_size} tokens per epoch from "
-            f"{len(self.train_tokens):,} training tokens ({self.folder}/train.bin, "
+            f"{len(self.train_tokens):,} training tokens ({self.folder}/{train}, "
             f"{np.dtype(self.train_tokens.dtype).name}), validated on {len(self.val_tokens):,} of "
             f"{val}"
         )
 
 
+def split_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """The training and validation files of a folder: nanoGPT's train.bin and val.bin, or else
+    llm.c's shards, in name order."""
+    if (folder / "train.bin").is_file():
+        val = folder / "val.bin"
+        return [folder / "train.bin"], [val] if val.is_file() else []
+    shards = sorted(folder.glob("*.bin"))
+    return (
+        [f for f in shards if "_train" in f.stem],
+        [f for f in shards if "_val" in f.stem],
+    )
+
+
+class Shards:
+    """Token files read as one stream, in order: what the windows index (`len`, slices and
+    arrays of positions), without copying the files into one."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.starts = np.cumsum([0, *(len(p) for p in parts)])
+        self.dtype = parts[0].dtype
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index) -> np.ndarray:
+        if isinstance(index, slice):
+            index = np.arange(*index.indices(len(self)))
+        index = np.asarray(index)
+        shard = np.searchsorted(self.starts, index, side="right") - 1
+        out = np.empty(index.shape, dtype=self.dtype)
+        for k in np.unique(shard):
+            here = shard == k
+            out[here] = self.parts[k][index[here] - self.starts[k]]
+        return out
+
+
+def _stream(parts: list[np.ndarray]) -> np.ndarray | Shards:
+    """One file's tokens as they are, several files' as one stream of one type."""
+    if len(parts) == 1:
+        return parts[0]
+    if len({p.dtype for p in parts}) > 1:
+        raise DataError("The shards hold token ids of different types (their headers' versions).")
+    return Shards(parts)
+
+
+def _llmc_header(path: Path) -> tuple[np.dtype, int] | None:
+    """An llm.c shard's id type and token count, from its header; None for a headerless file."""
+    with path.open("rb") as f:
+        head = np.frombuffer(f.read(LLMC_HEADER), dtype="<i4")
+    if len(head) < 3 or head[0] != LLMC_MAGIC:
+        return None
+    if int(head[1]) not in LLMC_VERSIONS:
+        raise DataError(
+            f"{path} is an llm.c token shard of version {int(head[1])}; mpexp reads versions 1 "
+            "(uint16 ids) and 2 (uint32 ids)."
+        )
+    return np.dtype(LLMC_VERSIONS[int(head[1])]), int(head[2])
+
+
 def _open(path: Path, dtype: np.dtype) -> np.ndarray:
-    """A token file through a memory map; its size must be a whole number of tokens."""
+    """A token file through a memory map; its size must be a whole number of tokens (an llm.c
+    shard's: its header's count, whose type the header gives too)."""
+    header = _llmc_header(path)
+    if header is not None:
+        dtype, count = header
+        expected = LLMC_HEADER + count * dtype.itemsize
+        if path.stat().st_size != expected:
+            raise DataError(
+                f"{path} holds {path.stat().st_size:,} bytes where its llm.c header promises "
+                f"{count:,} {dtype.name} tokens ({expected:,} bytes): it is truncated."
+            )
+        return np.memmap(path, dtype=dtype, mode="r", offset=LLMC_HEADER, shape=(count,))
     size = path.stat().st_size
     if size % dtype.itemsize:
         raise DataError(
