@@ -22,6 +22,7 @@ from torch import nn
 
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError
+from mpexp.precision import pure_updates
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,8 @@ def build_optimizer(
     optimizer = build(parameter_groups(model, cfg.optimizer))
     if fused:
         _zero_momentum(optimizer)
+    # pure bf16: the step computed in fp32 and rounded into the bf16 weights as configured
+    pure_updates.watch(optimizer, cfg, device)
     return optimizer
 
 
