@@ -312,6 +312,11 @@ class Fp8Config:
     # null: no fp8. A node in every precision mode (not a null node): Hydra cannot apply an
     # override like `precision.fp8.recipe=rowwise` to a null node, and fails with a traceback
     recipe: Optional[Fp8Recipe] = None
+    # Linear layers kept in bf16 by name (a module's name keeps everything inside it)
+    exclude: list[str] = field(default_factory=list)
+    # Linear layers with fewer input or output features than this stay in bf16: their products
+    # are too small for fp8's speed to pay for its casts; 0: no threshold
+    min_size: int = 0
 
 
 @dataclass

@@ -60,7 +60,16 @@ def test_groups_hold_the_documented_options():
         "vit",
         "vit_base",
     ]
-    assert options("precision") == ["bf16", "fp16", "fp32", "fp8", "tf32"]
+    assert options("precision") == [
+        "bf16",
+        "bf16_pure",
+        "bf16_pure_kahan",
+        "bf16_pure_stochastic",
+        "fp16",
+        "fp32",
+        "fp8",
+        "tf32",
+    ]
     assert options("loss_scaling") == [
         "auto",
         "calibrated",
@@ -72,6 +81,7 @@ def test_groups_hold_the_documented_options():
     assert options("optimizer") == ["adam", "adamw", "sgd"]
     assert options("scheduler") == ["cosine", "none", "step"]
     assert options("experiment") == [
+        "bf16_pure",
         "cifar10_resnet",
         "fp8_vit",
         "gpt_precisions",
@@ -87,7 +97,10 @@ def test_help_lists_the_groups_a_user_chooses_from_and_no_schema(tmp_path):
     section = result.stdout.split("== Configuration groups ==", 1)[1].split("== Config ==")[0]
     listed = [line.split(":")[0] for line in section.splitlines()[2:] if ":" in line]
     assert listed == sorted(GROUPS)  # not the schemas behind them (schema/dataset, ...)
-    assert "precision: bf16, fp16, fp32, fp8, tf32" in section
+    assert (
+        "precision: bf16, bf16_pure, bf16_pure_kahan, bf16_pure_stochastic, fp16, fp32, fp8, tf32"
+        in section
+    )
 
 
 def test_datasets_live_in_one_folder_per_user_not_where_the_run_starts(monkeypatch):

@@ -81,6 +81,8 @@ ADDED_KEYS = {
     "dataset.augment.crop_padding": 0,
     "dataset.augment.flip": False,
     "optimizer.decay_norms_and_biases": True,
+    "precision.fp8.exclude": [],
+    "precision.fp8.min_size": 0,
     "precision.weights": "float32",
     "precision.update_rounding": None,
     "precision.optimizer_states": None,

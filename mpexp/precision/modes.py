@@ -43,12 +43,16 @@ class Fp8:
     (`convert_to_fp8`), which Linear layers compute in fp8 and why the others do not."""
 
     recipe: str
+    exclude: tuple[str, ...] = ()  # layers kept in bf16 by name (precision.fp8.exclude)
+    min_size: int = 0  # layers with fewer features kept in bf16 (precision.fp8.min_size)
     converted: tuple[str, ...] = ()
     unconverted: dict[str, str] = field(default_factory=dict)  # layer name -> reason
 
     def record(self) -> dict:
         return {
             "fp8_recipe": self.recipe,
+            "fp8_exclude": list(self.exclude),
+            "fp8_min_size": self.min_size,
             "fp8_converted_count": len(self.converted),
             "fp8_converted": list(self.converted),
             "fp8_unconverted": dict(self.unconverted),
@@ -151,8 +155,12 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
     """
     dtype = DTYPES[str(cfg["autocast"])] if cfg["autocast"] is not None else None
     tf32 = bool(cfg["tf32"])
-    recipe = (cfg.get("fp8") or {}).get("recipe")  # a record from before fp8 was a node: null
-    fp8 = Fp8(recipe=str(recipe)) if recipe is not None else None
+    fp8_cfg = cfg.get("fp8") or {}  # a record from before fp8 was a node: null
+    recipe = fp8_cfg.get("recipe")
+    fp8 = None
+    if recipe is not None:
+        exclude = tuple(fp8_cfg.get("exclude") or ())
+        fp8 = Fp8(str(recipe), exclude, int(fp8_cfg.get("min_size") or 0))
     mode = mode_name(dtype, tf32, fp8 is not None)
     pure = None
     if str(cfg.get("weights") or "float32") == "bfloat16":  # validated: no autocast, no fp8

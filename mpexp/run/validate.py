@@ -101,6 +101,7 @@ def validate(cfg: DictConfig) -> None:
 
     _validate_optimizer(opt)
     _validate_pure_bf16(cfg)
+    _validate_fp8_filter(cfg.precision.fp8)
 
     _validate_scaling(cfg.loss_scaling)
     _validate_training_loop(cfg)
@@ -161,6 +162,16 @@ def _validate_optimizer(opt: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"optimizer.momentum={opt['momentum']} must lie in [0, 1): at 1 or above the velocity "
             "never decays and training diverges. 0.9 is usual."
+        )
+
+
+def _validate_fp8_filter(fp8: Mapping[str, Any]) -> None:
+    _integer(fp8.get("min_size", 0), "precision.fp8.min_size", 0)
+    if fp8.get("recipe") is None and (fp8.get("exclude") or fp8.get("min_size")):
+        key = "exclude" if fp8.get("exclude") else "min_size"
+        raise ConfigError(
+            f"precision.fp8.{key} chooses the layers fp8 converts, and this run has no fp8; use "
+            f"precision=fp8 precision.fp8.{key}=..., or drop it."
         )
 
 

@@ -120,6 +120,13 @@ FP8_CASTS = {
         Fp8Cast("weight_columns", "weight", 0, True, ("e4m3",)),
         Fp8Cast("grad_rows", "grad", 1, True, ("e4m3",)),
     ),
+    # rowwise_with_gw_hp: the forward product's weight as rowwise's; for the input's gradient
+    # one scale for the whole weight (still a power of two); the weight gradient is computed in
+    # high precision, never cast, so it is not counted
+    "rowwise_with_gw_hp": (
+        Fp8Cast("weight_rows", "weight", 1, True, ("e4m3",)),
+        Fp8Cast("weight", "weight", None, True, ("e4m3",)),
+    ),
 }
 
 
