@@ -194,7 +194,7 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
     elif pure is not None:
         emulated = device.type == "cpu" and not cpu_has_native(torch.bfloat16)
         if emulated:
-            _warn_emulated_once(torch.bfloat16)
+            _warn_emulated_once(torch.bfloat16, "pure bf16")
     else:
         emulated = dtype is not None and device.type == "cpu" and not cpu_has_native(dtype)
         if emulated:
@@ -231,11 +231,12 @@ def _warn_no_tf32_once(device: torch.device, effective: str) -> None:
 _warned_emulated: set[torch.dtype | str] = set()
 
 
-def _warn_emulated_once(dtype: torch.dtype) -> None:
+def _warn_emulated_once(dtype: torch.dtype, what: str = "autocast") -> None:
     # once per process: a sweep runs its jobs in one process and the warning says the same each time
-    if dtype in _warned_emulated:
+    key = dtype if what == "autocast" else what
+    if key in _warned_emulated:
         return
-    _warned_emulated.add(dtype)
+    _warned_emulated.add(key)
     other = torch.bfloat16 if dtype is torch.float16 else torch.float16
     hint = (
         f"precision={SHORT_NAMES[other]} runs natively here"
@@ -243,9 +244,9 @@ def _warn_emulated_once(dtype: torch.dtype) -> None:
         else "precision=fp32 is the fast choice on this CPU"
     )
     log.warning(
-        "%s autocast is emulated on this CPU (no native %s matrix instructions): the numerics are "
+        "%s is emulated on this CPU (no native %s matrix instructions): the numerics are "
         "real, but expect epochs several times slower than fp32; %s. Recorded as emulated=true.",
-        SHORT_NAMES[dtype],
+        f"{SHORT_NAMES[dtype]} autocast" if what == "autocast" else what,
         str(dtype).removeprefix("torch."),
         hint,
     )

@@ -162,6 +162,9 @@ def logged_keys(runs: list[Run]) -> set[str]:
     }
 
 
+UPDATES_LOST = "opt/updates_lost"
+
+
 def sections(results: list[str], logged: set[str]) -> list[dict]:
     """The view's sections, in the order a reader asks; those with nothing to show are left out."""
     result = [
@@ -178,9 +181,12 @@ def sections(results: list[str], logged: set[str]) -> list[dict]:
         _line("loss scale (log axis)", "step", "amp/scale", log_y=True),
         _line("skipped steps", "step", "amp/skipped_steps"),
     ]
+    # pure bf16's updates that rounding left out of the weights (mpexp/precision/pure_updates.py)
+    lost = [_line("updates lost", "step", UPDATES_LOST)] if UPDATES_LOST in logged else []
     found = [
         ("Result", True, result),
         ("Loss scale", True, scale),
+        ("Updates lost", True, lost),
         ("Speed", True, [_bar(key) for key in SPEED if key in logged]),
         ("Memory", True, [_bar(key) for key in MEMORY_KEYS if key in logged]),
         ("Diagnostics", False, [_line(k, "step", k) for k in sorted(logged) if _diagnostic(k)]),
