@@ -117,7 +117,8 @@ class PureUpdates:
         if rounding == "stochastic":
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(seed)
-        self._held: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._proxies: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
         optimizer.register_state_dict_post_hook(self._save)
@@ -126,28 +127,45 @@ class PureUpdates:
         optimizer.pure_updates = self  # how the diagnostics find the counts
 
     def _before(self, optimizer, args, kwargs) -> None:
-        """Weights, gradients and states in float32 for the optimizer's own step."""
-        self._held = []
-        for p in self.params:
-            # float32 weights are updated in place: the count compares with a copy
-            old = p.data.clone() if p.dtype == torch.float32 else p.data
-            self._held.append((old, p.grad))
-            p.data = p.data.float()
-            if p.grad is not None:
-                p.grad = p.grad.float()
-            self._cast_states(p, torch.float32)
+        """The optimizer's groups pointed at float32 copies of the weights, with float32 copies
+        of their gradients and states, for its own step. The parameters themselves are left
+        alone: DDP's reducer and FSDP know them by their tensors, which must not change."""
+        self._proxies = []
+        state = optimizer.state
+        for group in optimizer.param_groups:
+            proxies = []
+            for p in group["params"]:
+                # the copy is the weight itself when that is float32: the count keeps the old one
+                proxy = p.detach().float()
+                old = proxy.clone() if proxy.data_ptr() == p.data_ptr() else p.detach()
+                proxy.requires_grad_(True)
+                if p.grad is not None:
+                    proxy.grad = p.grad.float()
+                self._cast_states(p, torch.float32)
+                if p in state:
+                    state[proxy] = state.pop(p)
+                proxies.append(proxy)
+                self._proxies.append((p, proxy, old))
+            group["params"] = proxies
 
     def _after(self, optimizer, args, kwargs) -> None:
-        """The fp32 result rounded into the stored weight; the states back to their dtype."""
-        for index, (p, (old, grad)) in enumerate(zip(self.params, self._held, strict=True)):
-            result = p.data
+        """The fp32 result rounded into the stored weight, in place; the states back to their
+        parameters, in their dtype."""
+        state = optimizer.state
+        held = iter(self._proxies)
+        for group in optimizer.param_groups:
+            group["params"] = [next(held)[0] for _ in group["params"]]
+        for p, proxy, old in self._proxies:
+            if proxy in state:
+                state[p] = state.pop(proxy)
+            result = proxy.detach()
             new = self._round(p, old, result)
+            index = self._index[id(p)]
             self.lost.add(index, local_shard(old), local_shard(result), local_shard(new))
-            p.data = new
-            if grad is not None:
-                p.grad = grad
+            if new.data_ptr() != p.data_ptr():
+                p.detach().copy_(new)
             self._cast_states(p, self.states)
-        self._held = []
+        self._proxies = []
 
     def _round(self, p: torch.Tensor, old: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         if self.rounding == "stochastic":
@@ -180,26 +198,24 @@ class PureUpdates:
         return state_dict
 
     def _load(self, optimizer, state_dict: dict) -> dict:
-        """Before torch loads the states: the generator taken out, and the parameters upcast for
-        the load alone, as torch casts each floating state to its parameter's dtype and would
-        otherwise round float32 states to bfloat16."""
+        """Before torch loads the states: the generator taken out, and the states kept as saved,
+        for torch casts each floating state to its parameter's dtype and would round float32
+        states to bfloat16."""
         state_dict = dict(state_dict)
         saved = state_dict.pop(GENERATOR, None)
         if self.generator is not None and saved is not None:
             self.generator.set_state(saved)
-        self._stored = [p.data for p in self.params]
-        for p in self.params:
-            p.data = p.data.float()
+        self._saved = state_dict["state"]
         return state_dict
 
     def _loaded(self, optimizer) -> None:
-        for p, stored in zip(self.params, self._stored, strict=True):
-            p.data = stored
-            self._cast_states(p, self.states)
-            compensation = optimizer.state.get(p, {}).get(COMPENSATION)
-            if compensation is not None:
-                optimizer.state[p][COMPENSATION] = compensation.to(stored.dtype)
-        self._stored = []
+        # a state dict numbers the parameters from 0, group after group
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        for index, p in enumerate(params):
+            for key, value in self._saved.get(index, {}).items():
+                if _is_float(value) and value.shape == p.shape:
+                    optimizer.state[p][key] = value.to(p.device)
+        self._saved = {}
 
 
 def stored_bytes(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
