@@ -137,7 +137,7 @@ class PureUpdates:
             for p in group["params"]:
                 # the copy is the weight itself when that is float32: the count keeps the old one
                 proxy = p.detach().float()
-                old = proxy.clone() if proxy.data_ptr() == p.data_ptr() else p.detach()
+                old = proxy.clone() if p.dtype == torch.float32 else p.detach()
                 proxy.requires_grad_(True)
                 if p.grad is not None:
                     proxy.grad = p.grad.float()
@@ -158,12 +158,13 @@ class PureUpdates:
         for p, proxy, old in self._proxies:
             if proxy in state:
                 state[p] = state.pop(proxy)
-            result = proxy.detach()
+            # each rank rounds its own shard of an FSDP-sharded weight
+            old, result = local_shard(old), local_shard(proxy.detach())
             new = self._round(p, old, result)
-            index = self._index[id(p)]
-            self.lost.add(index, local_shard(old), local_shard(result), local_shard(new))
-            if new.data_ptr() != p.data_ptr():
-                p.detach().copy_(new)
+            self.lost.add(self._index[id(p)], old, result, new)
+            weight = local_shard(p.detach())
+            if new.data_ptr() != weight.data_ptr():
+                weight.copy_(new)
             self._cast_states(p, self.states)
         self._proxies = []
 
@@ -173,8 +174,8 @@ class PureUpdates:
         if self.rounding == "kahan":
             state = self.optimizer.state[p]
             if COMPENSATION not in state:
-                state[COMPENSATION] = torch.zeros_like(old)
-            compensation = state[COMPENSATION]
+                state[COMPENSATION] = torch.zeros_like(p.detach())
+            compensation = local_shard(state[COMPENSATION])
             # the update wanted plus what earlier roundings lost, added to the stored weight;
             # what this rounding loses in turn is kept for the next step
             wanted = result - old.float() + compensation.float()
