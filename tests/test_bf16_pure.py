@@ -14,11 +14,13 @@ from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.errors import ConfigError, ResumeRefused
 from mpexp.models.simplecnn import SimpleCNN
 from mpexp.precision.pure_updates import PureUpdates, hold_in_bf16, round_stochastic
+from mpexp.report import cli as report
 from mpexp.run.runner import train
 from mpexp.run.validate import validate
 from mpexp.step.performance import build_optimizer
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import CPU, TINY, make_cfg
+from tests.test_report import read_table
 from tests.test_resume import assert_same_final_state, comparable, killed_and_resumed, status
 from tests.test_training import read_metrics
 
@@ -33,6 +35,9 @@ PURE = [
     "optimizer=adam",
     "precision=bf16_pure",
 ]
+
+
+STATE_SECTION = "Training state against parity"
 
 
 @pytest.fixture
@@ -214,3 +219,24 @@ def test_a_checkpoint_of_fp32_weights_is_not_resumed_as_bf16_pure(tmp_path, one_
     with pytest.raises(ResumeRefused, match=r"written with float32 weights.*precision=bf16_pure"):
         train(pure, RunContext(tmp_path / "new"))
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "finished"
+
+
+def test_the_report_puts_each_legs_bytes_beside_its_parity(tmp_path, one_thread):
+    fp32 = [o for o in PURE if o != "precision=bf16_pure"]
+    train(make_cfg(*fp32, "trainer.epochs=1"), RunContext(tmp_path / "fp32"))
+    train(make_cfg(*PURE, "trainer.epochs=1"), RunContext(tmp_path / "pure"))
+    assert report.main([str(tmp_path)]) == 0
+
+    rows = {r["configuration"]: r for r in read_table(tmp_path / "report.md", STATE_SECTION)}
+    reference, pure = rows["fp32"], rows["pure"]
+    # 666 parameters: 4 bytes each in fp32, 2 in bf16; Adam keeps two states per parameter
+    assert (reference["weights"], reference["optimizer states"]) == ("2.6 KiB", "5.2 KiB")
+    assert (pure["weights"], pure["gradients"], pure["optimizer states"]) == (
+        "1.3 KiB",
+        "1.3 KiB",
+        "2.6 KiB",
+    )
+    assert (reference["vs fp32"], pure["vs fp32"]) == ("1.00x", "0.50x")
+    assert pure["update rounding"] == "nearest, states bf16"
+    assert reference["updates lost"] == "n/a" and 0 < float(pure["updates lost"]) <= 1
+    assert pure["parity"] == "inconclusive: single seed"
