@@ -131,6 +131,9 @@ def group_by(runs: list[Run]) -> list[str]:
         if key not in NOT_CONFIG and len({overrides.get(key) for overrides in given}) > 1
     ]
     wandb_keys = [_wandb_key(key, runs[0]) for key in ["precision", *varying]]
+    if any(run.ran.get("update_rounding") for run in runs):
+        # bf16_pure's roundings are one ran.precision; their legs differ in this
+        wandb_keys.insert(1, "ran.update_rounding")
     return list(dict.fromkeys(wandb_keys))
 
 
