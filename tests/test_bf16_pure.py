@@ -17,7 +17,7 @@ from mpexp.precision.pure_updates import PureUpdates, hold_in_bf16, round_stocha
 from mpexp.report import cli as report
 from mpexp.run.runner import train
 from mpexp.run.validate import validate
-from mpexp.step.performance import build_optimizer
+from mpexp.step.performance import build_optimizer, plan_speed
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import CPU, TINY, make_cfg
 from tests.test_report import read_table
@@ -240,3 +240,10 @@ def test_the_report_puts_each_legs_bytes_beside_its_parity(tmp_path, one_thread)
     assert pure["update rounding"] == "nearest, states bf16"
     assert reference["updates lost"] == "n/a" and 0 < float(pure["updates lost"]) <= 1
     assert pure["parity"] == "inconclusive: single seed"
+
+
+def test_a_cuda_graph_is_refused_as_bf16_pure_rounds_in_python():
+    cfg = make_cfg(*PURE, "trainer.cuda_graph=true")
+    with pytest.raises(ConfigError, match="bf16_pure rounds each update in Python-side"):
+        plan_speed(cfg, torch.device("cuda"))  # decided from the config: no GPU needed
+    assert not plan_speed(make_cfg(*PURE), torch.device("cuda")).cuda_graph

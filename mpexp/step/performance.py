@@ -154,6 +154,10 @@ def _graph_blockers(cfg: DictConfig, fused) -> list[str]:
         )
     if cfg.diagnostics.overflow_attribution:
         reasons.append("diagnostics.overflow_attribution reads every step's gradients")
+    if cfg.precision.get("weights") == "bfloat16" or cfg.diagnostics.get("updates_lost"):
+        # mpexp/precision/pure_updates.py: float32 copies made and the states re-keyed in Python
+        # around each optimizer step, which a replay would not do
+        reasons.append("precision=bf16_pure rounds each update in Python-side optimizer hooks")
     return reasons
 
 
