@@ -231,7 +231,7 @@ def test_a_recipe_given_to_another_mode_runs_fp8_and_says_so():
 def test_only_torchaos_recipes_compose():
     with pytest.raises(Exception, match=r"precision\.fp8\.recipe=blockwise") as err:
         make_cfg("precision=fp8", "precision.fp8.recipe=blockwise")
-    assert "expected one of [tensorwise, rowwise]" in str(err.value.__cause__)
+    assert "expected one of [tensorwise, rowwise, rowwise_with_gw_hp]" in str(err.value.__cause__)
 
 
 def test_an_explicit_loss_scaler_under_fp8_is_honoured_with_a_warning(caplog):
