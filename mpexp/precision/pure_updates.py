@@ -27,19 +27,14 @@ from torch import nn
 
 from mpexp.distributed import local_shard
 
-ROUNDINGS = ("nearest", "kahan", "stochastic")
 COMPENSATION = "kahan_compensation"  # the optimizer state key of a parameter's Kahan buffer
 GENERATOR = "update_rounding_generator"  # the optimizer state dict key of the generator's state
 
 
-class CastIO(nn.Module):
-    """Nothing but the two hooks that let a bfloat16 model take fp32 inputs and give fp32 outputs:
+def hold_in_bf16(model: nn.Module) -> nn.Module:
+    """Cast the model's parameters and buffers to bfloat16, and make it take and give float32:
     floating inputs are cast to bfloat16 on the way in, the output to float32 on the way out, so
     that the loss (and validation's sums) are computed in float32."""
-
-
-def hold_in_bf16(model: nn.Module) -> nn.Module:
-    """Cast the model's parameters and buffers to bfloat16, and make it take and give float32."""
     model.to(torch.bfloat16)
     model.register_forward_pre_hook(_inputs_to_bf16)
     model.register_forward_hook(_output_to_float32)
