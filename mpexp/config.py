@@ -74,6 +74,26 @@ class Fp8Recipe(Choice):
 
     tensorwise = "tensorwise"  # one scale per tensor; e4m3 forward, e5m2 gradients; fastest
     rowwise = "rowwise"  # one scale per row, rounded down to a power of two; e4m3 throughout
+    # rowwise, but the weight's gradient computed in high precision (bf16), not in fp8
+    rowwise_with_gw_hp = "rowwise_with_gw_hp"
+
+
+class WeightsDtype(Choice):
+    float32 = "float32"  # fp32 weights (master weights, under autocast)
+    bfloat16 = "bfloat16"  # pure bf16: weights, gradients and the forward pass in bf16
+
+
+class UpdateRounding(Choice):
+    """How a pure bf16 step's fp32 result is stored (mpexp/precision/pure_updates.py)."""
+
+    nearest = "nearest"  # round to nearest: an update below half an ulp is lost
+    kahan = "kahan"  # a bf16 compensation buffer per parameter carries what rounding lost
+    stochastic = "stochastic"  # rounded up or down at random, the fp32 result in expectation
+
+
+class StatesDtype(Choice):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
 
 
 # `raise` is a keyword, so these two are built by name
@@ -125,6 +145,9 @@ class DiagnosticsConfig:
     grad_stats_every: int = 0
     overflow_attribution: bool = False
     max_names: int = 8
+    # opt/updates_lost, the share of nonzero updates that left a weight unchanged; null: on
+    # under precision=bf16_pure only (it costs a pass over the weights each step)
+    updates_lost: Optional[bool] = None
 
 
 @dataclass
@@ -332,6 +355,11 @@ class Fp8Config:
     # null: no fp8. A node in every precision mode (not a null node): Hydra cannot apply an
     # override like `precision.fp8.recipe=rowwise` to a null node, and fails with a traceback
     recipe: Optional[Fp8Recipe] = None
+    # Linear layers kept in bf16 by name (a module's name keeps everything inside it)
+    exclude: list[str] = field(default_factory=list)
+    # Linear layers with fewer input or output features than this stay in bf16: their products
+    # are too small for fp8's speed to pay for its casts; 0: no threshold
+    min_size: int = 0
 
 
 @dataclass
@@ -340,6 +368,12 @@ class PrecisionConfig:
     tf32: bool = False  # TF32 tensor-core math for float32 matmul and convolutions
     fp32_modules: list[str] = field(default_factory=list)
     fp8: Fp8Config = field(default_factory=Fp8Config)  # float8 Linear layers (torchao)
+    # bfloat16: pure bf16 (precision=bf16_pure), no fp32 master weights
+    weights: WeightsDtype = WeightsDtype.float32
+    # pure bf16 only (null elsewhere): how each update is rounded into the bf16 weights, and the
+    # dtype of the optimizer's states between steps
+    update_rounding: Optional[UpdateRounding] = None
+    optimizer_states: Optional[StatesDtype] = None
 
 
 # --- loss scaling --------------------------------------------------------------------------------

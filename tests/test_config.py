@@ -63,7 +63,16 @@ def test_groups_hold_the_documented_options():
         "vit",
         "vit_base",
     ]
-    assert options("precision") == ["bf16", "fp16", "fp32", "fp8", "tf32"]
+    assert options("precision") == [
+        "bf16",
+        "bf16_pure",
+        "bf16_pure_kahan",
+        "bf16_pure_stochastic",
+        "fp16",
+        "fp32",
+        "fp8",
+        "tf32",
+    ]
     assert options("loss_scaling") == [
         "auto",
         "calibrated",
@@ -75,6 +84,7 @@ def test_groups_hold_the_documented_options():
     assert options("optimizer") == ["adam", "adamw", "sgd"]
     assert options("scheduler") == ["cosine", "none", "step"]
     assert options("experiment") == [
+        "bf16_pure",
         "cifar10_resnet",
         "fp8_vit",
         "gpt_precisions",
@@ -90,7 +100,10 @@ def test_help_lists_the_groups_a_user_chooses_from_and_no_schema(tmp_path):
     section = result.stdout.split("== Configuration groups ==", 1)[1].split("== Config ==")[0]
     listed = [line.split(":")[0] for line in section.splitlines()[2:] if ":" in line]
     assert listed == sorted(GROUPS)  # not the schemas behind them (schema/dataset, ...)
-    assert "precision: bf16, fp16, fp32, fp8, tf32" in section
+    assert (
+        "precision: bf16, bf16_pure, bf16_pure_kahan, bf16_pure_stochastic, fp16, fp32, fp8, tf32"
+        in section
+    )
 
 
 def test_datasets_live_in_one_folder_per_user_not_where_the_run_starts(monkeypatch):
@@ -196,7 +209,8 @@ def test_optimizer_options_build(option):
 def test_every_precision_and_scaling_pair_builds(precision, scaling):
     cfg = make_cfg(f"precision={precision}", f"loss_scaling={scaling}")
     mode = setup_precision(cfg.precision, CPU)
-    assert mode.mode == precision
+    # bf16_pure_kahan and _stochastic are bf16_pure with an update rounding
+    assert mode.mode == precision.removesuffix("_kahan").removesuffix("_stochastic")
     scaler = build_scaler(cfg.loss_scaling, mode, CPU)
     expected = {"auto": "dynamic" if precision == "fp16" else "none"}.get(scaling, scaling)
     assert scaler.describe()["loss_scaling"] == expected

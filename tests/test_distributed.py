@@ -343,3 +343,30 @@ def test_ddp_with_accumulation_matches_one_process(tmp_path):
     train(make_cfg(*ONE_EPOCH, GLOBAL, "trainer.accumulate=4"), RunContext(tmp_path / "one"))
     ddp, single = losses(only_run_dir(cwd)), losses(tmp_path / "one")
     assert ddp == pytest.approx(single, rel=1e-4)
+
+
+@pytest.mark.slow  # torchrun and a run of its own per strategy, in emulated bf16
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_bf16_pure_rounds_alike_on_every_rank_and_counts_every_shard(tmp_path, strategy):
+    pure = ["precision=bf16_pure_kahan", "optimizer=adam", "optimizer.lr=1e-4"]
+    cwd = tmp_path / strategy
+    cwd.mkdir()
+    args = [f"trainer.strategy={strategy}", *ONE_EPOCH, PER_RANK, *pure]
+    result = run_cli(*TORCHRUN, "-m", "mpexp.train", *args, cwd=cwd)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = only_run_dir(cwd)
+    ran = json.loads((run_dir / "summary.json").read_text())["ran"]
+    assert (ran["weights_dtype"], ran["update_rounding"], ran["world_size"]) == (
+        "bfloat16",
+        "kahan",
+        2,
+    )
+    assert ran.get("replicas_identical", True) is True  # DDP's replicas rounded alike
+
+    train(make_cfg(*ONE_EPOCH, GLOBAL, *pure), RunContext(tmp_path / "single"))
+
+    def lost(run):
+        return [r["opt/updates_lost"] for r in read_metrics(run)[0] if "opt/updates_lost" in r]
+
+    # every shard counted once: the share is close to one process's (rounding differs a little)
+    assert lost(run_dir) == pytest.approx(lost(tmp_path / "single"), abs=0.05)

@@ -19,6 +19,8 @@ from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
 from mpexp.run.build import build
 from mpexp.run.runner import train
+from mpexp.run.validate import validate
+from mpexp.step.diagnostics import fp8_count_keys, fp8_layer_counts
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import (
     CONF,
@@ -229,7 +231,7 @@ def test_a_recipe_given_to_another_mode_runs_fp8_and_says_so():
 def test_only_torchaos_recipes_compose():
     with pytest.raises(Exception, match=r"precision\.fp8\.recipe=blockwise") as err:
         make_cfg("precision=fp8", "precision.fp8.recipe=blockwise")
-    assert "expected one of [tensorwise, rowwise]" in str(err.value.__cause__)
+    assert "expected one of [tensorwise, rowwise, rowwise_with_gw_hp]" in str(err.value.__cause__)
 
 
 def test_an_explicit_loss_scaler_under_fp8_is_honoured_with_a_warning(caplog):
@@ -322,3 +324,50 @@ def test_a_sweep_over_fp32_bf16_fp8_reports_three_configurations(tmp_path):
         ("bf16", None),
         ("fp8", "single seed"),
     ]
+
+
+def test_the_rowwise_with_gw_hp_recipe_keeps_the_weight_gradient_out_of_fp8():
+    cfg = make_cfg("precision=fp8", "precision.fp8.recipe=rowwise_with_gw_hp")
+    precision = setup_precision(cfg.precision, CPU)
+    model, precision = convert_to_fp8(
+        nn.Sequential(nn.Linear(16, 16)), precision, [], compiled=False
+    )
+    assert precision.record()["fp8_recipe"] == "rowwise_with_gw_hp"
+    config = model[0].config
+    assert config.cast_config_weight.scaling_granularity.value == "axiswise"
+    # the weight gradient's product takes its operands in high precision
+    assert config.cast_config_input_for_grad_weight.scaling_type.value == "disabled"
+    assert config.cast_config_grad_output_for_grad_weight.scaling_type.value == "disabled"
+    x = torch.randn(16, 16, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        model(x).sum().backward()
+    assert torch.isfinite(model[0].weight.grad).all()
+    # its range statistics count what it casts: the weight, by rows and whole
+    keys = fp8_count_keys("rowwise_with_gw_hp")
+    counts = fp8_layer_counts(model[0].weight, model[0].weight.grad, "rowwise_with_gw_hp")
+    assert len(keys) == len(counts) and not any(k.startswith("grad") for k in keys)
+
+
+def test_excluded_and_too_small_layers_stay_in_bf16_and_are_recorded():
+    cfg = make_cfg("precision=fp8", "precision.fp8.exclude=[body.1]", "precision.fp8.min_size=64")
+    model = nn.Sequential()
+    model.add_module("body", nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)))
+    model.add_module("neck", nn.Linear(64, 32))
+    model, precision = convert_to_fp8(model, setup_precision(cfg.precision, CPU), [], False)
+    record = precision.record()
+    assert record["fp8_converted"] == ["body.0"]
+    assert record["fp8_unconverted"] == {
+        "body.1": "in precision.fp8.exclude: runs in bf16",
+        "neck": "64 inputs, 32 outputs: below precision.fp8.min_size=64, too small for fp8 to pay",
+    }
+    assert (record["fp8_exclude"], record["fp8_min_size"]) == (["body.1"], 64)
+
+
+def test_an_fp8_filter_that_cannot_take_effect_is_refused():
+    with pytest.raises(ConfigError, match=r"precision\.fp8\.exclude .* no fp8"):
+        validate(make_cfg("precision=bf16", "precision.fp8.exclude=[head]"))
+    cfg = make_cfg("precision=fp8", "precision.fp8.exclude=[haed]")
+    with pytest.raises(ConfigError, match="names haed, which Sequential does not have"):
+        convert_to_fp8(
+            nn.Sequential(nn.Linear(16, 16)), setup_precision(cfg.precision, CPU), [], False
+        )

@@ -21,6 +21,7 @@ from mpexp.report.wandb_view import (
     INSTALL,
     SPEC_FILE,
     WALL_TIME,
+    group_by,
     logged_keys,
     result_metric,
     sections,
@@ -347,3 +348,16 @@ def test_the_result_is_the_tasks_metric_or_val_acc():
     task = {"name": "language_model", **LanguageModelling.result.record(), "block_size": 64}
     assert result_metric(Run(Path("lm"), "finished", summary={"ran": {"task": task}})) == "val/loss"
     assert result_metric(Run(Path("cnn"), "finished", summary={"ran": {}})) == "val/acc"
+
+
+def test_pure_bf16s_lost_updates_get_a_section_and_its_roundings_a_group_each():
+    logged = {"perf/epoch_time_s", "opt/updates_lost"}
+    found = {s["name"]: s["panels"] for s in sections(["val/acc"], logged)}
+    assert [p["y"] for p in found["Updates lost"]] == [["opt/updates_lost"]]
+
+    def run(name: str, rounding: str | None) -> Run:
+        ran = {"precision": "bf16_pure" if rounding else "fp32", "update_rounding": rounding}
+        return Run(Path(name), "finished", summary={"ran": ran}, overrides=[f"precision={name}"])
+
+    runs = [run("fp32", None), run("bf16_pure", "nearest"), run("bf16_pure_kahan", "kahan")]
+    assert group_by(runs)[:2] == ["ran.precision", "ran.update_rounding"]

@@ -88,6 +88,12 @@ ADDED_KEYS = {
     "trainer.z_loss": 0.0,
     "model.bias": True,
     "model.qk_norm": False,
+    "precision.fp8.exclude": [],
+    "precision.fp8.min_size": 0,
+    "precision.weights": "float32",
+    "precision.update_rounding": None,
+    "precision.optimizer_states": None,
+    "diagnostics.updates_lost": None,
 }
 
 
@@ -601,6 +607,21 @@ def _check_steps_left(state: dict, cfg: DictConfig, target: str | Path) -> None:
     )
 
 
+def check_weights(state: dict, cfg: DictConfig, target: str | Path) -> None:
+    """Refuse to resume a run's weights in another dtype (pure bf16 against fp32 master weights):
+    converting them would change the experiment from that step on, silently in one direction
+    (fp32 to bf16 rounds every weight) and pointlessly in the other."""
+    saved = state["config"]["precision"].get("weights", "float32")
+    now = str(cfg.precision.get("weights", "float32"))
+    if saved != now:
+        asked = "precision=bf16_pure" if now == "bfloat16" else "float32 master weights"
+        raise ResumeRefused(
+            f"trainer.resume={target}: the run was written with {saved} weights, this config asks "
+            f"for {now} ({asked}); a checkpoint is not converted between the two: resume it with "
+            "the run's own precision, or start a new run."
+        )
+
+
 def check_config(state: dict, cfg: DictConfig, target: str | Path) -> None:
     """Refuse to resume under a config that would make the result a different experiment."""
     saved = flatten(state["config"], sep=".")
@@ -662,6 +683,7 @@ def open_resume(cfg: DictConfig, run_dir: Path | None = None, mmap: bool = False
         # replacing one of them, which would read as missing or corrupt.
         check_not_locked(run_dir_of(path))
     state = load(path, mmap=mmap)
+    check_weights(state, cfg, target)
     check_config(state, cfg, target)
     check_not_finished(state, cfg, target)
     return Resume(path, state)

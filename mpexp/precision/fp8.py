@@ -30,9 +30,10 @@ def convert_to_fp8(
 
     Called once the model is on its device and before DDP/FSDP wrap it or torch.compile traces it.
     A Linear layer stays as it was (in bf16 under autocast) when its sizes are not multiples of 16
-    (a 10-class head), when precision.fp32_modules names it or a module around it, or when it sits
-    in an nn.MultiheadAttention, which uses its weight without calling it. Without fp8, the model
-    and precision come back unchanged.
+    (a 10-class head), when precision.fp32_modules or precision.fp8.exclude names it or a module
+    around it, when it has fewer input or output features than precision.fp8.min_size, or when it
+    sits in an nn.MultiheadAttention, which uses its weight without calling it. Without fp8, the
+    model and precision come back unchanged.
     """
     if precision.fp8 is None:
         return model, precision
@@ -41,10 +42,16 @@ def convert_to_fp8(
     # on a CPU, torchao's emulation: the same casts and scales, the products summed in float32
     config = dataclasses.replace(config, emulate=precision.emulated)
     modules = dict(model.named_modules())
+    unknown = [k for k in precision.fp8.exclude if k not in modules]
+    if unknown:
+        raise ConfigError(
+            f"precision.fp8.exclude names {', '.join(unknown)}, which {type(model).__name__} does "
+            f"not have; its modules include {', '.join(list(modules)[1:6])}."
+        )
     reasons: dict[str, str | None] = {}
 
     def convertible(module: nn.Module, name: str) -> bool:
-        reasons[name] = _fp8_unconvertible(module, name, modules, fp32_modules)
+        reasons[name] = _fp8_unconvertible(module, name, modules, fp32_modules, precision.fp8)
         return reasons[name] is None
 
     model = float8.convert_to_float8_training(model, module_filter_fn=convertible, config=config)
@@ -155,11 +162,13 @@ def check_fp8_rows(
 
 
 def _fp8_unconvertible(
-    module: nn.Module, name: str, modules: dict[str, nn.Module], fp32_modules: list[str]
+    module: nn.Module, name: str, modules: dict[str, nn.Module], fp32_modules: list[str], fp8
 ) -> str | None:
     """Why fp8 leaves this Linear layer alone, or None when it converts it."""
-    if any(name == keep or name.startswith(keep + ".") for keep in fp32_modules):
+    if any(_inside(name, keep) for keep in fp32_modules):
         return "in precision.fp32_modules: runs in float32"
+    if any(_inside(name, keep) for keep in fp8.exclude):
+        return "in precision.fp8.exclude: runs in bf16"
     parent = modules.get(name.rpartition(".")[0])
     if isinstance(parent, nn.MultiheadAttention):
         return "inside nn.MultiheadAttention, which uses the weight without calling the layer"
@@ -169,7 +178,18 @@ def _fp8_unconvertible(
             f"{sizes[0]} inputs, {sizes[1]} outputs: fp8 matrix multiplication needs multiples "
             f"of {FP8_MULTIPLE}"
         )
+    if min(sizes) < fp8.min_size:
+        # a product this thin is bound by memory, not arithmetic: fp8's casts (an amax, a scale
+        # and a cast per operand) cost more than its faster multiply saves
+        return (
+            f"{sizes[0]} inputs, {sizes[1]} outputs: below precision.fp8.min_size="
+            f"{fp8.min_size}, too small for fp8 to pay"
+        )
     return None
+
+
+def _inside(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
 
 
 def _to_cpu_autocast_dtype(module: nn.Module, args: tuple) -> tuple | None:

@@ -1,7 +1,8 @@
-"""The one place where precision switches are set: autocast dtype, TF32 and fp8.
+"""The one place where precision switches are set: autocast dtype, TF32, fp8 and pure bf16.
 
 A `precision` option (conf/precision/*.yaml) says what it does: `autocast` (float16, bfloat16 or
-null), `tf32` and `fp8` (torchao's float8 training of Linear layers, or null). It is applied once at
+null), `tf32`, `fp8` (torchao's float8 training of Linear layers, or null) and `weights` (bfloat16:
+pure bf16, whose update rounding is mpexp/precision/pure_updates.py's). It is applied once at
 setup and returned as a `Precision`; fp8's conversion of the model follows once the model is built
 (`convert_to_fp8`, mpexp/precision/fp8.py). The training loop only enters `precision.autocast()`
 and never re-decides anything.
@@ -42,16 +43,37 @@ class Fp8:
     (`convert_to_fp8`), which Linear layers compute in fp8 and why the others do not."""
 
     recipe: str
+    exclude: tuple[str, ...] = ()  # layers kept in bf16 by name (precision.fp8.exclude)
+    min_size: int = 0  # layers with fewer features kept in bf16 (precision.fp8.min_size)
     converted: tuple[str, ...] = ()
     unconverted: dict[str, str] = field(default_factory=dict)  # layer name -> reason
 
     def record(self) -> dict:
         return {
             "fp8_recipe": self.recipe,
+            "fp8_exclude": list(self.exclude),
+            "fp8_min_size": self.min_size,
             "fp8_converted_count": len(self.converted),
             "fp8_converted": list(self.converted),
             "fp8_unconverted": dict(self.unconverted),
             "fp8_backend": f"torchao {torchao_version()}",
+        }
+
+
+@dataclass(frozen=True)
+class PureBf16:
+    """Pure bf16: the weights and gradients in bfloat16, each update rounded into them as
+    `rounding` says, the optimizer's states kept in `states_dtype` (see
+    mpexp/precision/pure_updates.py)."""
+
+    rounding: str
+    states_dtype: torch.dtype
+
+    def record(self) -> dict:
+        return {
+            "weights_dtype": "bfloat16",
+            "update_rounding": self.rounding,
+            "optimizer_states": str(self.states_dtype).removeprefix("torch."),
         }
 
 
@@ -67,6 +89,7 @@ class Precision:
     # it, fp16 convolutions on any CPU (check_fp16_convolutions_on_cpu); fp8 on a CPU (always)
     emulated: bool = False
     fp8: Fp8 | None = None  # fp8 training of Linear layers; None: none
+    pure: PureBf16 | None = None  # pure bf16; None: float32 weights
 
     def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager:
         """The forward-pass context: autocast to the mode's dtype, or nothing.
@@ -99,6 +122,7 @@ class Precision:
             "emulated": self.emulated,
             **tf32_flags(),
             **(self.fp8.record() if self.fp8 else {}),
+            **(self.pure.record() if self.pure else {"weights_dtype": "float32"}),
         }
 
 
@@ -131,9 +155,18 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
     """
     dtype = DTYPES[str(cfg["autocast"])] if cfg["autocast"] is not None else None
     tf32 = bool(cfg["tf32"])
-    recipe = (cfg.get("fp8") or {}).get("recipe")  # a record from before fp8 was a node: null
-    fp8 = Fp8(recipe=str(recipe)) if recipe is not None else None
+    fp8_cfg = cfg.get("fp8") or {}  # a record from before fp8 was a node: null
+    recipe = fp8_cfg.get("recipe")
+    fp8 = None
+    if recipe is not None:
+        exclude = tuple(fp8_cfg.get("exclude") or ())
+        fp8 = Fp8(str(recipe), exclude, int(fp8_cfg.get("min_size") or 0))
     mode = mode_name(dtype, tf32, fp8 is not None)
+    pure = None
+    if str(cfg.get("weights") or "float32") == "bfloat16":  # validated: no autocast, no fp8
+        states = getattr(torch, str(cfg["optimizer_states"] or "bfloat16"))
+        pure = PureBf16(rounding=str(cfg["update_rounding"] or "nearest"), states_dtype=states)
+        mode = "bf16_pure" + ("+tf32" if tf32 else "")
     if fp8 is not None:
         check_fp8(dtype, device)
     effective = mode
@@ -141,14 +174,16 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
     if tf32 and not _tf32_capable(device):
         # the switches stay off: the run is strict fp32, and its record says what acted
         tf32 = False
-        effective = mode_name(dtype, False, fp8 is not None)
+        effective = "bf16_pure" if pure else mode_name(dtype, False, fp8 is not None)
         _warn_no_tf32_once(device, effective)
     set_tf32(tf32)
 
     # bf16 autocast needs Ampere (sm80) or newer; older GPUs only emulate it, slowly.
-    if dtype is torch.bfloat16 and device.type == "cuda" and not _ampere_or_newer(device):
+    bf16 = dtype is torch.bfloat16 or pure is not None
+    if bf16 and device.type == "cuda" and not _ampere_or_newer(device):
         raise ConfigError(
-            f"precision=bf16 needs a GPU with native bfloat16 (Ampere or newer); "
+            f"precision={'bf16_pure' if pure else 'bf16'} needs a GPU with native bfloat16 "
+            "(Ampere or newer); "
             f"{torch.cuda.get_device_name(device)} has none.\n"
             "Use precision=fp16 (with loss scaling) or precision=fp32."
         )
@@ -156,6 +191,10 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
         emulated = device.type == "cpu"
         if emulated:
             warn_fp8_emulated_once()
+    elif pure is not None:
+        emulated = device.type == "cpu" and not cpu_has_native(torch.bfloat16)
+        if emulated:
+            _warn_emulated_once(torch.bfloat16, "pure bf16")
     else:
         emulated = dtype is not None and device.type == "cpu" and not cpu_has_native(dtype)
         if emulated:
@@ -168,6 +207,7 @@ def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:
         autocast_dtype=dtype,
         emulated=emulated,
         fp8=fp8,
+        pure=pure,
     )
 
 
@@ -191,11 +231,12 @@ def _warn_no_tf32_once(device: torch.device, effective: str) -> None:
 _warned_emulated: set[torch.dtype | str] = set()
 
 
-def _warn_emulated_once(dtype: torch.dtype) -> None:
+def _warn_emulated_once(dtype: torch.dtype, what: str = "autocast") -> None:
     # once per process: a sweep runs its jobs in one process and the warning says the same each time
-    if dtype in _warned_emulated:
+    key = dtype if what == "autocast" else what
+    if key in _warned_emulated:
         return
-    _warned_emulated.add(dtype)
+    _warned_emulated.add(key)
     other = torch.bfloat16 if dtype is torch.float16 else torch.float16
     hint = (
         f"precision={SHORT_NAMES[other]} runs natively here"
@@ -203,9 +244,9 @@ def _warn_emulated_once(dtype: torch.dtype) -> None:
         else "precision=fp32 is the fast choice on this CPU"
     )
     log.warning(
-        "%s autocast is emulated on this CPU (no native %s matrix instructions): the numerics are "
+        "%s is emulated on this CPU (no native %s matrix instructions): the numerics are "
         "real, but expect epochs several times slower than fp32; %s. Recorded as emulated=true.",
-        SHORT_NAMES[dtype],
+        f"{SHORT_NAMES[dtype]} autocast" if what == "autocast" else what,
         str(dtype).removeprefix("torch."),
         hint,
     )

@@ -7,7 +7,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mpexp.report.stats import Estimate
-from mpexp.report.table import DATA_BOUND, FP8, MIN_TIMED_EPOCHS, Config, Report, Row, run_values
+from mpexp.report.table import (
+    DATA_BOUND,
+    FP8,
+    MIN_TIMED_EPOCHS,
+    PURE,
+    STATE_BYTES,
+    Config,
+    Report,
+    Row,
+    run_values,
+)
 from mpexp.tasks.base import Result
 
 PLOT_TITLES = {
@@ -39,6 +49,7 @@ def render_markdown(report: Report) -> str:
         for spec, configs in _by_result(report.configs).items():
             lines += _result_section(spec, configs)
         lines += _fp8_section(report)
+        lines += _state_section(report)
         lines += _speed_section(report)
         lines += _runs_section(report)
     if report.not_reported:
@@ -312,6 +323,50 @@ def _fp8_section(report: Report) -> list[str]:
             "",
         ]
     return lines
+
+
+def _state_section(report: Report) -> list[str]:
+    """Pure bf16's legs: the bytes each holds in weights, gradients and optimizer states beside
+    its parity verdict against fp32 and its share of updates lost."""
+    if not any(r.precision == PURE for r in report.rows):
+        return []
+    lines = [
+        "## Training state against parity",
+        "",
+        "What each configuration holds between steps (weights, their gradients, the optimizer's "
+        "states: `ran.bytes_*`), its total against its fp32 reference's, and its parity verdict "
+        "from above. Updates lost: the mean of `opt/updates_lost` over the run, the share of "
+        "nonzero updates that left a weight unchanged (computed under bf16_pure only). Under "
+        "kahan and stochastic rounding an unchanged weight keeps its update (in the "
+        "compensation buffer; in expectation), so there it says how often rounding acted, not "
+        "what was lost.",
+        "",
+    ]
+
+    def cells(c: Config) -> list[str]:
+        sizes = c.state_bytes or {}
+        return [
+            c.label,
+            _precision(c.first),
+            c.first.rounding or "",
+            *(_bytes(sizes.get(k)) for k in STATE_BYTES),
+            _number(c.state_ratio, ".2f") + ("x" if c.state_ratio is not None else ""),
+            _estimate(c.updates_lost, ".3f"),
+            parity_text(c),
+        ]
+
+    headers = ["configuration", "precision", "update rounding", "weights", "gradients",
+               "optimizer states", "vs fp32", "updates lost", "parity"]  # fmt: skip
+    return [*lines, *_table(headers, report.configs, cells), ""]
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value} B"
 
 
 def _fp8_table(fp8: list[Config], cells: Callable[[Config], list[str]]) -> list[str]:

@@ -31,6 +31,10 @@ BASELINE = "fp32"
 # fp8 is also compared with bf16: what it leaves unconverted runs in bf16, and bf16 is the mode
 # it would replace
 BF16, FP8 = "bf16", "fp8"
+PURE = "bf16_pure"
+# what a run's weights, gradients and optimizer states hold between steps (ran, from
+# mpexp.precision.pure_updates.stored_bytes)
+STATE_BYTES = ("bytes_weights", "bytes_grads", "bytes_states")
 MEMORY_KEYS = {"mem/peak_allocated_mib": "cuda", "mem/peak_rss_mib": "rss"}
 MIN_TIMED_EPOCHS = 3  # fewer, and a median epoch time is one or two noisy numbers
 # a run that waits on its data for more than this share of its epochs times the data, not the step
@@ -98,6 +102,28 @@ class Row:
         """Set-up time out of the epochs' times: compilation, the CUDA graph's warm-up and
         capture (0 for a run that had none)."""
         return sum(e.get("perf/compile_s", 0.0) for e in self.run.epochs)
+
+    @property
+    def state_bytes(self) -> dict[str, int] | None:
+        """Bytes of its weights, gradients and optimizer states; None for a run from before
+        mpexp recorded them."""
+        ran = self.run.ran
+        return {k: ran[k] for k in STATE_BYTES} if all(k in ran for k in STATE_BYTES) else None
+
+    @property
+    def updates_lost(self) -> float | None:
+        """The mean of its opt/updates_lost over the run; None where it was not computed."""
+        values = [d["opt/updates_lost"] for d in self.run.diagnostics if "opt/updates_lost" in d]
+        return statistics.fmean(values) if values else None
+
+    @property
+    def rounding(self) -> str | None:
+        """Pure bf16's update rounding and optimizer states' dtype, e.g. `kahan, states bf16`."""
+        ran = self.run.ran
+        if ran.get("update_rounding") is None:
+            return None
+        states = str(ran.get("optimizer_states")).replace("bfloat16", "bf16").replace("float", "fp")
+        return f"{ran['update_rounding']}, states {states}"
 
     def time_to(self, target: float | None) -> float | None:
         """Training seconds (the epochs' times, warm-up and compilation included, validation
@@ -241,6 +267,24 @@ class Config:
     @property
     def mfu_pct(self) -> Estimate | None:
         return self._mean_of("mfu", 100)
+
+    @property
+    def updates_lost(self) -> Estimate | None:
+        return self._mean_of("updates_lost")
+
+    @property
+    def state_bytes(self) -> dict[str, int] | None:
+        """Its runs' bytes of weights, gradients and states (the same for every seed)."""
+        return self.first.state_bytes
+
+    @property
+    def state_ratio(self) -> float | None:
+        """Its weights', gradients' and states' bytes over its fp32 reference's."""
+        mine = self.state_bytes
+        theirs = self.reference.state_bytes if self.reference is not None else None
+        if mine is None or theirs is None or not sum(theirs.values()):
+            return None
+        return sum(mine.values()) / sum(theirs.values())
 
     @property
     def peak_mem_mib(self) -> float | None:
@@ -395,6 +439,9 @@ class Config:
             "mem_kind": self.mem_kind,
             "peak_mem_mib": self.peak_mem_mib,
             "mem_ratio": self.mem_ratio,
+            "update_rounding": self.first.rounding,
+            **{k: (self.state_bytes or {}).get(k) for k in STATE_BYTES},
+            "state_ratio": self.state_ratio,
         }
         estimates = {
             "result": self.result,
@@ -411,6 +458,7 @@ class Config:
             "tflops": self.tflops,
             "mfu_pct": self.mfu_pct,
             "data_wait_pct": self.data_wait_pct,
+            "updates_lost": self.updates_lost,
         }
         for name, estimate in estimates.items():
             values[name] = None if estimate is None else estimate.value
@@ -459,6 +507,9 @@ def run_values(row: Row, target: float | None) -> dict[str, Any]:
         "time_to_target_s": row.time_to(target),
         "peak_mem_mib": row.peak_mem_mib,
         "skipped_steps": row.skipped_steps,
+        "update_rounding": row.rounding,
+        "updates_lost": row.updates_lost,
+        **{k: (row.state_bytes or {}).get(k) for k in STATE_BYTES},
     }
 
 

@@ -135,6 +135,9 @@ def group_by(runs: list[Run]) -> list[str]:
         if key not in NOT_CONFIG and len({overrides.get(key) for overrides in given}) > 1
     ]
     wandb_keys = [_wandb_key(key, runs[0]) for key in ["precision", *varying]]
+    if any(run.ran.get("update_rounding") for run in runs):
+        # bf16_pure's roundings are one ran.precision; their legs differ in this
+        wandb_keys.insert(1, "ran.update_rounding")
     return list(dict.fromkeys(wandb_keys))
 
 
@@ -166,6 +169,9 @@ def logged_keys(runs: list[Run]) -> set[str]:
     }
 
 
+UPDATES_LOST = "opt/updates_lost"
+
+
 def sections(results: list[str], logged: set[str]) -> list[dict]:
     """The view's sections, in the order a reader asks; those with nothing to show are left out."""
     result = [
@@ -191,10 +197,13 @@ def sections(results: list[str], logged: set[str]) -> list[dict]:
     if "perf/data_wait_s" in logged:  # when in the run the data held the step up
         speed.append(_line("perf/data_wait_s by epoch", "epoch", "perf/data_wait_s"))
     own = [_line(k, "step", k) for k in sorted(logged) if _users(k)]
+    # pure bf16's updates that rounding left out of the weights (mpexp/precision/pure_updates.py)
+    lost = [_line("updates lost", "step", UPDATES_LOST)] if UPDATES_LOST in logged else []
     found = [
         ("Result", True, result),
         ("Loss", True, loss),
         ("Loss scale", True, scale),
+        ("Updates lost", True, lost),
         ("Speed", True, speed),
         ("Memory", True, [_bar(key) for key in MEMORY_KEYS if key in logged]),
         ("Your values (mpexp.log)", len(own) <= MAX_OPEN_OWN, own),

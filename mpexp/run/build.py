@@ -18,6 +18,7 @@ from mpexp.errors import ConfigError, reason
 from mpexp.precision.fp8 import check_fp8_rows, convert_to_fp8, linear_rows
 from mpexp.precision.fp32_modules import run_in_float32
 from mpexp.precision.modes import Precision, check_fp16_convolutions_on_cpu, setup_precision
+from mpexp.precision.pure_updates import hold_in_bf16
 from mpexp.precision.scaling import LossScaler, build_scaler
 from mpexp.step import flops, performance
 from mpexp.step.flops import Throughput
@@ -108,6 +109,8 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
     data.shard(world.rank, world.size)
     what = f"model={choices['model']}" if choices.get("model") else cfg.model._target_
     model = build_model(cfg.model, task, f"{what} on {dataset}").to(device)
+    if precision.pure is not None:  # before the FLOP count's background pass runs the model
+        model = hold_in_bf16(model)
     # the user's model as built, before anything wraps it: whether it declares itself capturable
     speed = performance.for_model(speed, cfg, model)
     parameters = sum(p.numel() for p in model.parameters())

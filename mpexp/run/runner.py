@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from mpexp import __version__, config
 from mpexp.checkpoints.checkpoint import Checkpointer, open_resume
 from mpexp.distributed import World, start_world
+from mpexp.precision import pure_updates
 from mpexp.run.build import Built, build_parts, build_training
 from mpexp.run.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
 from mpexp.run.stopping import Preempted, StopSignals
@@ -135,6 +136,8 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
             **scaler.outcome(),
             "flops_per_sample": counted.flops_per_sample,  # counted in the background
             "peak_tflops": counted.peak_tflops,
+            # what the weights, gradients and optimizer states hold between steps
+            **pure_updates.stored_bytes(optimizer, model),
         }
         summary["ran"].update(world.check_replicas(model))
         summary["ran"]["step_path"] = performance.step_path(summary["ran"])

@@ -106,6 +106,8 @@ def validate(cfg: DictConfig) -> None:
         _validate_image_folder(data)
 
     _validate_optimizer(opt)
+    _validate_pure_bf16(cfg)
+    _validate_fp8_filter(cfg.precision.fp8)
 
     _validate_scaling(cfg.loss_scaling)
     _validate_training_loop(cfg)
@@ -166,6 +168,60 @@ def _validate_optimizer(opt: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"optimizer.momentum={opt['momentum']} must lie in [0, 1): at 1 or above the velocity "
             "never decays and training diverges. 0.9 is usual."
+        )
+
+
+def _validate_fp8_filter(fp8: Mapping[str, Any]) -> None:
+    _integer(fp8.get("min_size", 0), "precision.fp8.min_size", 0)
+    if fp8.get("recipe") is None and (fp8.get("exclude") or fp8.get("min_size")):
+        key = "exclude" if fp8.get("exclude") else "min_size"
+        raise ConfigError(
+            f"precision.fp8.{key} chooses the layers fp8 converts, and this run has no fp8; use "
+            f"precision=fp8 precision.fp8.{key}=..., or drop it."
+        )
+
+
+# the optimizers whose states pure bf16 knows how to hold (each a tensor shaped like its parameter)
+PURE_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.SGD")
+
+
+def _validate_pure_bf16(cfg: DictConfig) -> None:
+    """precision=bf16_pure's keys: its own keys only there, nothing that needs fp32 weights."""
+    p = cfg.precision
+    pure = p.get("weights") == "bfloat16"
+    if not pure:
+        for key in ("update_rounding", "optimizer_states"):
+            if p.get(key) is not None:
+                raise ConfigError(
+                    f"precision.{key}={p[key]} applies to pure bf16 weights only; use "
+                    f"precision=bf16_pure precision.{key}={p[key]}, or drop it."
+                )
+        return
+    if p.get("autocast") is not None or p.fp8.recipe is not None or p.get("fp32_modules"):
+        what = (
+            "precision.autocast"
+            if p.get("autocast") is not None
+            else "precision.fp8"
+            if p.fp8.recipe is not None
+            else "precision.fp32_modules"
+        )
+        raise ConfigError(
+            f"precision.weights=bfloat16 (pure bf16) with {what}: pure bf16 runs every layer on "
+            "its bf16 weights, with nothing autocast; use precision=bf16_pure as it is, or "
+            "precision=bf16 for mixed precision with fp32 weights."
+        )
+    ls = cfg.loss_scaling
+    if ls.get("_target_") is not None and not ls.get("only_under_fp16"):
+        raise ConfigError(
+            "precision=bf16_pure with loss scaling: bfloat16 has float32's range, so gradients "
+            "do not underflow and a scale only costs a pass; use loss_scaling=none (or auto)."
+        )
+    target = cfg.optimizer.get("_target_")
+    if target not in PURE_OPTIMIZERS:
+        raise ConfigError(
+            f"precision=bf16_pure cannot hold the states of optimizer {target} in bfloat16: it "
+            "knows those of Adam, AdamW and SGD (optimizer=adam, adamw or sgd); use one of them, "
+            "or precision=bf16."
         )
 
 

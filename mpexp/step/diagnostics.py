@@ -41,6 +41,11 @@
   the pass leaves there.
 - Overflow attribution (`diagnostics.overflow_attribution=true`): the names of the parameters whose
   gradients were not finite, on each step where any was (a skipped step, under loss scaling).
+- Updates lost (`opt/updates_lost`, on under precision=bf16_pure, elsewhere with
+  `diagnostics.updates_lost=true`): the share of the elements whose update was nonzero but left
+  the stored weight unchanged (rounded away), over the steps since the last flush, in total and
+  per layer (`diag/<layer>/updates_lost`). Counted in the optimizer's step hooks
+  (mpexp/precision/pure_updates.py).
 - The loss-scale floor of dynamic and hysteresis scaling, checked here because it is read back the
   same way: a back-off due at `loss_scaling.min_scale` stops the run or warns.
 
@@ -119,6 +124,13 @@ FP8_CASTS = {
         Fp8Cast("weight_rows", "weight", 1, True, ("e4m3",)),
         Fp8Cast("weight_columns", "weight", 0, True, ("e4m3",)),
         Fp8Cast("grad_rows", "grad", 1, True, ("e4m3",)),
+    ),
+    # rowwise_with_gw_hp: the forward product's weight as rowwise's; for the input's gradient
+    # one scale for the whole weight (still a power of two); the weight gradient is computed in
+    # high precision, never cast, so it is not counted
+    "rowwise_with_gw_hp": (
+        Fp8Cast("weight_rows", "weight", 1, True, ("e4m3",)),
+        Fp8Cast("weight", "weight", None, True, ("e4m3",)),
     ),
 }
 
@@ -206,6 +218,7 @@ class Diagnostics:
         scaler: LossScaler,
         tracker: Tracker,
         precision: Precision | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ):
         self.every = cfg.grad_stats_every
         self.attribute = cfg.overflow_attribution
@@ -244,6 +257,17 @@ class Diagnostics:
         self.precision = precision
         self.attention = [(n, m) for n, m in root.named_modules() if hasattr(m, "measure_logits")]
         self._logits = DeviceRows()
+
+        # the update hooks' counts of lost updates, where the run has them; their parameters in
+        # the optimizer's order, each to its layer
+        self.updates = getattr(optimizer, "pure_updates", None)
+        if self.updates is not None:
+            pairs = zip(owners, self.params, strict=True)
+            layer_of = {id(p): self.layers.index(owner) for owner, (_, p) in pairs}
+            self._update_layer = torch.tensor(
+                [layer_of[id(p)] for p in self.updates.params], device=device
+            )
+        self._lost = DeviceRows(partial(all_reduce, op="SUM", group=group) if sharded else None)
 
     def inspector(self, step: int) -> Callable[[], None] | None:
         """What to run on the step's unscaled gradients, or None when nothing is due."""
@@ -322,6 +346,11 @@ class Diagnostics:
 
     def flush(self, wait: bool = False) -> None:
         """Report what has been read back."""
+        if self.updates is not None:
+            self._take_lost()
+        for step, counts in self._lost.flush(wait):
+            if any(counts[1::2]):  # steps since the last flush that moved a weight
+                self.tracker.log(self._lost_row(step, counts))
         for step, flags in self._steps.flush(wait):
             self._attribute(step, flags)
         for step, counts in self._stats.flush(wait):
@@ -332,6 +361,21 @@ class Diagnostics:
             names = [name for name, _ in self.attention]
             row = {f"diag/{n}/attn_logit_max": v for n, v in zip(names, values, strict=True)}
             self.tracker.log({"step": step, **row, "diag/total/attn_logit_max": max(values)})
+
+    def _take_lost(self) -> None:
+        """The lost-update counts since the last flush, per layer, on their way to the host."""
+        counts = self.updates.lost.take()
+        per_layer = counts.new_zeros((len(self.layers), 2))
+        per_layer.index_add_(0, self._update_layer, counts)
+        self._lost.append(self.tracker.step, per_layer.flatten())
+
+    def _lost_row(self, step: int, counts: list[int]) -> dict:
+        pairs = [counts[i : i + 2] for i in range(0, len(counts), 2)]
+        lost, moved = (sum(column) for column in zip(*pairs, strict=True))
+        row = {"step": step, "opt/updates_lost": lost / moved}
+        for name, (layer_lost, layer_moved) in zip(self.layers, pairs, strict=True):
+            row[f"diag/{name}/updates_lost"] = layer_lost / layer_moved if layer_moved else 0.0
+        return row
 
     def _attribute(self, step: int, flags: list[float]) -> None:
         names = [name for (name, _), bad in zip(self.params, flags, strict=True) if bad]

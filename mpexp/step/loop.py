@@ -550,7 +550,7 @@ class Fit:
         self.memory = PeakMemory(self.device)
         self.steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss, parts.scaler)
         self.diagnostics = Diagnostics(
-            cfg.diagnostics, parts.model, parts.scaler, tracker, parts.precision
+            cfg.diagnostics, parts.model, parts.scaler, tracker, parts.precision, parts.optimizer
         )
         speed = parts.speed
         make = Stepper.with_graph if speed is not None and speed.cuda_graph else Stepper

@@ -22,6 +22,7 @@ from torch import nn
 
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError
+from mpexp.precision import pure_updates
 from mpexp.step.schedules import runs_on_device, schedule_factor
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,10 @@ def _graph_blockers(cfg: DictConfig, fused) -> list[str]:
         )
     if cfg.diagnostics.overflow_attribution:
         reasons.append("diagnostics.overflow_attribution reads every step's gradients")
+    if cfg.precision.get("weights") == "bfloat16" or cfg.diagnostics.get("updates_lost"):
+        # mpexp/precision/pure_updates.py: float32 copies made and the states re-keyed in Python
+        # around each optimizer step, which a replay would not do
+        reasons.append("precision=bf16_pure rounds each update in Python-side optimizer hooks")
     return reasons
 
 
@@ -209,6 +214,8 @@ def build_optimizer(
     optimizer = build(parameter_groups(model, cfg.optimizer))
     if fused:
         _zero_momentum(optimizer)
+    # pure bf16: the step computed in fp32 and rounded into the bf16 weights as configured
+    pure_updates.watch(optimizer, cfg, device)
     return optimizer
 
 

@@ -52,15 +52,15 @@ from mpexp.tracking.wandb_process import LogLines, WandbProcess
 
 log = logging.getLogger(__name__)
 
-STEP_METRICS = ("train/loss", "amp/*", "lr", "diag/*")
+STEP_METRICS = ("train/loss", "amp/*", "opt/*", "lr", "diag/*")
 EPOCH_METRICS = ("train/epoch_loss", "val/*", "perf/*", "mem/*")
 JOB_TYPE = "train"  # a training run's W&B job_type; the sweep report's run is `report`
 CHECK_FILE_EVERY_S = 1.0  # how often logging rows looks whether metrics.jsonl is still there
 # mpexp's own metric names, refused to mpexp.log: a value of the user's under one of them would sit
 # among mpexp's rows, where the report reads it as the loss or the accuracy and W&B plots it on
 # mpexp's axes
-OWN_PREFIXES = ("train/", "val/", "test/", "amp/", "perf/", "mem/", "diag/")
-OWN_KEYS = ("step", "epoch", "lr")
+OWN_PREFIXES = ("train/", "val/", "test/", "amp/", "opt/", "perf/", "mem/", "diag/")
+OWN_KEYS = ("step", "epoch", "lr", "samples", "tokens")
 
 
 @dataclass(frozen=True)
