@@ -159,6 +159,7 @@ class WandbConfig:
     tags: list[str] = field(default_factory=list)
     init_timeout: float = 90.0
     log_checkpoints: bool = False
+    samples: int = 0  # a language model's texts sampled at the end, logged as a table
 
 
 @dataclass

@@ -720,7 +720,8 @@ def test_a_users_value_under_mpexps_own_name_is_refused_at_the_call(tmp_path):
                      f"hydra.run.dir={run_dir}", cwd=tmp_path, pythonpath=tmp_path)  # fmt: skip
     said = (
         "mpexp.log: 'train/loss' is one of mpexp's own metric names (train/, val/, test/, amp/, "
-        "opt/, perf/, mem/, diag/, step, epoch, lr, samples, tokens); choose another prefix for your values, e.g. "
+        "opt/, perf/, mem/, diag/, step, epoch, lr, samples, tokens); choose another prefix for "
+        "your values, e.g. "
         f"'my/train/loss'. (mpexp.log called at {tmp_path / 'my_models.py'}:8)"
     )
     assert said in one_line_failure(result)

@@ -139,3 +139,19 @@ def test_the_gpt2_small_recipe_trains_on_token_files_as_its_preset_says(tmp_path
     assert rates[:2] == pytest.approx([3e-4, 6e-4]) and rates[-1] == pytest.approx(
         6e-5 + (6e-4 - 6e-5) * 0.5 * (1 + math.cos(math.pi * 3 / 4)), rel=1e-5
     )
+
+
+def test_a_language_model_run_logs_samples_as_a_wandb_table(tmp_path):
+    cfg = make_cfg(*tiny_lm(tmp_path, "trainer.epochs=1", "wandb.samples=2",
+                            "wandb.mode=offline"))  # fmt: skip
+    train(cfg, RunContext(tmp_path / "run"))
+    text = (tmp_path / "run" / "samples.txt").read_text()
+    assert text.count("--- step-") == 2  # from the run's checkpoint, as mpexp-sample says
+    (table,) = (tmp_path / "run" / "wandb").glob("*run-*/files/media/table/samples_*.table.json")
+    rows = json.loads(table.read_text())
+    assert rows["columns"] == ["checkpoint", "text"] and len(rows["data"]) == 2
+
+
+def test_samples_of_an_image_classifier_are_refused_before_it_trains(tmp_path):
+    with pytest.raises(ConfigError, match=r"wandb.samples=2 samples text from a language model"):
+        train(make_cfg(*TINY, "wandb.samples=2"), RunContext(tmp_path / "run"))

@@ -73,6 +73,7 @@ RESUMABLE_KEYS = frozenset(
         "trainer.peak_tflops",
         "wandb.mode",
         "wandb.init_timeout",
+        "wandb.samples",
     }
 )
 

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from mpexp import __version__, config
 from mpexp.checkpoints.checkpoint import Checkpointer, open_resume
 from mpexp.distributed import World, start_world
+from mpexp.errors import ConfigError, reason
 from mpexp.precision import pure_updates
 from mpexp.run.build import Built, build_parts, build_training
 from mpexp.run.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
@@ -69,6 +70,11 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     seed_everything(cfg.trainer.seed)
     built = build_parts(cfg, world, run.choices)
     data, model, precision, scaler = built.data, built.model, built.precision, built.scaler
+    if cfg.wandb.samples and built.task.name != "language_model":
+        raise ConfigError(
+            f"wandb.samples={cfg.wandb.samples} samples text from a language model; this run's "
+            f"task is {built.task.name}. Drop it, or train model=gpt on dataset=text."
+        )
     validate_run_length(cfg, data.steps_per_epoch(), data.train_size // world.size)
     data_key = data.resume_key()  # what the checkpoints keep, and a resume must find again
     if resume is not None:
@@ -143,7 +149,25 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         summary["ran"]["step_path"] = performance.step_path(summary["ran"])
         tracker.update_summary(summary)
         fit.check_it_trained()
+        if cfg.wandb.samples and world.is_main:
+            tracker.log_samples(samples_of(run.run_dir, cfg.wandb.samples, world.device))
         return summary
+
+
+def samples_of(run_dir, count: int, device: torch.device) -> list[tuple[str, str]]:
+    """`count` texts sampled from the run's best checkpoint, as `mpexp-sample` samples them (seeds
+    0, 1, ...); a sampling that fails is said in a warning, never ending a finished run."""
+    from mpexp.sample import sample
+
+    samples = []
+    for seed in range(count):
+        try:
+            text, how = sample(run_dir, 200, "", 1.0, seed, str(device))
+        except Exception as err:  # the run is done: nothing here may fail it
+            log.warning("No samples for W&B: sampling the run failed (%s).", reason(err))
+            break
+        samples.append((how, text))
+    return samples
 
 
 def ran_record(

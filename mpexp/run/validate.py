@@ -71,6 +71,7 @@ def validate(cfg: DictConfig) -> None:
     _integer(trainer.keep_checkpoints, "trainer.keep_checkpoints", 1)
     if trainer.checkpoint_every_steps is not None:
         _integer(trainer.checkpoint_every_steps, "trainer.checkpoint_every_steps", 1)
+    _integer(cfg.wandb.samples, "wandb.samples", 0)
     if _number(cfg.wandb.init_timeout, "wandb.init_timeout") <= 0:
         raise ConfigError(f"wandb.init_timeout={cfg.wandb.init_timeout} must be positive seconds.")
 

@@ -335,6 +335,16 @@ class Tracker:
         for row in rows:
             self.log(row)
 
+    def log_samples(self, samples: list[tuple[str, str]]) -> None:
+        """A language model's sampled texts, (how, text) each: `samples.txt` in the run dir and a
+        W&B table `samples`."""
+        text = "".join(f"--- {how}\n{sample}\n" for how, sample in samples)
+        (self.run_dir / "samples.txt").write_text(text, encoding="utf-8")
+        if self._wandb is not None:
+            self._wandb.send(
+                "table", ("samples", ["checkpoint", "text"], [list(s) for s in samples])
+            )
+
     def update_summary(self, values: dict[str, Any]) -> None:
         self._summary.update(values)
         self._write_summary()
@@ -474,6 +484,9 @@ class NullTracker:
         return []
 
     def update_summary(self, values: dict[str, Any]) -> None:
+        pass
+
+    def log_samples(self, samples: list[tuple[str, str]]) -> None:
         pass
 
     def record_ran(self, ran: dict[str, Any]) -> None:

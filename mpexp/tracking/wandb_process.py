@@ -235,6 +235,9 @@ def _carry_out(wandb: Any, run: Any, kind: str, payload: Any) -> None:
         run.tags = tuple(payload)
     elif kind == "summary":
         run.summary.update(payload)
+    elif kind == "table":
+        key, columns, rows = payload
+        run.log({key: wandb.Table(columns=columns, data=rows)})
     elif kind == "artifact":
         path, metadata, aliases = payload
         artifact = wandb.Artifact(f"checkpoint-{run.id}", type="model", metadata=metadata)
