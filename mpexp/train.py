@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mpexp.run.stopping import INTERRUPTED_BEFORE_START, StopSignals, catch_from_start
+from mpexp.stopping import INTERRUPTED_BEFORE_START, StopSignals, catch_from_start
 
 # Run as the command (`python -m mpexp.train`, `mpexp-train`), a stop signal only asks to stop
 # from here on: Hydra's and OmegaConf's imports below take a noticeable fraction of a second.
@@ -28,15 +28,15 @@ from omegaconf import DictConfig
 
 from mpexp import config
 from mpexp.errors import ResumeRefused, UserError
+from mpexp.launch import is_rank_zero, launched_processes
 from mpexp.run.hydra_hooks import (
     expand_home,
     put_back_run_record,
     register_resolvers,
     sweep_job_name,
 )
-from mpexp.run.launch import is_rank_zero, launched_processes
-from mpexp.run.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
-from mpexp.run.stopping import Preempted, preemption_signal
+from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
+from mpexp.stopping import Preempted, preemption_signal
 from mpexp.tracking.records import record_end
 from mpexp.tracking.tracker import RunContext
 from mpexp.tracking.wandb_mode import sweep_group

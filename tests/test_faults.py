@@ -66,10 +66,10 @@ from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.data.synthetic import SyntheticData
 from mpexp.distributed import start_world
 from mpexp.errors import ConfigError, DataError, reason
-from mpexp.run.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
 from mpexp.run.runner import stop_if_asked, train
-from mpexp.run.stopping import Preempted, StopSignals
 from mpexp.run.validate import validate
+from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
+from mpexp.stopping import Preempted, StopSignals
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
 from tests.conftest import ROOT, TINY, make_cfg, run_cli

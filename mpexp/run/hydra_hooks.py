@@ -25,8 +25,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from mpexp.errors import ConfigError, OutputError, UserError
-from mpexp.run.launch import is_rank_zero
-from mpexp.run.rundir import (
+from mpexp.launch import is_rank_zero
+from mpexp.run.validate import check_schema, validate
+from mpexp.rundir import (
     AUTO,
     LOCK_FILE,
     RunLock,
@@ -35,7 +36,6 @@ from mpexp.run.rundir import (
     refuse_if_taken,
     run_dir_of,
 )
-from mpexp.run.validate import check_schema, validate
 
 T = TypeVar("T")
 

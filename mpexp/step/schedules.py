@@ -17,7 +17,6 @@ next flush, so the schedule's count past it never matters.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,6 +28,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError
 from mpexp.precision.scaling import LossScaler
+from mpexp.targets import spans_run
 
 
 def cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
@@ -46,12 +46,6 @@ def cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Callable
 def step_decay(step_size: int, gamma: float) -> Callable[[int], float]:
     """Multiply the rate by gamma every step_size real steps."""
     return lambda step: gamma ** (step // step_size)
-
-
-def spans_run(target: str | None) -> bool:
-    """Whether a schedule is laid out over the run's length (it takes `total_steps`), so that
-    training for more epochs would change its shape."""
-    return target is not None and "total_steps" in inspect.signature(get_object(target)).parameters
 
 
 def build_schedule(
