@@ -27,12 +27,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from mpexp import config
-from mpexp.errors import ResumeRefused, UserError
+from mpexp.errors import ConfigError, ResumeRefused, UserError
 from mpexp.launch import is_rank_zero, launched_processes
 from mpexp.run.hydra_hooks import (
     expand_home,
     put_back_run_record,
     register_resolvers,
+    remove_unstarted_run_dir,
     sweep_job_name,
 )
 from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
@@ -91,7 +92,10 @@ def main(cfg: DictConfig) -> float:
         # only rank 0 owns the run dir; a dir taken by another run is not this run's to mark,
         # and a refused resume changed nothing of the run it would have continued
         not_ours = isinstance(err, RunDirTaken | ResumeRefused)
-        if is_rank_zero() and not not_ours:
+        # a config mistake found before the run wrote anything (building its model, say)
+        # leaves no run directory, as one found before Hydra made it does
+        left_none = isinstance(err, ConfigError) and remove_unstarted_run_dir(run.run_dir)
+        if is_rank_zero() and not not_ours and not left_none:
             record_end(run.run_dir, "failed", err)  # summary.json: where a sweep's report looks
         if not isinstance(err, UserError):
             raise

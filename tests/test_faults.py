@@ -23,6 +23,7 @@
 | metrics.jsonl deleted while the run trains | one warning; the file written again | every row |
 | NaN or inf in the images | one warning at setup naming the split | the run |
 | impossible config values | one line naming the key | - |
+| a model that cannot take the data, or not fit in memory | one line naming the key, exit 2 | no run dir |
 | `mpexp.log` under a name of mpexp's own | one line naming the key and the call, exit 2 | - |
 | resume of a finished run | one line saying how to train on | the run |
 | a checkpoint with flipped bytes | one line: corrupt; another one if kept | the run |
@@ -64,8 +65,9 @@ from mpexp.checkpoints import checkpoint
 from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.data.synthetic import SyntheticData
-from mpexp.distributed import start_world
+from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, DataError, reason
+from mpexp.run.build import build_parts
 from mpexp.run.runner import stop_if_asked, train
 from mpexp.run.validate import validate
 from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
@@ -693,14 +695,42 @@ def test_impossible_values_are_named_before_anything_runs(overrides, named):
         validate(make_cfg(*TINY, *overrides))
 
 
-@pytest.mark.parametrize("model", ["simplecnn", "deepcnn"])
-def test_images_too_small_for_the_model_get_one_line(tmp_path, model):
-    tiny = [o for o in TINY if not o.startswith("model")]
-    result = run_cli("mpexp.train", *tiny, f"model={model}", "dataset.height=2",
-                     "dataset.width=2", cwd=tmp_path)  # fmt: skip
-    output = one_line_failure(result)
-    assert f"model={model} on dataset=synthetic cannot take the dataset's 1x2x2 images" in output
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (
+            ["dataset.height=2", "dataset.width=2"],
+            "model=simplecnn on dataset=synthetic cannot take the dataset's 1x2x2 images: it pools "
+            "twice by 2, so images need 4x4 pixels at least, not 2x2.\nChange the images' size "
+            "(dataset.channels=1, dataset.height=2, dataset.width=2 now)",
+        ),
+        (
+            ["model.width=1000000"],
+            "model=simplecnn on dataset=synthetic: the model does not fit in this machine's "
+            "memory (one of its tensors needs 67,055 GiB).\nUse a smaller model "
+            "(model.width=1000000 now).",
+        ),
+    ],
+    ids=["images too small", "model too large"],
+)
+def test_a_model_that_cannot_be_built_names_the_key_and_leaves_no_run_dir(
+    tmp_path, overrides, said
+):
+    result = run_cli("mpexp.train", *TINY, *overrides, cwd=tmp_path)
+    assert said in one_line_failure(result)
     assert result.returncode == 2
+    assert not (tmp_path / "outputs").exists()  # nor the date's folder made for it
+
+
+def test_images_too_small_for_a_deeper_model_are_named_with_their_keys():
+    tiny = [o for o in TINY if not o.startswith("model")]
+    cfg = make_cfg(*tiny, "model=deepcnn", "dataset.height=2", "dataset.width=2")
+    with pytest.raises(ConfigError) as refused:
+        build_parts(cfg, World(torch.device("cpu")), {"model": "deepcnn", "dataset": "synthetic"})
+    assert str(refused.value).startswith(
+        "model=deepcnn on dataset=synthetic cannot take the dataset's 1x2x2 images: "
+    )
+    assert "(dataset.channels=1, dataset.height=2, dataset.width=2 now)" in str(refused.value)
 
 
 def test_a_users_value_under_mpexps_own_name_is_refused_at_the_call(tmp_path):
