@@ -23,7 +23,7 @@
 | metrics.jsonl deleted while the run trains | one warning; the file written again | every row |
 | NaN or inf in the images | one warning at setup naming the split | the run |
 | impossible config values | one line naming the key | - |
-| a model that cannot take the data, or not fit in memory | one line naming the key, exit 2 | no run dir |
+| a model unfit for the data, or for the memory | one line naming the key, exit 2 | - (no dir) |
 | `mpexp.log` under a name of mpexp's own | one line naming the key and the call, exit 2 | - |
 | resume of a finished run | one line saying how to train on | the run |
 | a checkpoint with flipped bytes | one line: corrupt; another one if kept | the run |
