@@ -10,7 +10,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mpexp.stopping import INTERRUPTED_BEFORE_START, StopSignals, catch_from_start
+from mpexp.stopping import (
+    INTERRUPTED_BEFORE_START,
+    StopSignals,
+    catch_from_start,
+    quiet_exit,
+)
 
 # Run as the command (`python -m mpexp.train`, `mpexp-train`), a stop signal only asks to stop
 # from here on: Hydra's and OmegaConf's imports below take a noticeable fraction of a second.
@@ -120,6 +125,21 @@ def last_checkpoint_note(run: RunContext) -> str:
 
 def cli() -> None:
     """The `mpexp-train` command (and `python -m mpexp.train`)."""
+    # run as the command, stop signals are caught from this module's top (catch_from_start)
+    command = StopSignals.active() is not None
+    status = 1  # a crash's, unless the command ends as below
+    try:
+        _command()
+        status = 0
+    except SystemExit as exiting:
+        status = exiting.code if isinstance(exiting.code, int) else int(exiting.code is not None)
+        raise
+    finally:
+        if command:  # a Ctrl-C while Python exits (its exit hooks) ends it at once, quietly
+            quiet_exit(status)
+
+
+def _command() -> None:
     sys.argv[1:] = expand_home(sys.argv[1:])  # dataset.path=~/corpus.txt
     if launched_processes() > 1:  # under torchrun only rank 0 writes
         from mpexp.distributed import hydra_overrides_for_rank

@@ -15,6 +15,7 @@
 | stop signal while W&B starts | one line naming the checkpoint, interrupted | the checkpoint |
 | a second Ctrl-C | one line naming the last checkpoint, 130 | checkpoints |
 | Ctrl-C while the command imports Hydra | one line, 130 | - |
+| Ctrl-C as the process exits | nothing more; the exit status it had | the run |
 | the terminal closes (SIGHUP) | as SIGTERM: status interrupted, 129 | the checkpoint |
 | a run with no step per epoch | one line, exit 2, before training | - |
 | every step skipped | a warning per epoch, status failed | the metrics |
@@ -410,6 +411,40 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
     assert f"trainer.resume={run_dir}" in output
     assert status(run_dir) == "interrupted"
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+# Runs the command as `python -m mpexp.train` does, with Ctrl-C pressed as the process exits: in
+# an exit hook, where torch's (and W&B's) run once the run has written its files and its last line
+CTRL_C_AS_IT_EXITS = """
+import atexit, os, runpy, signal, sys, time
+
+def press():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(2)  # the signal is handled in here, inside the exit hook
+
+atexit.register(press)
+sys.argv = ["mpexp.train", *sys.argv[1:]]
+runpy.run_module("mpexp.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_second_ctrl_c_as_the_process_exits_prints_no_traceback(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C_AS_IT_EXITS, *ARGS, "trainer.log_every=1",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
+    proc.send_signal(signal.SIGINT)  # the first press: a checkpoint, one line, then the exit
+    output, _ = proc.communicate(timeout=240)
+
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert output.rstrip().endswith(f"trainer.resume={run_dir}")  # the run's line is the last
+    assert status(run_dir) == "interrupted" and checkpoint_files(run_dir)
 
 
 # Runs the command as `python -m mpexp.train` does, with Ctrl-C pressed `presses` times just as
