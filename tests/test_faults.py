@@ -385,13 +385,32 @@ def test_a_stop_signal_that_no_run_answered_ends_the_command_with_one_line(monke
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
 
 
+# Runs the command as `python -m mpexp.train` does, with a checkpoint that a stop writes taking 30 s
+# once its file is written: a second Ctrl-C lands while it is being written, every time
+SLOW_STOP_CHECKPOINT = """
+import runpy, sys, time
+from mpexp.checkpoints import checkpoint
+from mpexp.stopping import StopSignals
+
+def slow_once_stopped(path, _sha256_of=checkpoint.sha256_of):
+    if StopSignals.active().received:
+        time.sleep(30)
+    return _sha256_of(path)
+
+checkpoint.sha256_of = slow_once_stopped
+sys.argv = ["mpexp.train", *sys.argv[1:]]
+runpy.run_module("mpexp.train", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    # DeepCNN's steps (a second or more on 2 cores) and 180 MB checkpoints are slow enough that
-    # the second press lands while the first stop is still finishing its step and checkpoint
-    args = [a for a in ARGS if not a.startswith("model")]
-    slow = ["model=deepcnn", "dataset.batch_size=64", "trainer.checkpoint_every_steps=1"]
-    proc = start_cli(*args, *slow, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_STOP_CHECKPOINT, *ARGS, "trainer.checkpoint_every_steps=1",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     wait_for(lambda: checkpoint_files(run_dir), proc)
     proc.send_signal(signal.SIGINT)
     # the second press once the first is taken (two signals at once would arrive as one): the
