@@ -528,17 +528,23 @@ def test_a_closed_terminal_stops_the_run_with_a_checkpoint(tmp_path):
     assert checkpoint_files(run_dir)
 
 
-def test_metrics_deleted_while_the_run_trains_are_written_again_whole(tmp_path):
+def test_metrics_deleted_while_the_run_trains_are_written_again_whole(tmp_path, caplog):
     run_dir = tmp_path / "run"
-    proc = start_cli(*ARGS, "trainer.log_every=1", "trainer.epochs=3", f"hydra.run.dir={run_dir}",
-                     cwd=tmp_path)  # fmt: skip
     metrics = run_dir / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
-    metrics.unlink()  # a clean-up script, a user's rm
-    output, _ = proc.communicate(timeout=240)
 
-    assert proc.returncode == 0, output
-    assert output.count(f"{metrics} was deleted or replaced while the run went on") == 1
+    def delete_once_written() -> None:  # a clean-up script, a user's rm
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            time.sleep(0.005)
+        metrics.unlink()
+
+    deleter = threading.Thread(target=delete_once_written, daemon=True)
+    deleter.start()
+    with caplog.at_level(logging.WARNING, logger="mpexp"):
+        train(make_cfg(*ARGS, "trainer.log_every=1", "trainer.epochs=3"), RunContext(run_dir))
+    deleter.join(timeout=10)
+
+    assert not deleter.is_alive()  # it deleted the file while the run went on
+    assert caplog.text.count(f"{metrics} was deleted or replaced while the run went on") == 1
     steps, epochs = read_metrics(run_dir)
     assert [r["step"] for r in steps] == list(range(1, 25)) and len(epochs) == 3
     assert status(run_dir) == "finished"
