@@ -383,19 +383,27 @@ def test_a_stop_signal_that_no_run_answered_ends_the_command_with_one_line(monke
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
 
 
-# Runs the command as `python -m mpexp.train` does, with a checkpoint that a stop writes taking 30 s
-# once its file is written: a second Ctrl-C lands while it is being written, every time
+# Runs the command as `python -m mpexp.train` does, with the checkpoint that a stop writes taking
+# 30 s once its file is written: a second Ctrl-C lands while it is being written, every time. (A
+# save that began before the first Ctrl-C is not slowed: the stop's own save comes after it.)
 SLOW_STOP_CHECKPOINT = """
 import runpy, sys, time
 from mpexp.checkpoints import checkpoint
 from mpexp.stopping import StopSignals
 
-def slow_once_stopped(path, _sha256_of=checkpoint.sha256_of):
-    if StopSignals.active().received:
+slow = False
+
+def save(self, *args, _save=checkpoint.Checkpointer.save):
+    global slow
+    slow = StopSignals.active().received is not None  # the loop saves for the stop
+    return _save(self, *args)
+
+def sha256_of(path, _sha256_of=checkpoint.sha256_of):
+    if slow:
         time.sleep(30)
     return _sha256_of(path)
 
-checkpoint.sha256_of = slow_once_stopped
+checkpoint.Checkpointer.save, checkpoint.sha256_of = save, sha256_of
 sys.argv = ["mpexp.train", *sys.argv[1:]]
 runpy.run_module("mpexp.train", run_name="__main__", alter_sys=True)
 """
