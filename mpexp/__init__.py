@@ -1,6 +1,10 @@
 """mpexp: Hydra-configured mixed-precision training experiments in PyTorch."""
 
+from mpexp.targets import follow_former_imports
+
 __version__ = "0.1.0"
+
+follow_former_imports()  # `_target_: mpexp.scaling.X` and the other paths from before the packages
 
 __all__ = ["__version__", "log"]
 

@@ -29,8 +29,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mpexp.errors import ConfigError, reason
+from mpexp.launch import is_rank_zero, launched_processes
 from mpexp.precision.modes import Precision
-from mpexp.run.launch import is_rank_zero, launched_processes
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ def read_run(run_dir: Path) -> dict:
 
 def best_checkpoint(run_dir: Path) -> tuple[Path, str]:
     """The kept checkpoint with the lowest val/loss at its step, else the newest; and why."""
-    from mpexp.run.rundir import checkpoint_files, checkpoint_step
+    from mpexp.rundir import checkpoint_files, checkpoint_step
 
     files = [p for p in checkpoint_files(run_dir) if p.is_file()]
     if not files:

@@ -10,7 +10,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mpexp.run.stopping import INTERRUPTED_BEFORE_START, StopSignals, catch_from_start
+from mpexp.stopping import (
+    INTERRUPTED_BEFORE_START,
+    StopSignals,
+    catch_from_start,
+    quiet_exit,
+)
 
 # Run as the command (`python -m mpexp.train`, `mpexp-train`), a stop signal only asks to stop
 # from here on: Hydra's and OmegaConf's imports below take a noticeable fraction of a second.
@@ -27,16 +32,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from mpexp import config
-from mpexp.errors import ResumeRefused, UserError
+from mpexp.errors import ConfigError, ResumeRefused, UserError
+from mpexp.launch import is_rank_zero, launched_processes
 from mpexp.run.hydra_hooks import (
     expand_home,
     put_back_run_record,
     register_resolvers,
+    remove_unstarted_run_dir,
     sweep_job_name,
 )
-from mpexp.run.launch import is_rank_zero, launched_processes
-from mpexp.run.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
-from mpexp.run.stopping import Preempted, preemption_signal
+from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
+from mpexp.stopping import Preempted, preemption_signal
 from mpexp.tracking.records import record_end
 from mpexp.tracking.tracker import RunContext
 from mpexp.tracking.wandb_mode import sweep_group
@@ -91,7 +97,10 @@ def main(cfg: DictConfig) -> float:
         # only rank 0 owns the run dir; a dir taken by another run is not this run's to mark,
         # and a refused resume changed nothing of the run it would have continued
         not_ours = isinstance(err, RunDirTaken | ResumeRefused)
-        if is_rank_zero() and not not_ours:
+        # a config mistake found before the run wrote anything (building its model, say)
+        # leaves no run directory, as one found before Hydra made it does
+        left_none = isinstance(err, ConfigError) and remove_unstarted_run_dir(run.run_dir)
+        if is_rank_zero() and not not_ours and not left_none:
             record_end(run.run_dir, "failed", err)  # summary.json: where a sweep's report looks
         if not isinstance(err, UserError):
             raise
@@ -116,6 +125,21 @@ def last_checkpoint_note(run: RunContext) -> str:
 
 def cli() -> None:
     """The `mpexp-train` command (and `python -m mpexp.train`)."""
+    # run as the command, stop signals are caught from this module's top (catch_from_start)
+    command = StopSignals.active() is not None
+    status = 1  # a crash's, unless the command ends as below
+    try:
+        _command()
+        status = 0
+    except SystemExit as exiting:
+        status = exiting.code if isinstance(exiting.code, int) else int(exiting.code is not None)
+        raise
+    finally:
+        if command:  # a Ctrl-C while Python exits (its exit hooks) ends it at once, quietly
+            quiet_exit(status)
+
+
+def _command() -> None:
     sys.argv[1:] = expand_home(sys.argv[1:])  # dataset.path=~/corpus.txt
     if launched_processes() > 1:  # under torchrun only rank 0 writes
         from mpexp.distributed import hydra_overrides_for_rank

@@ -62,10 +62,10 @@ from mpexp.precision.fp8 import convert_to_fp8  # noqa: E402
 from mpexp.precision.modes import setup_precision  # noqa: E402
 from mpexp.precision.scaling import build_scaler  # noqa: E402
 from mpexp.run.build import build  # noqa: E402
-from mpexp.run.stopping import Preempted  # noqa: E402
 from mpexp.step import performance  # noqa: E402
 from mpexp.step.flops import device_peak_tflops, flops_per_sample  # noqa: E402
 from mpexp.step.rollback import BufferRollback  # noqa: E402
+from mpexp.stopping import Preempted  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
 from mpexp.tasks.classification import Classification  # noqa: E402
 

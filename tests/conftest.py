@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import subprocess
 import sys
@@ -16,6 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 CPU = torch.device("cpu")
 config.register()
+
+# One intra-op thread, here and in the commands the tests start: the tests' models are tiny, and
+# a second thread only adds its hand-offs. On a shared two-core machine a simplecnn step took
+# 0.08 s with one thread and 0.36 s (at best) with two, the threads spinning while they wait.
+torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 # A run small enough for a test on 2 CPU cores: ~1 s an epoch.
 TINY = [
@@ -54,7 +62,15 @@ VIT_FP8_LAYERS = [
 
 
 def make_cfg(*overrides: str):
-    """The composed `train` config, as `python -m mpexp.train <overrides>` would see it."""
+    """The composed `train` config, as `python -m mpexp.train <overrides>` would see it: a copy
+    of its own, so that a test may change it."""
+    return copy.deepcopy(_composed(overrides))
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...]):
+    # Hydra takes about a second (on two shared cores) to compose; the same overrides compose
+    # to the same config, and a copy takes a hundredth of that
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="train", overrides=list(overrides))
 

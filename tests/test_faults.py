@@ -15,6 +15,7 @@
 | stop signal while W&B starts | one line naming the checkpoint, interrupted | the checkpoint |
 | a second Ctrl-C | one line naming the last checkpoint, 130 | checkpoints |
 | Ctrl-C while the command imports Hydra | one line, 130 | - |
+| Ctrl-C as the process exits | nothing more; the exit status it had | the run |
 | the terminal closes (SIGHUP) | as SIGTERM: status interrupted, 129 | the checkpoint |
 | a run with no step per epoch | one line, exit 2, before training | - |
 | every step skipped | a warning per epoch, status failed | the metrics |
@@ -23,6 +24,7 @@
 | metrics.jsonl deleted while the run trains | one warning; the file written again | every row |
 | NaN or inf in the images | one warning at setup naming the split | the run |
 | impossible config values | one line naming the key | - |
+| a model unfit for the data, or for the memory | one line naming the key, exit 2 | - (no dir) |
 | `mpexp.log` under a name of mpexp's own | one line naming the key and the call, exit 2 | - |
 | resume of a finished run | one line saying how to train on | the run |
 | a checkpoint with flipped bytes | one line: corrupt; another one if kept | the run |
@@ -64,12 +66,13 @@ from mpexp.checkpoints import checkpoint
 from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.data.synthetic import SyntheticData
-from mpexp.distributed import start_world
+from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, DataError, reason
-from mpexp.run.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
+from mpexp.run.build import build_parts
 from mpexp.run.runner import stop_if_asked, train
-from mpexp.run.stopping import Preempted, StopSignals
 from mpexp.run.validate import validate
+from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
+from mpexp.stopping import Preempted, StopSignals
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
@@ -188,9 +191,7 @@ def test_two_runs_started_together_get_a_directory_each(tmp_path):
 
 def test_a_new_run_is_refused_a_directory_that_holds_a_run(tmp_path):
     run_dir = tmp_path / "sweep" / "0"  # also where a sweep's first job would go
-    first = run_cli("mpexp.train", *ARGS, "trainer.epochs=1", f"hydra.run.dir={run_dir}",
-                    cwd=tmp_path)  # fmt: skip
-    assert first.returncode == 0, first.stderr
+    train(make_cfg(*ARGS, "trainer.epochs=1"), RunContext(run_dir))  # the run it holds
     before = {p.name: p.read_bytes() for p in (run_dir / "metrics.jsonl", run_dir / "summary.json")}
     (saved,) = checkpoint_files(run_dir)
 
@@ -382,13 +383,40 @@ def test_a_stop_signal_that_no_run_answered_ends_the_command_with_one_line(monke
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
 
 
+# Runs the command as `python -m mpexp.train` does, with the checkpoint that a stop writes taking
+# 30 s once its file is written: a second Ctrl-C lands while it is being written, every time. (A
+# save that began before the first Ctrl-C is not slowed: the stop's own save comes after it.)
+SLOW_STOP_CHECKPOINT = """
+import runpy, sys, time
+from mpexp.checkpoints import checkpoint
+from mpexp.stopping import StopSignals
+
+slow = False
+
+def save(self, *args, _save=checkpoint.Checkpointer.save):
+    global slow
+    slow = StopSignals.active().received is not None  # the loop saves for the stop
+    return _save(self, *args)
+
+def sha256_of(path, _sha256_of=checkpoint.sha256_of):
+    if slow:
+        time.sleep(30)
+    return _sha256_of(path)
+
+checkpoint.Checkpointer.save, checkpoint.sha256_of = save, sha256_of
+sys.argv = ["mpexp.train", *sys.argv[1:]]
+runpy.run_module("mpexp.train", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    # DeepCNN's steps (a second or more on 2 cores) and 180 MB checkpoints are slow enough that
-    # the second press lands while the first stop is still finishing its step and checkpoint
-    args = [a for a in ARGS if not a.startswith("model")]
-    slow = ["model=deepcnn", "dataset.batch_size=64", "trainer.checkpoint_every_steps=1"]
-    proc = start_cli(*args, *slow, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_STOP_CHECKPOINT, *ARGS, "trainer.checkpoint_every_steps=1",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     wait_for(lambda: checkpoint_files(run_dir), proc)
     proc.send_signal(signal.SIGINT)
     # the second press once the first is taken (two signals at once would arrive as one): the
@@ -408,6 +436,40 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
     assert f"trainer.resume={run_dir}" in output
     assert status(run_dir) == "interrupted"
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+# Runs the command as `python -m mpexp.train` does, with Ctrl-C pressed as the process exits: in
+# an exit hook, where torch's (and W&B's) run once the run has written its files and its last line
+CTRL_C_AS_IT_EXITS = """
+import atexit, os, runpy, signal, sys, time
+
+def press():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(2)  # the signal is handled in here, inside the exit hook
+
+atexit.register(press)
+sys.argv = ["mpexp.train", *sys.argv[1:]]
+runpy.run_module("mpexp.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_second_ctrl_c_as_the_process_exits_prints_no_traceback(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CTRL_C_AS_IT_EXITS, *ARGS, "trainer.log_every=1",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
+    proc.send_signal(signal.SIGINT)  # the first press: a checkpoint, one line, then the exit
+    output, _ = proc.communicate(timeout=240)
+
+    assert proc.returncode == 128 + signal.SIGINT, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert output.rstrip().endswith(f"trainer.resume={run_dir}")  # the run's line is the last
+    assert status(run_dir) == "interrupted" and checkpoint_files(run_dir)
 
 
 # Runs the command as `python -m mpexp.train` does, with Ctrl-C pressed `presses` times just as
@@ -474,17 +536,23 @@ def test_a_closed_terminal_stops_the_run_with_a_checkpoint(tmp_path):
     assert checkpoint_files(run_dir)
 
 
-def test_metrics_deleted_while_the_run_trains_are_written_again_whole(tmp_path):
+def test_metrics_deleted_while_the_run_trains_are_written_again_whole(tmp_path, caplog):
     run_dir = tmp_path / "run"
-    proc = start_cli(*ARGS, "trainer.log_every=1", "trainer.epochs=3", f"hydra.run.dir={run_dir}",
-                     cwd=tmp_path)  # fmt: skip
     metrics = run_dir / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
-    metrics.unlink()  # a clean-up script, a user's rm
-    output, _ = proc.communicate(timeout=240)
 
-    assert proc.returncode == 0, output
-    assert output.count(f"{metrics} was deleted or replaced while the run went on") == 1
+    def delete_once_written() -> None:  # a clean-up script, a user's rm
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            time.sleep(0.005)
+        metrics.unlink()
+
+    deleter = threading.Thread(target=delete_once_written, daemon=True)
+    deleter.start()
+    with caplog.at_level(logging.WARNING, logger="mpexp"):
+        train(make_cfg(*ARGS, "trainer.log_every=1", "trainer.epochs=3"), RunContext(run_dir))
+    deleter.join(timeout=10)
+
+    assert not deleter.is_alive()  # it deleted the file while the run went on
+    assert caplog.text.count(f"{metrics} was deleted or replaced while the run went on") == 1
     steps, epochs = read_metrics(run_dir)
     assert [r["step"] for r in steps] == list(range(1, 25)) and len(epochs) == 3
     assert status(run_dir) == "finished"
@@ -515,18 +583,19 @@ def test_a_run_with_no_step_per_epoch_is_refused_before_training(tmp_path):
 
 
 def test_a_run_whose_every_step_was_skipped_ends_failed(tmp_path):
-    # from 1e30 the scale needs about 80 halvings before fp16 holds the gradients: 32 steps skip
-    overrides = ["precision=fp16", "loss_scaling=dynamic", "loss_scaling.init_scale=1e30"]
+    # from 1e30 the scale needs about 80 halvings before fp16 holds the gradients: 8 steps skip
+    overrides = ["precision=fp16", "loss_scaling=dynamic", "loss_scaling.init_scale=1e30",
+                 "dataset.train_size=256"]  # fmt: skip
     run_dir = tmp_path / "run"
     result = run_cli("mpexp.train", *TINY, *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in output
     for epoch in (1, 2):
-        assert f"Epoch {epoch} took no optimizer step: all 16 of its steps were skipped" in output
-    assert "No optimizer step was taken: all 32 steps were skipped" in output
+        assert f"Epoch {epoch} took no optimizer step: all 4 of its steps were skipped" in output
+    assert "No optimizer step was taken: all 8 steps were skipped" in output
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "No optimizer step was taken" in summary["error"]
-    assert summary["amp/skipped_steps"] == 32  # what happened is kept
+    assert summary["amp/skipped_steps"] == 8  # what happened is kept
 
 
 # --- damaged data ------------------------------------------------------------------------------
@@ -693,14 +762,42 @@ def test_impossible_values_are_named_before_anything_runs(overrides, named):
         validate(make_cfg(*TINY, *overrides))
 
 
-@pytest.mark.parametrize("model", ["simplecnn", "deepcnn"])
-def test_images_too_small_for_the_model_get_one_line(tmp_path, model):
-    tiny = [o for o in TINY if not o.startswith("model")]
-    result = run_cli("mpexp.train", *tiny, f"model={model}", "dataset.height=2",
-                     "dataset.width=2", cwd=tmp_path)  # fmt: skip
-    output = one_line_failure(result)
-    assert f"model={model} on dataset=synthetic cannot take the dataset's 1x2x2 images" in output
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (
+            ["dataset.height=2", "dataset.width=2"],
+            "model=simplecnn on dataset=synthetic cannot take the dataset's 1x2x2 images: it pools "
+            "twice by 2, so images need 4x4 pixels at least, not 2x2.\nChange the images' size "
+            "(dataset.channels=1, dataset.height=2, dataset.width=2 now)",
+        ),
+        (
+            ["model.width=1000000"],
+            "model=simplecnn on dataset=synthetic: the model does not fit in this machine's "
+            "memory (one of its tensors needs 67,055 GiB).\nUse a smaller model "
+            "(model.width=1000000 now).",
+        ),
+    ],
+    ids=["images too small", "model too large"],
+)
+def test_a_model_that_cannot_be_built_names_the_key_and_leaves_no_run_dir(
+    tmp_path, overrides, said
+):
+    result = run_cli("mpexp.train", *TINY, *overrides, cwd=tmp_path)
+    assert said in one_line_failure(result)
     assert result.returncode == 2
+    assert not (tmp_path / "outputs").exists()  # nor the date's folder made for it
+
+
+def test_images_too_small_for_a_deeper_model_are_named_with_their_keys():
+    tiny = [o for o in TINY if not o.startswith("model")]
+    cfg = make_cfg(*tiny, "model=deepcnn", "dataset.height=2", "dataset.width=2")
+    with pytest.raises(ConfigError) as refused:
+        build_parts(cfg, World(torch.device("cpu")), {"model": "deepcnn", "dataset": "synthetic"})
+    assert str(refused.value).startswith(
+        "model=deepcnn on dataset=synthetic cannot take the dataset's 1x2x2 images: "
+    )
+    assert "(dataset.channels=1, dataset.height=2, dataset.width=2 now)" in str(refused.value)
 
 
 def test_a_users_value_under_mpexps_own_name_is_refused_at_the_call(tmp_path):

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from mpexp.checkpoints import checkpoint, sharded
 from mpexp.checkpoints.checkpoint import checkpoint_files
-from mpexp.run.rundir import leftover_files
 from mpexp.run.runner import train
+from mpexp.rundir import leftover_files
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_distributed import PER_RANK, TORCHRUN

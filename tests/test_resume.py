@@ -20,8 +20,8 @@ from mpexp.checkpoints import checkpoint
 from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError, OutputError
-from mpexp.run.rundir import hydra_quoted
 from mpexp.run.runner import train
+from mpexp.rundir import hydra_quoted
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
@@ -394,3 +394,27 @@ def test_a_run_from_before_a_key_existed_resumes_when_the_key_does_what_it_did()
     checkpoint.check_config(state, cfg, "run")  # no augmentation now either: the same run
     with pytest.raises(ConfigError, match=r"dataset\.augment\.flip: absent in the run, True now"):
         checkpoint.check_config(state, make_cfg(*ARGS, "dataset.augment.flip=true"), "run")
+
+
+def test_a_run_saved_under_the_former_target_paths_trains_and_resumes(tmp_path):
+    """Configs from before the loss scalers and schedules moved into packages name them by their
+    former paths: a run started with them trains what they name, and a checkpoint whose saved
+    config names them resumes under today's config."""
+    args = [*ARGS, "dataset.train_size=256", "loss_scaling=dynamic", "scheduler=step"]
+    cfg = make_cfg(*args, "trainer.epochs=1")
+    cfg.loss_scaling._target_ = "mpexp.scaling.DynamicLossScaler"
+    cfg.scheduler._target_ = "mpexp.schedules.step_decay"
+    train(cfg, RunContext(tmp_path))
+    (saved,) = checkpoint_files(tmp_path)
+    state = torch.load(saved, weights_only=True)
+    # the run ran, and kept, what the former paths name today
+    assert (
+        state["config"]["loss_scaling"]["_target_"] == "mpexp.precision.scaling.DynamicLossScaler"
+    )
+    state["config"]["loss_scaling"]["_target_"] = "mpexp.scaling.DynamicLossScaler"
+    state["config"]["scheduler"]["_target_"] = "mpexp.schedules.step_decay"
+    checkpoint.write_atomically(state, saved)  # as a run from before the move saved it
+
+    train(make_cfg(*args, f"trainer.resume={tmp_path}"), RunContext(tmp_path))
+    assert status(tmp_path) == "finished"
+    assert [p.name for p in checkpoint_files(tmp_path)] == ["step-00000008.pt"]

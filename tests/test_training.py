@@ -79,10 +79,13 @@ def test_scale_history_is_complete_under_fp16(tmp_path):
         "loss_scaling=dynamic",
         "loss_scaling.init_scale=4",
         "loss_scaling.growth_interval=3",
+        "dataset.train_size=512",  # 8 steps: three growth intervals and more
+        "trainer.epochs=1",
     )
     train(cfg, RunContext(tmp_path))
     steps, _ = read_metrics(tmp_path)
     scales = [r["amp/scale"] for r in steps]
+    assert len(scales) == 8
     # no overflow at these tiny scales: the scale doubles after every 3 clean steps
     assert scales[:7] == [4.0, 4.0, 4.0, 8.0, 8.0, 8.0, 16.0]
     assert {r["amp/skipped_steps"] for r in steps} == {0}

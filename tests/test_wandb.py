@@ -61,20 +61,32 @@ def final_run(records: list[dict]) -> dict:
     return {**runs[-1], "config": config}
 
 
-def test_offline_run_holds_loss_scale_and_epoch_time(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    run = RunContext(tmp_path, name="wandb-test", group="g")
-    train(make_cfg(*TINY, "precision=fp16", "wandb.mode=offline"), run)
+# the smallest run that shows what these tests read: 4 steps an epoch, two validation batches
+SMALL = [*TINY, "dataset.train_size=256"]
 
-    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    records = leet_records(wandb_dir)
+
+@pytest.fixture(scope="session")
+def offline_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """An fp16 run of 3 epochs with its W&B run offline, and that W&B run's records: made once,
+    read by several tests (none writes to it)."""
+    run_dir = tmp_path_factory.mktemp("offline_run")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_SILENT", "true")
+        run = RunContext(run_dir, name="wandb-test", group="g")
+        train(make_cfg(*SMALL, "precision=fp16", "trainer.epochs=3", "wandb.mode=offline"), run)
+    (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
+    return run_dir, leet_records(wandb_dir)
+
+
+def test_offline_run_holds_loss_scale_and_epoch_time(offline_run):
+    run_dir, records = offline_run
     rows = history(records)
     steps = [r for r in rows if "train/loss" in r]
     epochs = [r for r in rows if "perf/epoch_time_s" in r]
-    assert len(steps) == 2 * 16 and len(epochs) == 2
+    assert len(steps) == 3 * 4 and len(epochs) == 3
     assert all(r["amp/scale"] == 65536.0 for r in steps[:5])
 
-    local = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    local = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     local_steps = [r for r in local if "train/loss" in r]
     assert [r["train/loss"] for r in steps] == [r["train/loss"] for r in local_steps]
     assert [r["perf/epoch_time_s"] for r in epochs] == [
@@ -102,13 +114,9 @@ def epoch_rows(run_dir: Path) -> list[dict]:
     return [r for r in rows if "epoch" in r]
 
 
-def test_summary_holds_best_and_last_and_what_ran_only_in_the_config(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    train(make_cfg(*TINY, "trainer.epochs=3", "wandb.mode=offline"), RunContext(tmp_path))
-    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    records = leet_records(wandb_dir)
-
-    epochs = epoch_rows(tmp_path)
+def test_summary_holds_best_and_last_and_what_ran_only_in_the_config(offline_run):
+    run_dir, records = offline_run
+    epochs = epoch_rows(run_dir)
     summary = final_summary(records)
     accs, losses = [e["val/acc"] for e in epochs], [e["val/loss"] for e in epochs]
     # the last epoch's value, which the report and Optuna's sweeper use, beside the best
@@ -116,22 +124,23 @@ def test_summary_holds_best_and_last_and_what_ran_only_in_the_config(tmp_path, m
     assert summary["val/loss"] == {"min": min(losses), "last": losses[-1]}
     # what ran is in the config, complete (the final scale, counted FLOPs), not in the summary
     assert not [k for k in summary if k.startswith("ran")]
-    local = json.loads((tmp_path / "summary.json").read_text())
+    local = json.loads((run_dir / "summary.json").read_text())
     assert final_run(records)["config"]["ran"] == local["ran"]
 
 
-def test_checkpoints_go_to_wandb_as_artifacts_only_when_asked(tmp_path, monkeypatch):
+def test_checkpoints_go_to_wandb_as_artifacts_only_when_asked(offline_run, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
-    for asked in (False, True):
-        run_dir = tmp_path / str(asked)
-        overrides = [*TINY, "wandb.mode=offline", f"wandb.log_checkpoints={str(asked).lower()}"]
-        train(make_cfg(*overrides), RunContext(run_dir))
-        (wandb_dir,) = (run_dir / "wandb").glob("offline-run-*")
-        artifacts = [r["artifact"] for r in leet_records(wandb_dir) if r["type"] == "artifact"]
-        models = [a for a in artifacts if a.get("type") == "model"]
-        assert len(models) == (2 if asked else 0)  # one checkpoint per epoch
-        if asked:
-            assert "step-32" in models[-1]["aliases"] and "latest" in models[-1]["aliases"]
+    _, records = offline_run  # wandb.log_checkpoints left at its default, false
+    assert not [r for r in records if r["type"] == "artifact"]
+
+    train(
+        make_cfg(*SMALL, "wandb.mode=offline", "wandb.log_checkpoints=true"), RunContext(tmp_path)
+    )
+    (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    artifacts = [r["artifact"] for r in leet_records(wandb_dir) if r["type"] == "artifact"]
+    models = [a for a in artifacts if a.get("type") == "model"]
+    assert len(models) == 2  # one checkpoint per epoch
+    assert "step-8" in models[-1]["aliases"] and "latest" in models[-1]["aliases"]
 
 
 def offline_tracker(run_dir: Path, wandb_id: str | None = None) -> Tracker:
@@ -194,18 +203,18 @@ class SelfLoggingCNN(SimpleCNN):
 def test_users_own_values_reach_metrics_and_the_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     model = "model._target_=tests.test_wandb.SelfLoggingCNN"
-    train(make_cfg(*TINY, model, "wandb.mode=offline"), RunContext(tmp_path))
+    train(make_cfg(*SMALL, model, "wandb.mode=offline"), RunContext(tmp_path))
 
     local = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     own = [r for r in local if "user/forwards" in r]
     # one row per training step, at that step (one forward pass each), in metrics.jsonl ...
-    assert [(r["step"], r["user/forwards"]) for r in own] == [(s, s) for s in range(1, 33)]
+    assert [(r["step"], r["user/forwards"]) for r in own] == [(s, s) for s in range(1, 9)]
     (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
     records = leet_records(wandb_dir)
     # ... and in the same W&B run, plotted against `step`
     logged = [r for r in history(records) if "user/forwards" in r]
     assert [(r["step"], r["user/forwards"], r["user/note"]) for r in logged] == [
-        (s, s, "ok") for s in range(1, 33)
+        (s, s, "ok") for s in range(1, 9)
     ]
     axes = {r["metric"].get("name"): r["metric"].get("step_metric")
             for r in records if r["type"] == "metric"}  # fmt: skip
@@ -251,11 +260,11 @@ def test_tensor_values_are_logged_as_computed_without_a_read_per_step(tmp_path, 
     made = importlib.import_module("tests.test_wandb").TensorLoggingCNN
     monkeypatch.setattr(made, "logged", [])
     model = "model._target_=tests.test_wandb.TensorLoggingCNN"
-    train(make_cfg(*TINY, model, "wandb.mode=offline"), RunContext(tmp_path))
+    train(make_cfg(*SMALL, model, "wandb.mode=offline"), RunContext(tmp_path))
 
     local = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     own = [r for r in local if "my/absmax" in r]
-    steps = range(1, 33)
+    steps = range(1, 9)
     assert [r["step"] for r in own] == list(steps)
     assert [(r["my/absmax"], r["my/mean"]) for r in own] == made.logged
     assert [r["my/calls"] for r in own] == [1 + 101 * (s - 1) for s in steps]
@@ -264,7 +273,7 @@ def test_tensor_values_are_logged_as_computed_without_a_read_per_step(tmp_path, 
     assert all(math.isnan(r["my/nan"]) and r["my/inf"] == -math.inf for r in special)
     assert all(r["my/note"] == "ok" for r in special)
     # two validation batches an epoch, at the epoch's last step, written by its checkpoint
-    assert [r["step"] for r in local if "my/val_absmax" in r] == [16, 16, 32, 32]
+    assert [r["step"] for r in local if "my/val_absmax" in r] == [4, 4, 8, 8]
     assert "NaN" in (tmp_path / "metrics.jsonl").read_text()  # as Python's json writes it
     assert load_run(tmp_path).problem is None  # the report reads the file, NaN and all
 
@@ -275,7 +284,7 @@ def test_tensor_values_are_logged_as_computed_without_a_read_per_step(tmp_path, 
     ]
     # in the W&B run as numbers that are not finite, which its JSON dump spells as strings
     special = [(r["my/nan"], r["my/inf"]) for r in logged if "my/nan" in r]
-    assert special == [("NaN", "-Infinity")] * 32
+    assert special == [("NaN", "-Infinity")] * 8
 
 
 class FailsAtStep7(SimpleCNN):
@@ -428,7 +437,8 @@ def test_the_training_process_never_imports_wandb(tmp_path):
         "import sys; from mpexp.run.runner import train; "
         "from mpexp.tracking.tracker import RunContext; "
         "from tests.conftest import TINY, make_cfg; "
-        f"train(make_cfg(*TINY, 'wandb.mode=offline'), RunContext({str(tmp_path)!r})); "
+        "small = [*TINY, 'dataset.train_size=256', 'wandb.mode=offline']; "
+        f"train(make_cfg(*small), RunContext({str(tmp_path)!r})); "
         "print('wandb imported:', 'wandb' in sys.modules)"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
@@ -437,7 +447,7 @@ def test_the_training_process_never_imports_wandb(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "wandb imported: False" in out.stdout
     (wandb_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    assert len([r for r in history(leet_records(wandb_dir)) if "train/loss" in r]) == 2 * 16
+    assert len([r for r in history(leet_records(wandb_dir)) if "train/loss" in r]) == 2 * 4
 
 
 def wandb_exit(where: Path, timeout: float = 120) -> dict:

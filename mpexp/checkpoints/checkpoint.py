@@ -8,7 +8,7 @@ and what the metric log needs to carry on: the running skip count, the epoch's l
 how far `metrics.jsonl` had got. Resuming rewinds `metrics.jsonl` to that point, so the steps a
 killed run trained after its last checkpoint are trained again, not logged twice.
 
-Stop signals (SIGTERM from a cluster's pre-emption, Ctrl-C; mpexp/run/stopping.py) only set a flag;
+Stop signals (SIGTERM from a cluster's pre-emption, Ctrl-C; mpexp/stopping.py) only set a flag;
 the loop checks it once per step and stops at the step boundary with a checkpoint.
 """
 
@@ -33,8 +33,8 @@ from mpexp.checkpoints import sharded
 from mpexp.checkpoints.checksums import sha256_of
 from mpexp.config import to_dict
 from mpexp.errors import OutputError, ResumeRefused
-from mpexp.run.launch import is_rank_zero
-from mpexp.run.rundir import (
+from mpexp.launch import is_rank_zero
+from mpexp.rundir import (
     AUTO,
     SUBDIR,
     check_not_locked,
@@ -45,8 +45,8 @@ from mpexp.run.rundir import (
     resume_command,
     run_dir_of,
 )
-from mpexp.run.stopping import Preempted
-from mpexp.step.schedules import spans_run
+from mpexp.stopping import Preempted
+from mpexp.targets import rewrite_targets, spans_run
 from mpexp.tracking.tracker import flatten
 
 log = logging.getLogger(__name__)
@@ -468,7 +468,7 @@ def _shape(value) -> tuple | None:
 
 
 def remove_checkpoint(path: Path) -> None:
-    """A checkpoint with its checksum, or a leftover of one (mpexp.run.rundir.leftover_files)."""
+    """A checkpoint with its checksum, or a leftover of one (mpexp.rundir.leftover_files)."""
     if path.is_dir():
         shutil.rmtree(path)
         return
@@ -684,6 +684,7 @@ def open_resume(cfg: DictConfig, run_dir: Path | None = None, mmap: bool = False
         # replacing one of them, which would read as missing or corrupt.
         check_not_locked(run_dir_of(path))
     state = load(path, mmap=mmap)
+    rewrite_targets(state["config"])  # saved before a module moved: compared by today's paths
     check_weights(state, cfg, target)
     check_config(state, cfg, target)
     check_not_finished(state, cfg, target)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mpexp.checkpoints.checksums import sha256_of
-from mpexp.run.rundir import REPLACED
+from mpexp.rundir import REPLACED
 
 COMMON = "common.pt"
 SUMS = "SHA256SUMS"

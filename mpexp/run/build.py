@@ -5,6 +5,7 @@ background, the optimizer, the schedule and the compiled forward pass (`build_tr
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -34,10 +35,14 @@ def build(node: DictConfig, **extra):
     return get_object(kwargs.pop("_target_"))(**kwargs, **extra)
 
 
-def build_model(node: DictConfig, task: Task, what: str) -> torch.nn.Module:
+def build_model(
+    node: DictConfig, task: Task, what: str, data_keys: str = "", model_keys: str = ""
+) -> torch.nn.Module:
     """The model, built for the task's inputs and tried on one example of them, so that a model
     that cannot take the data stops the run now with one message, not a traceback mid-step.
-    `what` names the model and the dataset in that message."""
+    `what` names the model and the dataset in that message; `data_keys` and `model_keys` are the
+    settings it names as the ones to change (`dataset.height=2`), the data's shape's and the
+    model's size's."""
     try:
         model = build(node, **task.model_kwargs())
         model.eval()  # no BatchNorm statistics change, no dropout draws from the RNG
@@ -45,15 +50,51 @@ def build_model(node: DictConfig, task: Task, what: str) -> torch.nn.Module:
         with torch.no_grad():
             shape = tuple(model(inputs).shape)
         model.train()
-    except (ValueError, RuntimeError, TypeError) as err:
+    except (ValueError, RuntimeError, TypeError, MemoryError) as err:
+        if out_of_memory(err):
+            smaller = f"a smaller model ({model_keys} now)" if model_keys else "a smaller model"
+            raise ConfigError(
+                f"{what}: the model does not fit in this machine's memory "
+                f"({allocation(err)}).\nUse {smaller}."
+            ) from None
+        data = f"the images' size ({data_keys} now)" if data_keys else "the data"
         raise ConfigError(
             f"{what} cannot take the dataset's {task.describe_inputs()}: {reason(err)}.\n"
-            "Use a model made for this data, or data this model takes."
+            f"Change {data}, or use a model made for this data."
         ) from None
     problem = task.check_output(shape)
     if problem is not None:
         raise ConfigError(f"{what} {problem}.")
     return model
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is an allocation that failed: the CPU allocator's, a GPU's, Python's."""
+    if isinstance(err, MemoryError | torch.cuda.OutOfMemoryError):
+        return True
+    return "can't allocate memory" in str(err) or "out of memory" in str(err).lower()
+
+
+def allocation(err: BaseException) -> str:
+    """What a failed allocation asked for, in GiB where the allocator says, else its message."""
+    asked = re.search(r"allocate (\d+) bytes", str(err))
+    return f"one of its tensors needs {int(asked[1]) / 2**30:,.0f} GiB" if asked else reason(err)
+
+
+def settings(node: DictConfig, group: str, keys: tuple[str, ...] | None = None) -> str:
+    """A group's integer settings as `group.key=value` (only `keys`, where given): those that
+    size a model, or shape a dataset's inputs."""
+    values = config.to_dict(node)
+    return ", ".join(
+        f"{group}.{key}={value}"
+        for key, value in values.items()
+        if (keys is None or key in keys) and isinstance(value, int) and not isinstance(value, bool)
+    )
+
+
+# the dataset keys that decide an image's shape (synthetic data: channels, height, width; an
+# image folder: image_size)
+IMAGE_KEYS = ("channels", "height", "width", "image_size")
 
 
 def with_objective(task: Task, trainer: DictConfig) -> Task:
@@ -108,7 +149,13 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
         data.check_values(dataset)
     data.shard(world.rank, world.size)
     what = f"model={choices['model']}" if choices.get("model") else cfg.model._target_
-    model = build_model(cfg.model, task, f"{what} on {dataset}").to(device)
+    model = build_model(
+        cfg.model,
+        task,
+        f"{what} on {dataset}",
+        settings(cfg.dataset, "dataset", IMAGE_KEYS),
+        settings(cfg.model, "model"),
+    ).to(device)
     if precision.pure is not None:  # before the FLOP count's background pass runs the model
         model = hold_in_bf16(model)
     # the user's model as built, before anything wraps it: whether it declares itself capturable

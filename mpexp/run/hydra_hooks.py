@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -25,17 +26,18 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from mpexp.errors import ConfigError, OutputError, UserError
-from mpexp.run.launch import is_rank_zero
-from mpexp.run.rundir import (
+from mpexp.launch import is_rank_zero
+from mpexp.run.validate import check_schema, validate
+from mpexp.rundir import (
     AUTO,
     LOCK_FILE,
     RunLock,
     SweepLock,
     check_not_locked,
+    holds_run,
     refuse_if_taken,
     run_dir_of,
 )
-from mpexp.run.validate import check_schema, validate
 
 T = TypeVar("T")
 
@@ -170,7 +172,10 @@ class RunChecks(Callback):
             # checked before Hydra writes anything (a live run's folder refused before its
             # checkpoints are read); the run opens it again to train from it
             _exit_on_user_error(lambda: checkpoint.open_resume(task, run_dir, mmap=True))
+        made = _outermost_missing(run_dir) if main and not continues else None
         _exit_on_user_error(lambda: check_writable(run_dir))
+        if made is not None:
+            _MADE[run_dir.resolve()] = made
         if main and continues:  # taken before the lock writes its pid
             log_file = run_dir / f"{config.hydra.job.name}.log"  # Hydra's job log, train.log
             _RECORDS[run_dir.resolve()] = RunRecord(run_dir, log_file)
@@ -202,6 +207,37 @@ class RunChecks(Callback):
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+# new runs' directories, each with the outermost folder made for it (outputs/<date>/ too, where
+# that is new): a run refused before it wrote anything of its own leaves none of them behind
+_MADE: dict[Path, Path] = {}
+
+
+def _outermost_missing(path: Path) -> Path | None:
+    missing = None
+    for folder in [path.resolve(), *path.resolve().parents]:
+        if folder.exists():
+            return missing
+        missing = folder
+    return missing
+
+
+def remove_unstarted_run_dir(run_dir: Path) -> bool:
+    """Remove a new run's directory, and the folders made for it, when the run wrote nothing of
+    its own there (no metrics, summary or checkpoints: it was refused while its parts were
+    built), so that only Hydra's record and the lock would be left. True if it was removed."""
+    run_dir = Path(run_dir).resolve()
+    made = _MADE.pop(run_dir, None)
+    if made is None or holds_run(run_dir) is not None:
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for folder in run_dir.parents:
+        if not folder.is_relative_to(made):
+            break
+        with contextlib.suppress(OSError):  # not empty: something else is in it now
+            folder.rmdir()
+    return True
 
 
 class RunRecord:

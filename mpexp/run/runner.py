@@ -21,13 +21,14 @@ from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, reason
 from mpexp.precision import pure_updates
 from mpexp.run.build import Built, build_parts, build_training
-from mpexp.run.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
-from mpexp.run.stopping import Preempted, StopSignals
 from mpexp.run.validate import validate, validate_run_length
+from mpexp.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
 from mpexp.step import performance
 from mpexp.step.loop import Fit, Parts
 from mpexp.step.schedules import Schedule
+from mpexp.stopping import Preempted, StopSignals
 from mpexp.system import resolve_device, seed_everything, set_deterministic
+from mpexp.targets import rewrite_targets
 from mpexp.tracking.records import error_text, record_end
 from mpexp.tracking.tracker import NullTracker, RunContext, Tracker
 
@@ -40,6 +41,7 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
     With `trainer.resume`, continue that run instead: in its directory, under its W&B run id.
     Stop signals are caught from here on, or from earlier where the command line already does.
     """
+    rewrite_targets(cfg)  # a config written before a module moved runs what it named
     validate(cfg)
     auto = cfg.trainer.resume == AUTO  # the run dir's newest checkpoint, found once it is known
     resume = None if auto else open_resume(cfg)

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from mpexp.config import TrainConfig, run_length, unknown_keys
 from mpexp.errors import ConfigError
-from mpexp.run.rundir import train_command
+from mpexp.rundir import train_command
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 MAX_SEED = 2**32 - 1

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -227,6 +228,14 @@ class StepHistory:
             self._rows.append_block(self._meta, self._ring[: len(self._meta)].clone())
             self._meta = []
         return [
-            StepRow(step, device_lr if lr is None else lr, loss, scale, skipped > 0, floor > 0)
+            StepRow(
+                step, _float32(device_lr) if lr is None else lr, loss, scale, skipped > 0, floor > 0
+            )  # fmt: skip
             for (step, lr), (loss, scale, skipped, floor, device_lr) in self._rows.flush(wait)
         ]
+
+
+def _float32(value: float) -> float:
+    """A float32 read back, as the shortest decimal that is that float32: a device schedule's
+    rate of 3e-3 logs as 0.003, not as 0.003000000026077032."""
+    return float(str(np.float32(value)))

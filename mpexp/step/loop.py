@@ -31,7 +31,6 @@ from mpexp.distributed import World
 from mpexp.errors import NumericsError, UserError, reason
 from mpexp.precision.modes import Precision
 from mpexp.precision.scaling import LossScaler, min_scale_error
-from mpexp.run.stopping import StopSignals
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.flops import Throughput
 from mpexp.step.history import OwnRows, StepHistory, StepRow
@@ -39,6 +38,7 @@ from mpexp.step.performance import Compilations, Speed
 from mpexp.step.rollback import BufferRollback
 from mpexp.step.schedules import DeviceSchedule, Schedule
 from mpexp.step.step_graph import WARMUP_STEPS, CudaGraph, StepGraph
+from mpexp.stopping import StopSignals
 from mpexp.system import PeakMemory, synchronize
 from mpexp.tracking.tracker import Tracker
 

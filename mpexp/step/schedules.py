@@ -36,6 +36,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError
 from mpexp.precision.scaling import LossScaler
+from mpexp.targets import spans_run
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,6 @@ def cosine(total_steps: int, warmup_steps: int, min_lr_ratio: float) -> Factor:
 def step_decay(step_size: int, gamma: float) -> Factor:
     """Multiply the rate by gamma every step_size real steps."""
     return lambda step: gamma ** (step // step_size)
-
-
-def spans_run(target: str | None) -> bool:
-    """Whether a schedule is laid out over the run's length (it takes `total_steps`), so that
-    training for more epochs would change its shape."""
-    return target is not None and "total_steps" in inspect.signature(get_object(target)).parameters
 
 
 def schedule_factor(cfg: Mapping[str, Any], total_steps: int) -> Factor | None:

@@ -6,6 +6,7 @@ torch, nor Hydra: the command line imports it first, to catch signals from its s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -102,3 +103,19 @@ def catch_from_start() -> StopSignals:
     stop = StopSignals().__enter__()
     stop.before_start = True
     return stop
+
+
+def quiet_exit(code: int) -> None:
+    """From here to the process's end, Ctrl-C ends it at once with `code`, the status it was
+    ending with, and prints nothing: the run's files are written by then, and Python would print
+    a traceback from whatever exit hook (torch's, W&B's, a thread's join) the KeyboardInterrupt
+    landed in. For the command only: it is the process's last moment."""
+
+    def _exit_now(signum, frame) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _exit_now)

@@ -1,0 +1,58 @@
+"""The package's layout reads top-down: the run's shell (run/) stands above the loop (step/), the
+loop above the checkpoints, and what both need (the run directory's files, stop signals, the
+launch, `_target_` paths) below them all."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mpexp"
+
+# each room, and the rooms above it, which it must not import
+ABOVE = {
+    "step": {"run"},
+    "checkpoints": {"run", "step"},
+    "rundir": {"run", "step", "checkpoints"},
+    "stopping": {"run", "step", "checkpoints"},
+    "launch": {"run", "step", "checkpoints"},
+    "targets": {"run", "step", "checkpoints"},
+    "distributed": {"run", "step", "checkpoints"},
+}
+
+
+def imported_rooms(room: str) -> dict[str, str]:
+    """The mpexp rooms (subpackages, top-level modules) that `room` imports, each with one file
+    that does."""
+    files = sorted((PACKAGE / room).rglob("*.py")) if (PACKAGE / room).is_dir() else []
+    found = {}
+    for path in files or [PACKAGE / f"{room}.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] == "mpexp" and len(parts) > 1:
+                    found.setdefault(parts[1], path.relative_to(PACKAGE).as_posix())
+    return found
+
+
+@pytest.mark.parametrize("room", sorted(ABOVE))
+def test_no_room_imports_one_above_it(room):
+    climbs = {r: f for r, f in imported_rooms(room).items() if r in ABOVE[room]}
+    assert not climbs, f"{room} imports from above it: {climbs}"
+
+
+def test_the_former_modules_are_gone_and_their_paths_still_name_the_same_objects():
+    from hydra.utils import get_object
+
+    from mpexp.targets import FORMER_MODULES
+
+    for former, current in FORMER_MODULES.items():
+        assert not (PACKAGE / f"{former.removeprefix('mpexp.')}.py").exists()
+        assert get_object(former) is get_object(current)
