@@ -230,7 +230,7 @@ class StepHistory:
         return [
             StepRow(
                 step, _float32(device_lr) if lr is None else lr, loss, scale, skipped > 0, floor > 0
-            )  # fmt: skip
+            )
             for (step, lr), (loss, scale, skipped, floor, device_lr) in self._rows.flush(wait)
         ]
 
