@@ -253,7 +253,7 @@ def test_every_preset_composes_and_builds_with_every_model_and_dataset(experimen
     # without computing: ResNet-18's, ViT-Base's and GPT-2 small's millions of parameters take
     # seconds to initialise on a CPU
     with torch.device("meta"):
-        net = build(cfg.model, **task.model_kwargs())
+        net = build(cfg.model, **task.model_kwargs()).eval()  # as build_model tries one image
         inputs, _ = task.example(1, "meta")
         assert task.check_output(tuple(net(inputs).shape)) is None
 
