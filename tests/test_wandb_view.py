@@ -102,9 +102,13 @@ def test_a_sweeps_view_groups_by_precision_not_seed_in_the_sweeps_group(offline_
     assert [(p["x"], p["y"]) for p in result] == [("epoch", ["val/acc"]), (WALL_TIME, ["val/acc"])]
     (scale,) = [p for p in panels(spec, "Loss scale") if p["y"] == ["amp/scale"]]
     assert (scale["x"], scale["log_y"]) == ("step", True)
-    speed = [p["y"][0] for p in panels(spec, "Speed")]
-    assert speed == ["perf/epoch_time_s", "perf/samples_per_s", "perf/tflops"]  # no MFU on a CPU
-    assert {p["kind"] for p in panels(spec, "Speed") + panels(spec, "Memory")} == {"bar"}
+    speed = [(p["kind"], p["y"][0]) for p in panels(spec, "Speed")]
+    assert speed == [  # no MFU on a CPU; the data wait as a bar per leg and along the run
+        ("bar", "perf/epoch_time_s"), ("bar", "perf/samples_per_s"), ("bar", "perf/tflops"),
+        ("bar", "perf/data_wait_s"), ("bar", "perf/data_wait_share"),
+        ("line", "perf/data_wait_s"),
+    ]  # fmt: skip
+    assert {p["kind"] for p in panels(spec, "Memory")} == {"bar"}
 
     # offline (no network): the sweep ends as before, and one line says how to create the view
     (line,) = view_lines(output)
