@@ -409,14 +409,23 @@ runpy.run_module("mpexp.train", run_name="__main__", alter_sys=True)
 """
 
 
+def start_script(script: str, run_dir, *overrides: str) -> subprocess.Popen:
+    """`script` run as a command's process with the run's overrides (and ARGS), in `run_dir`'s
+    parent, output in one stream."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *ARGS, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=run_dir.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SLOW_STOP_CHECKPOINT, *ARGS, "trainer.checkpoint_every_steps=1",
-         f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = start_script(SLOW_STOP_CHECKPOINT, run_dir, "trainer.checkpoint_every_steps=1")
     wait_for(lambda: checkpoint_files(run_dir), proc)
     proc.send_signal(signal.SIGINT)
     # the second press once the first is taken (two signals at once would arrive as one): the
@@ -455,12 +464,7 @@ runpy.run_module("mpexp.train", run_name="__main__", alter_sys=True)
 
 def test_a_second_ctrl_c_as_the_process_exits_prints_no_traceback(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CTRL_C_AS_IT_EXITS, *ARGS, "trainer.log_every=1",
-         f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = start_script(CTRL_C_AS_IT_EXITS, run_dir, "trainer.log_every=1")
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, proc)
     proc.send_signal(signal.SIGINT)  # the first press: a checkpoint, one line, then the exit
