@@ -114,6 +114,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, help="the device's peak, for unlisted GPUs")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument(
+        "--expect-cuda-graph",
+        choices=["true", "false"],
+        help="exit 1 unless every mpexp run's ran.cuda_graph is this (what the run's command "
+        "got, not what it asked for)",
+    )
+    p.add_argument(
         "--process-repeats",
         type=int,
         help="CPU: how often to time the whole quickstart process against a bare script "
@@ -184,7 +190,7 @@ def mpexp_config(args, root: Path, precision: str, epochs: int):
 def time_mpexp(args, root: Path, precision: str) -> dict:
     """`python -m mpexp.train` in a process of its own, as a user runs it (nothing compiled or
     captured for another precision shares its process); epoch times, peak memory and compile
-    time from the run's metrics.jsonl."""
+    time from the run's metrics.jsonl, and how its step ran from its summary."""
     with tempfile.TemporaryDirectory() as run_dir:
         overrides = mpexp_overrides(args, root, precision, args.epochs + 1)
         subprocess.run(
@@ -195,12 +201,14 @@ def time_mpexp(args, root: Path, precision: str) -> dict:
             stdout=subprocess.DEVNULL,
         )
         rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        ran = json.loads((Path(run_dir) / "summary.json").read_text())["ran"]
     epochs = [r for r in rows if "epoch" in r]
     compile_s = sum(r.get("perf/compile_s", 0.0) for r in epochs)
     epochs = epochs[1:]  # the first epoch is the warm-up
     memory = [v for r in epochs for k, v in r.items() if k.startswith("mem/")]
     times = [r["perf/epoch_time_s"] for r in epochs]
-    return {**_summarise(times), "mem": max(memory), "compile_s": compile_s}
+    how = {key: ran.get(key) for key in ("step_path", "cuda_graph", "compile")}
+    return {**_summarise(times), "mem": max(memory), "compile_s": compile_s, **how}
 
 
 def fresh_model(args, device):
@@ -382,7 +390,16 @@ def run(args) -> dict:
             if with_bare:
                 row["bare"] = time_bare(args, root, precision)
             rows.append(row)
-            print(f"  measured {precision}", file=sys.stderr)
+            # a line per precision as it is measured: a benchmark stopped at a time limit
+            # still leaves what it measured in its log
+            m = row["mpexp"]
+            print(
+                f"  measured {precision}: mpexp {m['s']:.3f} s/epoch, compile "
+                f"{m['compile_s']:.1f} s, step {m['step_path']}"
+                + (f"; bare {row['bare']['s']:.3f} s/epoch" if "bare" in row else ""),
+                file=sys.stderr,
+                flush=True,
+            )
 
     base = next((r for r in rows if r["precision"] == "fp32"), None)
     bf16 = next((r for r in rows if r["precision"] == "bf16"), None)
@@ -404,6 +421,9 @@ def run(args) -> dict:
             "peak_mem_mib": r["mpexp"]["mem"],
             "mem_vs_fp32": r["mpexp"]["mem"] / base["mpexp"]["mem"] if base else None,
             "tutorial_peak_mem_mib": tutorial["mem"],
+            "compile_s": r["mpexp"]["compile_s"],
+            "step_path": r["mpexp"]["step_path"],
+            "cuda_graph": r["mpexp"]["cuda_graph"],
         }
         if "bare" in r:
             out["bare_s_per_epoch"] = r["bare"]["s"]
@@ -545,6 +565,12 @@ def main(argv=None) -> None:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
+    if args.expect_cuda_graph:
+        wanted = args.expect_cuda_graph == "true"
+        off = [r["precision"] for r in result["rows"] if r["cuda_graph"] is not wanted]
+        if off:
+            print(f"bench.py: ran.cuda_graph is not {args.expect_cuda_graph} for {', '.join(off)}")
+            raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ def run_mpexp(args, precision: str, tmp: Path) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"mpexp-{precision}-", dir=tmp)) / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "mpexp.train", *overrides(args, precision, run_dir)]
-    subprocess.run(command, check=True, env=env, cwd=tmp, capture_output=True, text=True)
+    done = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True)
+    failed(done, f"mpexp's {precision} run")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in rows if "epoch" in r]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -91,6 +92,7 @@ def run_mpexp(args, precision: str, tmp: Path) -> dict:
         "val_loss": epochs[-1]["val/loss"],
         "steps": epochs[-1]["step"],
         "tflops": statistics.median(e.get("perf/tflops", 0.0) for e in epochs[1:]),
+        "compile_s": sum(e.get("perf/compile_s", 0.0) for e in epochs),
         "mfu": statistics.median(e.get("perf/mfu", 0.0) for e in epochs[1:]),
         "ran": summary["ran"],
         "cfg": summary["config"],
@@ -184,8 +186,16 @@ def plain_process(args, precision: str, mpexp: dict, tmp: Path) -> dict:
     given.write_text(json.dumps({"args": vars(args) | {"json": None}, "precision": precision,
                                  "mpexp": {"cfg": mpexp["cfg"], "ran": mpexp["ran"]}}))  # fmt: skip
     command = [sys.executable, __file__, "--plain-from", str(given)]
-    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    failed(done, f"the plain {precision} loop")
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def failed(done: subprocess.CompletedProcess, what: str) -> None:
+    """Stop the benchmark with the end of a failed process's output, which says why."""
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+        raise SystemExit(f"{what} failed (exit {done.returncode}):\n{tail}")
 
 
 def main() -> None:
@@ -206,6 +216,9 @@ def main() -> None:
         "library's bytes written there as uint16)",
     )
     parser.add_argument("--vocab-size", type=int, default=256, help="--dataset tokens: its ids'")
+    parser.add_argument(
+        "--no-plain", action="store_true", help="time mpexp's runs only, with no plain loop"
+    )
     parser.add_argument("--json", type=Path, help="write the results here too")
     parser.add_argument("--plain-from", type=Path, help=argparse.SUPPRESS)  # plain_process's
     parser.add_argument("extra", nargs="*", help="more overrides for the mpexp runs")
@@ -226,13 +239,16 @@ def main() -> None:
             pairs = []
             for _ in range(args.repeats):
                 mpexp = run_mpexp(args, precision, tmp)
-                pairs.append((mpexp, plain_process(args, precision, mpexp, tmp)))
-            ratios = [m["tokens_per_s"] / p["tokens_per_s"] for m, p in pairs]
-            ratio = statistics.median(ratios)
+                plain = None if args.no_plain else plain_process(args, precision, mpexp, tmp)
+                pairs.append((mpexp, plain))
+            ratios = [m["tokens_per_s"] / p["tokens_per_s"] for m, p in pairs if p]
+            ratio = statistics.median(ratios) if ratios else None
             row = {
                 "precision": precision,
                 "mpexp_tokens_per_s": statistics.median(m["tokens_per_s"] for m, _ in pairs),
-                "plain_tokens_per_s": statistics.median(p["tokens_per_s"] for _, p in pairs),
+                "plain_tokens_per_s": statistics.median(p["tokens_per_s"] for _, p in pairs if p)
+                if ratios
+                else None,
                 "mpexp_over_plain": ratio,
                 "ratios": ratios,
                 "val_loss": mpexp["val_loss"],
@@ -242,14 +258,22 @@ def main() -> None:
                 "device_name": mpexp["ran"]["device_name"],
                 "compile": mpexp["ran"].get("compile"),
                 "emulated": mpexp["ran"].get("emulated"),
+                "step_path": mpexp["ran"].get("step_path"),
+                "compile_s": mpexp["compile_s"],
             }
             results.append(row)
+            plain = (
+                f"plain {row['plain_tokens_per_s']:10,.0f} tok/s | ratio {ratio:.3f} "
+                f"({', '.join(f'{r:.3f}' for r in ratios)})"
+                if ratios
+                else "no plain loop"
+            )
             print(
-                f"{precision:5s} mpexp {row['mpexp_tokens_per_s']:10,.0f} tok/s | plain "
-                f"{row['plain_tokens_per_s']:10,.0f} tok/s | ratio {ratio:.3f} "
-                f"({', '.join(f'{r:.3f}' for r in ratios)}) | val loss "
-                f"{row['val_loss']:.4f} after {row['steps']} steps | {row['tflops']:.3g} TFLOP/s"
-                + (f", MFU {100 * row['mfu']:.1f} %" if row["mfu"] else ""),
+                f"{precision:5s} mpexp {row['mpexp_tokens_per_s']:10,.0f} tok/s | {plain} | "
+                f"val loss {row['val_loss']:.4f} after {row['steps']} steps | "
+                f"{row['tflops']:.3g} TFLOP/s"
+                + (f", MFU {100 * row['mfu']:.1f} %" if row["mfu"] else "")
+                + f" | compile {row['compile_s']:.0f} s | step {row['step_path']}",
                 flush=True,
             )
     summary = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "results": results}
