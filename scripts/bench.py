@@ -30,6 +30,7 @@ layers); with bf16 among the precisions each row also gets its speedup over bf16
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -561,7 +562,10 @@ def main(argv=None) -> None:
         signum = getattr(stopped, "signum", signal.SIGINT)
         print(f"bench.py: stopped by {signal.Signals(signum).name}; nothing was measured.")
         raise SystemExit(128 + signum) from None
-    print(table(result))
+    print(table(result), flush=True)
+    # on an H100 (2026-11-26) the process outlived its results by more than its time limit
+    # left: should its exit hang, say where, every thread
+    faulthandler.dump_traceback_later(30)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -259,6 +259,7 @@ def main() -> None:
                 "compile": mpexp["ran"].get("compile"),
                 "emulated": mpexp["ran"].get("emulated"),
                 "step_path": mpexp["ran"].get("step_path"),
+                "cuda_graph_off": mpexp["ran"].get("cuda_graph_off"),  # why not, where it was not
                 "compile_s": mpexp["compile_s"],
             }
             results.append(row)
@@ -273,7 +274,8 @@ def main() -> None:
                 f"val loss {row['val_loss']:.4f} after {row['steps']} steps | "
                 f"{row['tflops']:.3g} TFLOP/s"
                 + (f", MFU {100 * row['mfu']:.1f} %" if row["mfu"] else "")
-                + f" | compile {row['compile_s']:.0f} s | step {row['step_path']}",
+                + f" | compile {row['compile_s']:.0f} s | step {row['step_path']}"
+                + (f" ({row['cuda_graph_off']})" if row["cuda_graph_off"] else ""),
                 flush=True,
             )
     summary = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "results": results}

@@ -234,7 +234,7 @@ def stepper_for(model, scaling: dict, device: torch.device = CPU) -> Stepper:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     off = OmegaConf.create({"grad_stats_every": 0, "overflow_attribution": False, "max_names": 8})
     diagnostics = Diagnostics(off, model, scaler, NullTracker("."))
-    return Stepper(model, optimizer, scaler, precision, StepHistory(), diagnostics)
+    return Stepper(model, optimizer, scaler, precision, StepHistory(device=device), diagnostics)
 
 
 def buffers(model: nn.Module) -> list[torch.Tensor]:

@@ -65,7 +65,11 @@ class CudaGraph:
                 raise
 
         try:
-            with torch.cuda.graph(self._graph):
+            # thread-local: the data's own threads (token windows gathered and pinned a batch
+            # ahead, a DataLoader's pin-memory thread) go on allocating pinned memory and querying
+            # its events meanwhile, which a process-wide capture counts as an error in the
+            # capture, failing it; none of their work touches the captured stream
+            with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
                 recorded()
         except Exception as err:
             torch.cuda.set_stream(stream)
