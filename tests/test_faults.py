@@ -17,6 +17,7 @@
 | Ctrl-C while the command imports Hydra | one line, 130 | - |
 | Ctrl-C as the process exits | nothing more; the exit status it had | the run |
 | the terminal closes (SIGHUP) | as SIGTERM: status interrupted, 129 | the checkpoint |
+| SIGTERM to the whole job, workers too | as to the main process alone, 143 | the checkpoint |
 | a run with no step per epoch | one line, exit 2, before training | - |
 | every step skipped | a warning per epoch, status failed | the metrics |
 | truncated / corrupt / mislabelled / empty data | one line naming the file and the fault | - |
@@ -536,6 +537,33 @@ def test_a_closed_terminal_stops_the_run_with_a_checkpoint(tmp_path):
         os.close(terminal)  # the terminal window closes: the kernel sends SIGHUP
     assert proc.wait(timeout=120) == 128 + signal.SIGHUP
     assert "Stopped by SIGHUP at step" in (run_dir / "train.log").read_text()
+    assert status(run_dir) == "interrupted"
+    assert checkpoint_files(run_dir)
+
+
+def test_a_stop_signal_to_the_whole_job_stops_the_run_with_a_checkpoint(tmp_path):
+    """SLURM's pre-emption and `timeout` send SIGTERM to every process of the job, an image
+    folder's loader workers among them: the run stops as on a SIGTERM to it alone, with no
+    traceback of a worker killed under it."""
+    from tests.test_image_folder import SMALL, write_images
+
+    for split, count in (("train", 40), ("val", 4)):
+        write_images(tmp_path / "images" / split, per_class=count)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_SILENT": "true"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpexp.train", *SMALL, f"dataset.path={tmp_path / 'images'}",
+         "dataset.num_workers=1", "trainer.epochs=500", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # a job of its own: its process group is the job's processes
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size, proc)  # its workers are up
+    os.killpg(proc.pid, signal.SIGTERM)
+    said = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, said
+    assert "Traceback" not in said and "killed by signal" not in said
+    assert "Stopped by SIGTERM at step" in said
     assert status(run_dir) == "interrupted"
     assert checkpoint_files(run_dir)
 
