@@ -207,7 +207,7 @@ graph=true
 if want bench; then
   step bench-default 150 "${bench[@]}" --epochs 3 --expect-cuda-graph "$graph" \
     --json "$out/bench-default.json"
-  step bench-eager 90 "${bench[@]}" --epochs 2 --expect-cuda-graph false \
+  step bench-eager 120 "${bench[@]}" --epochs 2 --expect-cuda-graph false \
     --json "$out/bench-eager.json" trainer.eager=true
 fi
 if want lm; then
