@@ -3,13 +3,14 @@
 W&B's client cannot be bounded from inside: `wandb.Api()` starts W&B's service process and waits
 on it, call by call, with timeouts of its own, and at interpreter exit it waits, without any
 timeout, for that service to end. Where a request was given up (no network, a server that never
-answers), the service can miss the request to end and live on for its idle timeout of 10
-minutes, and the process that used the API with it: a sweep's report that had printed all it had
-to say did not exit. So the report never calls W&B for the view itself. `save_view` starts this
-file as a process, writes it the view's spec (JSON) on stdin and reads one answer on stdout, a
-JSON line `[kind, payload]`: `saved` with the view's URL, or `failed` with why. An answer that
-has not come by the deadline is not waited for: the process is killed, and W&B's service, which
-watches the process that started it, ends with it.
+answers), the service can miss the request to end and live on, and the process that used the API
+with it: a sweep's report that had printed all it had to say did not exit (wandb 0.31, W&B's base
+URL refusing connections: 2 tries of 11 on a shared 2-core machine). So the report never calls
+W&B for the view itself. `save_view` starts this file as a process, writes it the view's spec
+(JSON) on stdin and reads one answer on stdout, a JSON line `[kind, payload]`: `saved` with the
+view's URL, or `failed` with why. An answer that has not come by the deadline is not waited for:
+the process is killed, and W&B's service, which watches the process that started it, ends with
+it.
 
 The file imports only the standard library (and wandb and wandb_workspaces, once asked to save)
 and runs by its path, as tracking/wandb_process.py does, so that it starts wherever the report
