@@ -1,13 +1,15 @@
 """The sweep's W&B view (mpexp/report/wandb_view.py): the spec that a real sweep writes into
 wandb-view.json, checked against its offline W&B runs; the wandb_workspaces Workspace a spec
-becomes; the one line printed when W&B cannot be reached or the package is missing; and the save
-itself, against a stand-in for W&B's GraphQL API on this machine."""
+becomes; the one line printed when W&B cannot be reached, never answers or the package is
+missing; and the save itself, against a stand-in for W&B's GraphQL API on this machine."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
@@ -19,14 +21,15 @@ from mpexp.models.simplecnn import SimpleCNN
 from mpexp.report.runs import Run, load_run
 from mpexp.report.wandb_view import (
     INSTALL,
+    SEEDS,
     SPEC_FILE,
     WALL_TIME,
     group_by,
     logged_keys,
     result_metric,
     sections,
-    to_workspace,
 )
+from mpexp.report.wandb_view_process import to_workspace
 from mpexp.run.runner import train
 from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.tracker import RunContext
@@ -143,13 +146,60 @@ def test_without_network_the_view_costs_one_line(offline_sweep, monkeypatch):
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setenv("WANDB_HTTP_TIMEOUT", "1")
     # W&B's client gives up in about 3 s here ("the service process is busy and did not respond
-    # in time"), but it starts a service process and waits on it with timeouts of its own at
-    # each call (10 s to set up its API, then the request's): under load one run took over 60 s
+    # in time"); at exit it waited on its service, which in 2 tries of 11 never ended: the view's
+    # process is killed at --view-timeout (60 s) instead
     result = run_cli("mpexp.report", str(sweep), "--wandb-view", cwd=sweep, timeout=180)
     assert result.returncode == 0, result.stderr
     (line,) = view_lines(result.stdout + result.stderr)
     assert line.startswith("W&B view not created (") and line.endswith(" --wandb-view`")
     assert "url" not in spec_of(sweep)
+
+
+def wandb_services(base_url: str) -> list[int]:
+    """The W&B service processes (wandb-core) alive on this machine that talk to `base_url`."""
+    found = []
+    setting = f"WANDB_BASE_URL={base_url}\0".encode()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if (
+                b"wandb-core" in (proc / "cmdline").read_bytes()
+                and setting in (proc / "environ").read_bytes()
+            ):
+                found.append(int(proc.name))
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+    return found
+
+
+def test_a_server_that_never_answers_costs_the_view_its_timeout_not_the_report(tmp_path):
+    """A proxy or firewall that takes W&B's connections and drops them: W&B's client waits 20 s a
+    request, and at exit, without a timeout, on its service, which can miss being told to end.
+    The report gives the view its --view-timeout, then says so and exits; no service is left."""
+    pytest.importorskip("wandb_workspaces")
+    spec = {"name": "sweep-a", "entity": None, "project": "mpexp",
+            "runs": {"groups": ["sweep-a"], "job_type": "train"}, "group_by": ["ran.precision"],
+            "seeds": SEEDS, "max_runs": 10, "sections": sections(["val/acc"], set())}  # fmt: skip
+    (tmp_path / SPEC_FILE).write_text(json.dumps(spec))
+    # a listening socket that never accepts: the kernel completes each connection, and the
+    # request waits there unread
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as black_hole:
+        url = f"http://127.0.0.1:{black_hole.getsockname()[1]}"
+        started = time.monotonic()
+        result = run_cli("mpexp.report", str(tmp_path), "--wandb-view", "--view-timeout", "3",
+                         cwd=tmp_path, env={"WANDB_API_KEY": FAKE_KEY, "WANDB_BASE_URL": url},
+                         timeout=90)  # fmt: skip
+        took = time.monotonic() - started
+        deadline = time.monotonic() + 5  # the service notices its parent's end within a second
+        while wandb_services(url) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = wandb_services(url)
+    assert result.returncode == 0, result.stderr
+    (line,) = view_lines(result.stdout + result.stderr)
+    assert line.startswith("W&B view not created (W&B did not answer within 3 s; --view-timeout")
+    assert line.endswith(f"`mpexp-report {tmp_path} --wandb-view`")
+    assert took < 15, f"the report took {took:.1f} s"  # about 5 s; W&B's own timeout is 20 s
+    assert "url" not in spec_of(tmp_path)
+    assert left == []
 
 
 @pytest.mark.slow

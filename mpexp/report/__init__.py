@@ -8,6 +8,7 @@ markdown.py  report.md
 plots.py     the PNG plots
 wandb_run.py the report as a W&B run in the sweep's group
 wandb_view.py the sweep's W&B view: its spec (wandb-view.json), saved with wandb-workspaces
+wandb_view_process.py  the view saved by a process of its own, killed at its deadline
 cli.py       `python -m mpexp.report` / `mpexp-report`
 callback.py  the Hydra callback that writes the report when a multirun ends
 """

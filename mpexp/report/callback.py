@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from mpexp.errors import UserError
 from mpexp.report.runs import find_run_dirs
+from mpexp.report.wandb_view_process import TIMEOUT
 
 
 class SweepReport(Callback):
@@ -26,12 +27,15 @@ class SweepReport(Callback):
         wandb_mode: str = "auto",
         target: float | None = None,
         target_acc: float | None = None,
+        view_timeout: float = TIMEOUT,
     ):
-        """`tolerance` and `target` as mpexp-report's options (None: the task's own tolerance,
-        the reference's result); `target_acc` is `target`'s name in configs from before tasks."""
+        """`tolerance`, `target` and `view_timeout` as mpexp-report's options (None: the task's
+        own tolerance, the reference's result); `target_acc` is `target`'s name in configs from
+        before tasks."""
         self.tolerance = tolerance
         self.wandb_mode = wandb_mode
         self.target = target if target is not None else target_acc
+        self.view_timeout = view_timeout
         self.sweep_dir: Path | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -61,6 +65,7 @@ class SweepReport(Callback):
                 self.tolerance,
                 wandb_mode=self.wandb_mode,
                 target=self.target,
+                view_timeout=self.view_timeout,
             )
         except UserError as err:
             print(f"No sweep report: {err}")

@@ -2,6 +2,7 @@
 
 mpexp-report <run dir or multirun dir> [more dirs] [--tolerance 0.5] [--target 98] [--out DIR]
 mpexp-report <multirun dir> --wandb-view    the sweep's W&B view, from the report's wandb-view.json
+    [--view-timeout 60]                     seconds W&B may take to save it
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ def make_report(
     out_dir: Path | None = None,
     wandb_mode: str = "auto",
     target: float | None = None,
+    view_timeout: float = wandb_view.TIMEOUT,
 ) -> Report:
     """Build, write and (when the runs were online) log the report and create the sweep's W&B
     view; print where they are.
     `tolerance` (None: the task's own) and `target`, the result to reach for the time to target
     (None: per fp32 reference), are in the result's unit: points and percent of val accuracy,
-    nats of a language model's val loss."""
+    nats of a language model's val loss. `view_timeout`: seconds W&B may take to save the view."""
     report = build_report(paths, tolerance, out_dir, target)
     write_report(report)
     try:
@@ -59,7 +61,8 @@ def make_report(
         view = None
     print("\n".join(report.console_lines()))
     mode = resolved_mode(report, wandb_mode)
-    wandb_view.after_report(view, report.out_dir, mode)  # its line beside the report's path
+    # its line beside the report's path
+    wandb_view.after_report(view, report.out_dir, mode, view_timeout)
     log_to_wandb(report, mode)
     return report
 
@@ -77,6 +80,13 @@ def _target(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{text} is not a result to reach (a val accuracy in percent, a val loss in nats)"
         )
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds above 0")
     return value
 
 
@@ -120,13 +130,21 @@ def main(argv: list[str] | None = None) -> int:
         "(after `wandb sync` of an offline sweep), and print its URL; the runs are not read "
         "again, and a view created before is not made twice",
     )
+    parser.add_argument(
+        "--view-timeout",
+        type=_seconds,
+        default=wandb_view.TIMEOUT,
+        metavar="SECONDS",
+        help="how long W&B may take to save the sweep's view before the report gives up on it "
+        f"and says how to create it later (default: {wandb_view.TIMEOUT:g})",
+    )
     args = parser.parse_args(argv)
     try:
         if args.wandb_view:
             out_dir = report_dir(args.dirs, args.out)
-            wandb_view.open_view(wandb_view.read_spec(out_dir), out_dir)
+            wandb_view.open_view(wandb_view.read_spec(out_dir), out_dir, args.view_timeout)
             return 0
-        make_report(args.dirs, args.tolerance, args.out, args.wandb, args.target)
+        make_report(args.dirs, args.tolerance, args.out, args.wandb, args.target, args.view_timeout)
     except UserError as err:
         print(f"mpexp.report: {err}", file=sys.stderr)
         return 2

@@ -4,9 +4,10 @@ The view is written twice over. Its spec, plain data, goes to `wandb-view.json` 
 folder whatever the W&B mode, so that an offline sweep keeps it and `mpexp-report <dir>
 --wandb-view` creates it after `wandb sync` without reading the runs again. The view itself, a
 saved workspace of the W&B project, is made from the spec with the `wandb-workspaces` package
-(the `wandb-view` extra), imported only then, and saved when the runs are online. Without the
-package or the network the report is written all the same, and one line says how to create the
-view later.
+(the `wandb-view` extra), imported only then, and saved when the runs are online, by a process
+of its own that is ended after `--view-timeout` seconds (wandb_view_process.py). Without the
+package or the network the report is written all the same, in bounded time, and one line says
+how to create the view later.
 
 The spec:
 
@@ -28,16 +29,15 @@ The spec:
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import shlex
 from pathlib import Path
-from typing import Any
 
 from mpexp.errors import UserError
 from mpexp.report.runs import Run
 from mpexp.report.table import MEMORY_KEYS, NOT_CONFIG, Report
 from mpexp.report.wandb_run import wandb_target
+from mpexp.report.wandb_view_process import TIMEOUT, ViewNotCreated, save_view
 from mpexp.tasks.base import Result
 from mpexp.tracking.records import write_json_atomically
 from mpexp.tracking.tracker import JOB_TYPE, OWN_KEYS, OWN_PREFIXES
@@ -53,10 +53,6 @@ MAX_OPEN_OWN = 12  # the user's own values: more panels than this, and their sec
 # what ran, `auto` resolved: the names the report and the runs' tags give them
 RAN_KEYS = {"precision": "ran.precision", "loss_scaling": "ran.loss_scaling"}
 MIN_PANEL_RUNS = 10  # W&B's own default
-
-
-class ViewNotCreated(Exception):
-    """The view could not be saved; the message says why, in a few words."""
 
 
 def result_metric(run: Run) -> str:
@@ -235,20 +231,21 @@ def _diagnostic(key: str) -> bool:
     return whole or key.startswith(("diag/total/", "amp/nonfinite_"))
 
 
-def after_report(spec: dict | None, out_dir: Path, mode: str) -> None:
-    """The report's one line on its view: its URL (the view is created when the runs are online),
-    or how to create it later. Nothing for runs in no group or with W&B disabled."""
+def after_report(spec: dict | None, out_dir: Path, mode: str, timeout: float = TIMEOUT) -> None:
+    """The report's one line on its view: its URL (the view is created when the runs are online,
+    within `timeout` seconds), or how to create it later. Nothing for runs in no group or with
+    W&B disabled."""
     if spec is None or mode == "disabled":
         return
     if mode == "online" or spec.get("url"):
-        open_view(spec, out_dir)
+        open_view(spec, out_dir, timeout)
     else:
         missing = _workspaces_missing()
         needs = f" ({missing}: {INSTALL})" if missing else ""
         print(f"W&B view: once the runs are synced, create it with `{_later(out_dir)}`{needs}")
 
 
-def open_view(spec: dict, out_dir: Path) -> None:
+def open_view(spec: dict, out_dir: Path, timeout: float = TIMEOUT) -> None:
     """Print the view's URL, creating the view unless the spec records one made before (a second
     view of the same runs would only clutter the project); or one line saying why it could not
     be created and how to try again."""
@@ -256,73 +253,26 @@ def open_view(spec: dict, out_dir: Path) -> None:
         print(f"W&B view: {spec['url']}")
         return
     try:
-        url = create_view(spec, out_dir)
+        url = create_view(spec, out_dir, timeout)
     except ViewNotCreated as why:
         print(f"W&B view not created ({why}); create it later with `{_later(out_dir)}`")
     else:
         print(f"W&B view: {url}")
 
 
-def create_view(spec: dict, out_dir: Path) -> str:
+def create_view(spec: dict, out_dir: Path, timeout: float = TIMEOUT) -> str:
     """Save the spec as a view of its W&B project and record its URL in the spec's file; the URL.
-    Raises ViewNotCreated: without the package, an API key or W&B's API."""
+    W&B is called in a process of its own, ended after `timeout` seconds (wandb_view_process.py).
+    Raises ViewNotCreated: without the package, an API key or W&B's API, or past the timeout."""
     missing = _workspaces_missing()
     if missing:
         raise ViewNotCreated(f"{missing}: {INSTALL}")
     if not has_wandb_key():  # W&B's client would ask for one on a terminal
         raise ViewNotCreated("no W&B API key here: `wandb login`")
-    try:
-        import wandb
-
-        entity = spec["entity"] or wandb.Api().default_entity
-        workspace = to_workspace(spec, entity)
-        with contextlib.redirect_stderr(io.StringIO()):  # W&B's own "View saved" line
-            url = workspace.save().url
-    except Exception as err:  # W&B's API failing costs the view, never the report
-        said = str(err).strip().splitlines() or [type(err).__name__]
-        raise ViewNotCreated(said[0][:200]) from None
+    url = save_view(spec, timeout)
     with contextlib.suppress(OSError):  # the view stands; only a later report might add another
         write_json_atomically({**spec, "url": url}, out_dir / SPEC_FILE)
     return url
-
-
-def to_workspace(spec: dict, entity: str) -> Any:
-    """The spec as a `wandb_workspaces` Workspace of `entity`, not yet saved (no network)."""
-    import wandb_workspaces.reports.v2 as wr
-    import wandb_workspaces.workspaces as ws
-
-    groups = spec["runs"]["groups"]
-    in_group = (
-        ws.Metric("Group") == groups[0] if len(groups) == 1 else ws.Metric("Group").isin(groups)
-    )
-    return ws.Workspace(
-        entity=entity,
-        project=spec["project"],
-        name=spec["name"],
-        sections=[
-            ws.Section(
-                name=section["name"],
-                is_open=section["open"],
-                panels=[_panel(wr, panel, spec["seeds"]) for panel in section["panels"]],
-            )
-            for section in spec["sections"]
-        ],
-        settings=ws.WorkspaceSettings(max_runs=spec["max_runs"]),
-        runset_settings=ws.RunsetSettings(
-            filters=[in_group, ws.Metric("JobType") == spec["runs"]["job_type"]],
-            groupby=[ws.Config(key) for key in spec["group_by"]],
-        ),
-    )
-
-
-def _panel(wr: Any, panel: dict, seeds: dict) -> Any:
-    """One panel; a group's runs (its seeds) drawn as their mean with a band from min to max."""
-    grouped = {"groupby_aggfunc": seeds["line"], "groupby_rangefunc": seeds["band"]}
-    if panel["kind"] == "bar":
-        return wr.BarPlot(title=panel["title"], metrics=panel["y"], **grouped)
-    return wr.LinePlot(
-        title=panel["title"], x=panel["x"], y=panel["y"], log_y=panel["log_y"], **grouped
-    )
 
 
 def _workspaces_missing() -> str | None:
