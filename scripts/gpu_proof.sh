@@ -59,20 +59,19 @@ archive() {  # OUT_DIR as one file where the caller asked for it, renamed into p
   tar --exclude=checkpoints --exclude=wandb -czf "$ARCHIVE.part" -C "$(dirname "$out")" \
     "$(basename "$out")" 2>/dev/null && mv "$ARCHIVE.part" "$ARCHIVE"
 }
-limit_of() {  # a part's own limit, cut to the time left; empty when under 30 s are left
-  local left=$((deadline - SECONDS))
-  [ "$left" -ge 30 ] || return 1
-  [ "$1" -le "$left" ] && echo "$1" || echo "$left"
+fits() {  # name, seconds: `limit` set to the part's own, cut to the time left; false, and said
+  local left=$((deadline - SECONDS))  # in steps.log, when under 30 s are left
+  if [ "$left" -lt 30 ]; then
+    echo "== $1: skipped, ${left} s of BUDGET left" | tee -a "$out/steps.log"
+    status=1
+    return 1
+  fi
+  limit=$(($2 < left ? $2 : left))
 }
 step() {  # name, seconds, command...: run one part, keep its output, go on even if it fails
-  local name="$1" limit
-  shift
-  if ! limit=$(limit_of "$1"); then
-    echo "== $name: skipped, $((deadline - SECONDS)) s of BUDGET left" | tee -a "$out/steps.log"
-    status=1
-    return
-  fi
-  shift
+  local name="$1"
+  fits "$1" "$2" || return 0
+  shift 2
   echo "== $name (limit ${limit} s): $*" | tee -a "$out/steps.log"
   local began=$SECONDS
   timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
@@ -84,14 +83,9 @@ step() {  # name, seconds, command...: run one part, keep its output, go on even
 }
 background=()
 job() {  # name, seconds, command...: as step, in the background; `settle` waits for them all
-  local name="$1" limit
-  shift
-  if ! limit=$(limit_of "$1"); then
-    echo "== $name: skipped, $((deadline - SECONDS)) s of BUDGET left" | tee -a "$out/steps.log"
-    status=1
-    return
-  fi
-  shift
+  local name="$1"
+  fits "$1" "$2" || return 0
+  shift 2
   echo "== $name (in the background, limit ${limit} s): $*" | tee -a "$out/steps.log"
   (
     began=$SECONDS
