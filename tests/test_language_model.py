@@ -26,7 +26,7 @@ from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.tracker import RunContext, Validations
 from tests.conftest import CPU, make_cfg, precision_of, run_cli
 from tests.test_faults import one_line_failure
-from tests.test_resume import assert_same_final_state, comparable, killed_and_resumed
+from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed
 from tests.test_training import read_metrics
 
 TEXT = (
@@ -389,10 +389,9 @@ def test_a_resume_after_the_corpus_changed_is_refused_and_leaves_the_run_as_it_w
     assert [r["epoch"] for r in read_metrics(run)[1]] == [1, 2]
 
 
-@pytest.mark.slow
-def test_a_killed_gpt_run_resumes_with_the_same_windows(tmp_path):
+def test_a_crashed_gpt_run_resumes_with_the_same_windows(tmp_path, monkeypatch, caplog):
     args = [*tiny_lm(tmp_path, "trainer.deterministic=true", "trainer.checkpoint_every_steps=5")]
-    whole, killed = killed_and_resumed(args, tmp_path)
+    whole, killed = crashed_and_resumed(args, tmp_path, monkeypatch, caplog)
     assert comparable(killed) == comparable(whole)  # every step's loss, bit for bit
     assert_same_final_state(whole, killed, ("model", "optimizer", "position"))
 
