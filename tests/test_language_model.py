@@ -468,13 +468,21 @@ def test_the_best_checkpoint_of_a_language_model_is_its_lowest_val_loss():
         ("model.block_size=0", "model.block_size=0 must be an integer >= 1"),
         ("model.dropout=1.0", "model.dropout=1.0 must lie in [0, 1)"),
         ("dataset.val_fraction=1.5", "dataset.val_fraction=1.5 must lie in (0, 1)"),
-        ("model.n_head=3", "model.n_embd=32 must be a multiple of model.n_head=3"),
     ],
 )
 def test_a_gpt_or_text_value_that_cannot_work_gets_one_line(tmp_path, override, message):
     result = run_cli("mpexp.train", *tiny_lm(tmp_path), override, cwd=tmp_path)
     assert result.returncode == 2
     assert message in one_line_failure(result)
+
+
+def test_heads_that_do_not_divide_the_width_are_named_as_the_model_is_built(tmp_path):
+    # found as the model is built, a ConfigError: the command line's one line, exit 2 and no run
+    # dir are tests/test_faults.py's (a model that cannot be built)
+    cfg = make_cfg(*tiny_lm(tmp_path), "model.n_head=3")
+    said = r"model\.n_embd=32 must be a multiple of model\.n_head=3"
+    with pytest.raises(ConfigError, match=said):
+        train(cfg, RunContext(tmp_path / "run"))
 
 
 @pytest.mark.slow
