@@ -119,11 +119,11 @@ def crashed_and_resumed(
     crashed = tmp_path / "crashed"
     real_save, saves = Checkpointer.save, []
 
-    def dying_at_the_second(self, *args, **kwargs):
-        saves.append(self)
+    def dying_at_the_second(self, *position_and_rows):
+        saves.append(position_and_rows)
         if len(saves) == 2:
             raise SimulatedCrash
-        return real_save(self, *args, **kwargs)
+        return real_save(self, *position_and_rows)
 
     monkeypatch.setattr(Checkpointer, "save", dying_at_the_second)
     with pytest.raises(SimulatedCrash):
