@@ -110,13 +110,31 @@ def run_cli(
     )
 
 
+# The files whose tests stop, kill or time processes (signals, SIGKILL, W&B's process, pre-emption):
+# under `pytest -n 2` they run one after another in one process, never beside each other
+ONE_AT_A_TIME = {"test_faults", "test_preemption", "test_resume", "test_wandb"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # a worker of `pytest -n 2`
+        _group_for_xdist(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _group_for_xdist(items) -> None:
+    """Each file's tests in one worker (its module-scoped runs are made once), the files of
+    ONE_AT_A_TIME in one worker together, and first: the longest group starts first, so that the
+    two workers end close together."""
+    for item in items:
+        module = item.path.stem
+        item.add_marker(pytest.mark.xdist_group("processes" if module in ONE_AT_A_TIME else module))
+    items.sort(key=lambda item: item.path.stem not in ONE_AT_A_TIME)  # stable: in file order
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from mpexp.step.performance import build_optimizer, plan_speed
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import CPU, TINY, make_cfg
 from tests.test_report import read_table
-from tests.test_resume import assert_same_final_state, comparable, killed_and_resumed, status
+from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed, status
 from tests.test_training import read_metrics
 
 # 8x8 images and a 4-channel SimpleCNN: bf16 is emulated on most CPUs, so the model stays tiny
@@ -171,7 +171,9 @@ def test_updates_lost_is_zero_in_fp32_and_not_computed_unless_asked(tmp_path, on
 # the two roundings that keep state of their own (nearest keeps none: the plain resume tests cover
 # its mechanism), each with one of the states' dtypes
 @pytest.mark.parametrize(("rounding", "states"), [("kahan", "bfloat16"), ("stochastic", "float32")])
-def test_each_rounding_resumes_exactly_after_a_kill(tmp_path, rounding, states):
+def test_each_rounding_resumes_exactly_after_a_crash(
+    tmp_path, monkeypatch, caplog, rounding, states
+):
     args = [
         *PURE,
         f"precision.update_rounding={rounding}",
@@ -179,7 +181,7 @@ def test_each_rounding_resumes_exactly_after_a_kill(tmp_path, rounding, states):
         "trainer.checkpoint_every_steps=3",
         "trainer.deterministic=true",
     ]
-    whole, killed = killed_and_resumed(args, tmp_path)
+    whole, killed = crashed_and_resumed(args, tmp_path, monkeypatch, caplog)
 
     assert comparable(killed) == comparable(whole)
     assert status(killed) == "finished"

@@ -68,7 +68,7 @@ from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.data.synthetic import SyntheticData
 from mpexp.distributed import World, start_world
-from mpexp.errors import ConfigError, DataError, reason
+from mpexp.errors import ConfigError, DataError, NumericsError, reason
 from mpexp.run.build import build_parts
 from mpexp.run.runner import stop_if_asked, train
 from mpexp.run.validate import validate
@@ -218,11 +218,12 @@ def test_a_second_process_on_a_live_runs_directory_is_refused(tmp_path):
                      f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
     try:
         wait_for(lambda: checkpoint_files(run_dir), live)
-        resume = run_cli("mpexp.train", *ARGS, "trainer.epochs=200",
-                         "trainer.checkpoint_every_steps=4", f"trainer.resume={run_dir}",
-                         cwd=tmp_path)  # fmt: skip
-        output = one_line_failure(resume)
-        assert f"Another process (pid {live.pid}) is training in {run_dir}" in output
+        # this process is the second (the command line's one line for it: the test below)
+        resume = make_cfg(*ARGS, "trainer.epochs=200", "trainer.checkpoint_every_steps=4",
+                          f"trainer.resume={run_dir}")  # fmt: skip
+        with pytest.raises(RunDirTaken) as refused:
+            train(resume, RunContext(tmp_path / "elsewhere"))
+        assert f"Another process (pid {live.pid}) is training in {run_dir}" in str(refused.value)
         assert live.poll() is None  # the live run goes on, its newest checkpoint in place
         newest = checkpoint_files(run_dir)[-1]
         wait_for(lambda: checkpoint_files(run_dir)[-1] != newest, live)
@@ -607,24 +608,28 @@ def test_a_checkpoint_after_metrics_were_deleted_records_their_whole_length(tmp_
 
 
 def test_a_run_with_no_step_per_epoch_is_refused_before_training(tmp_path):
-    result = run_cli("mpexp.train", *TINY, "dataset.train_size=100", "dataset.batch_size=128",
-                     cwd=tmp_path)  # fmt: skip
-    output = one_line_failure(result)
-    assert "dataset.batch_size=128 is larger than the training set (100 samples)" in output
-    assert result.returncode == 2
+    # a ConfigError: the command line's one line and exit 2 (tests/test_cli.py)
+    cfg = make_cfg(*TINY, "dataset.train_size=100", "dataset.batch_size=128")
+    with pytest.raises(ConfigError) as refused:
+        train(cfg, RunContext(tmp_path))
+    assert "dataset.batch_size=128 is larger than the training set (100 samples)" in str(
+        refused.value
+    )
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_a_run_whose_every_step_was_skipped_ends_failed(tmp_path):
+def test_a_run_whose_every_step_was_skipped_ends_failed(tmp_path, caplog):
     # from 1e30 the scale needs about 80 halvings before fp16 holds the gradients: 8 steps skip
     overrides = ["precision=fp16", "loss_scaling=dynamic", "loss_scaling.init_scale=1e30",
                  "dataset.train_size=256"]  # fmt: skip
+    # a NumericsError: the command line's one line and exit 2 (tests/test_diagnostics.py's floor)
     run_dir = tmp_path / "run"
-    result = run_cli("mpexp.train", *TINY, *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    output = result.stdout + result.stderr
-    assert result.returncode == 2 and "Traceback" not in output
+    with caplog.at_level(logging.WARNING, logger="mpexp"), pytest.raises(NumericsError) as failed:
+        train(make_cfg(*TINY, *overrides), RunContext(run_dir))
     for epoch in (1, 2):
-        assert f"Epoch {epoch} took no optimizer step: all 4 of its steps were skipped" in output
-    assert "No optimizer step was taken: all 8 steps were skipped" in output
+        said = f"Epoch {epoch} took no optimizer step: all 4 of its steps were skipped"
+        assert caplog.text.count(said) == 1
+    assert "No optimizer step was taken: all 8 steps were skipped" in str(failed.value)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "No optimizer step was taken" in summary["error"]
     assert summary["amp/skipped_steps"] == 8  # what happened is kept
@@ -673,13 +678,15 @@ def test_a_label_outside_the_classes_is_named_before_training(tmp_path):
     data = bytearray(labels.read_bytes())
     data[8 + 5] = 200  # the sixth label, after the 8-byte header
     labels.write_bytes(bytes(data))
-    result = run_cli(
-        "mpexp.train", "dataset=mnist", f"dataset.root={tmp_path}", "dataset.download=false",
-        "dataset.batch_size=32", "model=simplecnn_small", "wandb.mode=disabled", cwd=tmp_path,
+    cfg = make_cfg(
+        "dataset=mnist", f"dataset.root={tmp_path}", "dataset.download=false",
+        "dataset.batch_size=32", "model=simplecnn_small", "wandb.mode=disabled",
     )  # fmt: skip
-    output = one_line_failure(result)
-    assert f"{labels} holds the label 200 at position 5" in output
-    assert "10 classes (0 to 9)" in output
+    with pytest.raises(DataError) as refused:
+        train(cfg, RunContext(tmp_path / "run"))
+    assert f"{labels} holds the label 200 at position 5" in str(refused.value)
+    assert "10 classes (0 to 9)" in str(refused.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # before training
 
 
 def test_image_and_label_files_that_disagree_are_named(tmp_path):
@@ -730,11 +737,10 @@ def test_a_cifar_batch_that_fails_its_checksum_is_never_unpickled(tmp_path):
     folder.mkdir(parents=True)
     marker = tmp_path / "code-ran"
     (folder / "data_batch_1").write_bytes(pickle.dumps(_OpensAFile(marker)))
-    result = run_cli(
-        "mpexp.train", "dataset=cifar10", f"dataset.root={tmp_path / 'data'}",
-        "dataset.download=false", "model=simplecnn_small", "wandb.mode=disabled", cwd=tmp_path,
-    )  # fmt: skip
-    output = one_line_failure(result)
+    data = CIFAR10Data(root=str(tmp_path / "data"), download=False, batch_size=8)
+    with pytest.raises(DataError) as refused:
+        data.setup(torch.device("cpu"))
+    output = str(refused.value)
     assert not marker.exists()
     assert f"{folder / 'data_batch_1'} is not the file CIFAR-10 publishes" in output
     assert "dataset.download=true" in output and "cifar-10-python.tar.gz" in output

@@ -26,7 +26,7 @@ from mpexp.run.validate import validate
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import make_cfg, run_cli
 from tests.test_distributed import TORCHRUN, losses, only_run_dir
-from tests.test_resume import assert_same_final_state, comparable, killed_and_resumed
+from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed
 
 CPU = torch.device("cpu")
 CLASSES = ("cat", "dog", "fox")
@@ -332,16 +332,15 @@ def _nondeterministic_afterwards():
     torch.use_deterministic_algorithms(False)
 
 
-@pytest.mark.slow  # three runs, two of them processes of their own: about 40 s on 2 cores
-def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_result(
-    photos, tmp_path, _nondeterministic_afterwards
+def test_a_run_crashed_after_a_checkpoint_resumes_to_the_same_result(
+    photos, tmp_path, monkeypatch, caplog, _nondeterministic_afterwards
 ):
     args = [*SMALL, f"dataset.path={photos}", "dataset.num_workers=2",
             "dataset.augment.crop_padding=2", "trainer.epochs=3", "trainer.deterministic=true",
             "trainer.checkpoint_every_steps=4"]  # fmt: skip
     # resumed on fewer workers: the batches do not depend on how many decode them
     fewer = [a.replace("num_workers=2", "num_workers=1") for a in args]
-    whole, killed = killed_and_resumed(args, tmp_path, resume_args=fewer)
+    whole, killed = crashed_and_resumed(args, tmp_path, monkeypatch, caplog, resume_args=fewer)
     assert comparable(killed) == comparable(whole)  # every step's loss: the same batches
     assert_same_final_state(whole, killed, ("model", "optimizer", "position"))
 

@@ -520,7 +520,8 @@ def test_world4ai_preset_reports_fp32_against_fp16_over_three_seeds(tmp_path):
 def test_runs_that_logged_diagnostics_are_reported_and_plotted(tmp_path):
     # diagnostics rows are keyed by step too, and one comes after the last step row
     for name, precision in (("fp32", "precision=fp32"), ("fp16", "precision=fp16")):
-        cfg = make_cfg(*TINY, precision, "trainer.epochs=1", "diagnostics.grad_stats_every=4")
+        cfg = make_cfg(*TINY, precision, "dataset.train_size=256", "trainer.epochs=1",
+                       "diagnostics.grad_stats_every=4")  # fmt: skip
         train(cfg, RunContext(tmp_path / name))
     assert report.main([str(tmp_path)]) == 0
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from mpexp.checkpoints import checkpoint
-from mpexp.checkpoints.checkpoint import checkpoint_files
+from mpexp.checkpoints.checkpoint import Checkpointer, checkpoint_files
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError, OutputError
 from mpexp.run.runner import train
 from mpexp.rundir import hydra_quoted
 from mpexp.tracking.tracker import RunContext
-from tests.conftest import ROOT, TINY, make_cfg, run_cli
+from tests.conftest import ROOT, TINY, make_cfg
 from tests.test_training import read_metrics
 
 # two epochs of 8 steps, bitwise repeatable on CPU
@@ -88,11 +88,11 @@ def assert_bitwise_equal(a, b) -> None:
 
 
 def killed_and_resumed(
-    args: list[str], tmp_path: Path, resume_args: list[str] | None = None
+    args: list[str], tmp_path: Path, caplog, resume_args: list[str] | None = None
 ) -> tuple[Path, Path]:
     """The run of `args` whole in this process, and again in a process killed (SIGKILL) after
-    its first checkpoint and resumed from the command line (with `resume_args` if given, else
-    `args`): the two run directories, for the test to compare."""
+    its first checkpoint and resumed (with `resume_args` if given, else `args`): the two run
+    directories, for the test to compare."""
     whole = tmp_path / "whole"
     train(make_cfg(*args), RunContext(whole))
 
@@ -103,11 +103,49 @@ def killed_and_resumed(
     proc.wait()
     assert status(killed) == "running"  # it died mid-run
 
-    resume = resume_args if resume_args is not None else args
-    resumed = run_cli("mpexp.train", *resume, f"trainer.resume={killed}", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert "Resuming" in resumed.stderr + resumed.stdout
+    resume(resume_args if resume_args is not None else args, killed, caplog)
     return whole, killed
+
+
+def crashed_and_resumed(
+    args: list[str], tmp_path: Path, monkeypatch, caplog, resume_args: list[str] | None = None
+) -> tuple[Path, Path]:
+    """As killed_and_resumed, the run dying in this process as it comes to its second checkpoint
+    (test_resume tests a real kill; a test of what a checkpoint keeps needs no process of its
+    own): the two run directories, for the test to compare."""
+    whole = tmp_path / "whole"
+    train(make_cfg(*args), RunContext(whole))
+
+    crashed = tmp_path / "crashed"
+    real_save, saves = Checkpointer.save, []
+
+    def dying_at_the_second(self, *position_and_rows):
+        saves.append(position_and_rows)
+        if len(saves) == 2:
+            raise SimulatedCrash
+        return real_save(self, *position_and_rows)
+
+    monkeypatch.setattr(Checkpointer, "save", dying_at_the_second)
+    with pytest.raises(SimulatedCrash):
+        train(make_cfg(*args), RunContext(crashed))
+    monkeypatch.undo()
+    assert len(checkpoint_files(crashed)) == 1  # it died mid-run
+
+    resume(resume_args if resume_args is not None else args, crashed, caplog)
+    return whole, crashed
+
+
+def resume(args: list[str], run_dir: Path, caplog) -> None:
+    """`trainer.resume=<run_dir>` in this process (the command line's resume is
+    test_faults's to test), which says it resumes from the newest checkpoint."""
+    newest = checkpoint_files(run_dir)[-1]
+    with caplog.at_level(logging.INFO, logger="mpexp"):
+        train(make_cfg(*args, f"trainer.resume={run_dir}"), RunContext(run_dir))
+    assert f"Resuming {newest}: epoch" in caplog.text
+
+
+class SimulatedCrash(BaseException):
+    """The process dying: nothing in the code under test handles it."""
 
 
 def assert_same_final_state(whole: Path, resumed: Path, parts: tuple[str, ...]) -> None:
@@ -117,9 +155,9 @@ def assert_same_final_state(whole: Path, resumed: Path, parts: tuple[str, ...]) 
         assert_bitwise_equal(final[0][part], final[1][part])
 
 
-def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_result(tmp_path):
+def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_result(tmp_path, caplog):
     args = [*ARGS, "trainer.checkpoint_every_steps=3"]  # checkpoints fall mid-epoch
-    whole, killed = killed_and_resumed(args, tmp_path)
+    whole, killed = killed_and_resumed(args, tmp_path, caplog)
 
     # every step and epoch once, with the uninterrupted run's values; the same final state
     assert comparable(killed) == comparable(whole)
@@ -208,10 +246,6 @@ def test_resume_under_a_different_config_is_refused_with_the_command_to_use(tmp_
     message = str(err.value)
     assert "optimizer.lr: 0.003 in the run, 0.0001 now" in message
     assert f"mpexp.train dataset=synthetic optimizer.lr=3e-3 trainer.resume={tmp_path}" in message
-
-
-class SimulatedCrash(BaseException):
-    """The process dying: nothing in the code under test handles it."""
 
 
 @pytest.mark.parametrize(

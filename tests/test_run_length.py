@@ -12,7 +12,7 @@ from mpexp.run.runner import train
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import TINY, make_cfg
 from tests.test_language_model import tiny_lm
-from tests.test_resume import ARGS, assert_same_final_state, comparable, killed_and_resumed
+from tests.test_resume import ARGS, assert_same_final_state, comparable, crashed_and_resumed
 from tests.test_training import read_metrics
 
 # TINY's 1024 samples in batches of 64: 16 steps an epoch
@@ -43,12 +43,14 @@ def test_eval_every_steps_validates_and_checkpoints_on_those_steps(tmp_path):
     ]
 
 
-def test_a_step_measured_run_killed_mid_interval_resumes_to_the_uninterrupted_result(tmp_path):
-    # checkpoints at steps 3, 5 (a validation), 6, 9, 10 (a validation), 12, 13: the kill
-    # lands after the first, mid-interval and mid-epoch
+def test_a_step_measured_run_crashed_mid_interval_resumes_to_the_uninterrupted_result(
+    tmp_path, monkeypatch, caplog
+):
+    # checkpoints at steps 3, 5 (a validation), 6, 9, 10 (a validation), 12, 13: the run dies
+    # at the second, and resumes from the first, mid-interval and mid-epoch
     args = [*ARGS, "trainer.epochs=null", "trainer.max_steps=13", "trainer.eval_every_steps=5",
             "trainer.checkpoint_every_steps=3"]  # fmt: skip
-    whole, killed = killed_and_resumed(args, tmp_path)
+    whole, killed = crashed_and_resumed(args, tmp_path, monkeypatch, caplog)
     assert comparable(killed) == comparable(whole)
     assert_same_final_state(whole, killed, ("model", "optimizer", "position"))
 

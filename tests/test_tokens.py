@@ -24,7 +24,7 @@ from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import CPU, TINY, make_cfg, run_cli
 from tests.test_language_model import TINY_LM, corpus, text_data, tiny_lm
-from tests.test_resume import assert_same_final_state, comparable, killed_and_resumed
+from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed
 from tests.test_training import read_metrics
 
 VOCAB = 300  # above a byte's 256: uint16 ids, and a model vocabulary padded to 320
@@ -148,11 +148,11 @@ def test_the_models_vocabulary_is_the_datas_padded_to_a_multiple_of_64():
     assert (padded(256), padded(300), padded(50257), padded(64)) == (256, 320, 50304, 64)
 
 
-def test_a_killed_run_on_token_files_resumes_with_the_same_windows(tmp_path):
+def test_a_crashed_run_on_token_files_resumes_with_the_same_windows(tmp_path, monkeypatch, caplog):
     folder = bin_pair(tmp_path / "data")
     args = tokens_args(folder, "dataset.train_size=128", "trainer.deterministic=true",
                        "trainer.checkpoint_every_steps=5")  # fmt: skip
-    whole, killed = killed_and_resumed(args, tmp_path)
+    whole, killed = crashed_and_resumed(args, tmp_path, monkeypatch, caplog)
     assert comparable(killed) == comparable(whole)  # every step's loss, bit for bit
     assert_same_final_state(whole, killed, ("model", "optimizer", "position"))
 
