@@ -77,6 +77,7 @@ from mpexp.stopping import Preempted, StopSignals
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
+from tests.test_image_folder import SMALL, write_images
 from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
 from tests.test_training import read_metrics
 
@@ -546,8 +547,6 @@ def test_a_stop_signal_to_the_whole_job_stops_the_run_with_a_checkpoint(tmp_path
     """SLURM's pre-emption and `timeout` send SIGTERM to every process of the job, an image
     folder's loader workers among them: the run stops as on a SIGTERM to it alone, with no
     traceback of a worker killed under it."""
-    from tests.test_image_folder import SMALL, write_images
-
     for split, count in (("train", 40), ("val", 4)):
         write_images(tmp_path / "images" / split, per_class=count)
     run_dir = tmp_path / "run"

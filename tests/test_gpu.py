@@ -22,6 +22,7 @@ from mpexp.step.step_graph import WARMUP_STEPS
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
 from tests.conftest import TINY, TINY_VIT, VIT_FP8_LAYERS, make_cfg, precision_of
+from tests.test_image_folder import SMALL, write_images
 from tests.test_step_cost import Dispatched
 from tests.test_step_graph import (
     CASE_IDS,
@@ -32,6 +33,7 @@ from tests.test_step_graph import (
     run_steps,
     small_net,
 )
+from tests.test_tokens import bin_pair, tokens_args
 from tests.test_training import read_metrics
 
 pytestmark = pytest.mark.gpu
@@ -468,9 +470,6 @@ def test_a_run_whose_data_threads_call_cuda_meanwhile_is_captured(tmp_path, data
     batches on a thread of its own: both go on calling CUDA (pinned allocations, event queries)
     while the step is captured, which a process-wide capture counts as an error of its own. GPT-2
     small's default run on an H100 ran uncaptured (2026-11-26)."""
-    from tests.test_image_folder import SMALL, write_images
-    from tests.test_tokens import bin_pair, tokens_args
-
     if data == "tokens":
         overrides = tokens_args(bin_pair(tmp_path / "tokens"), "trainer.epochs=1")
     else:
