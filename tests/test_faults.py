@@ -67,6 +67,7 @@ from mpexp.checkpoints import checkpoint
 from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.data.synthetic import SyntheticData
+from mpexp.data.workers import WorkerLoader
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, DataError, NumericsError, reason
 from mpexp.run.build import build_parts
@@ -566,6 +567,48 @@ def test_a_stop_signal_to_the_whole_job_stops_the_run_with_a_checkpoint(tmp_path
     assert "Stopped by SIGTERM at step" in said
     assert status(run_dir) == "interrupted"
     assert checkpoint_files(run_dir)
+
+
+class WorkerPids(torch.utils.data.Dataset):
+    """Each item is the pid of the process that read it."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        return os.getpid()
+
+
+def test_loader_workers_go_on_through_the_jobs_stop_signals():
+    """A scheduler's SIGTERM and a terminal's SIGINT reach every process of the job; the workers
+    leave them to the main process and go on serving its batches."""
+    batches = iter(WorkerLoader(WorkerPids(), batch_size=1, num_workers=2))
+    workers = {int(next(batches)) for _ in range(2)}
+    assert len(workers) == 2 and os.getpid() not in workers
+    for pid in workers:  # sent by another process, as the scheduler's and the terminal's are
+        subprocess.run(["kill", "-TERM", str(pid)], check=True)
+        subprocess.run(["kill", "-INT", str(pid)], check=True)
+    time.sleep(0.5)  # what the signals would do, done
+    assert {int(pid) for pid in batches} == workers  # the other 10 batches, from the same two
+
+
+# The loader's worker is alive as Python exits, as it is when a run ends on an error: the exit
+# ends it with a SIGTERM of the main process's own, which a worker that ignored every SIGTERM
+# waited out for ever
+EXIT_WITH_A_LIVE_WORKER = """
+from mpexp.data.workers import WorkerLoader
+from tests.test_faults import WorkerPids
+
+batches = iter(WorkerLoader(WorkerPids(), num_workers=1))
+next(batches)
+"""
+
+
+def test_a_process_that_exits_with_a_loader_worker_alive_ends_it():
+    ended = subprocess.run([sys.executable, "-c", EXIT_WITH_A_LIVE_WORKER], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert ended.returncode == 0, ended.stderr
+    assert ended.stderr == ""
 
 
 def test_metrics_deleted_while_the_run_trains_are_written_again_whole(tmp_path, caplog):

@@ -22,17 +22,17 @@ DistributedSampler does, so together the ranks see each sample once per epoch.
 
 from __future__ import annotations
 
-import signal
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from itertools import islice
 from typing import ClassVar
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DistributedSampler, TensorDataset
 
 from mpexp.data.augment import CropFlip
 from mpexp.data.checks import warn_nonfinite
+from mpexp.data.workers import WorkerLoader
 from mpexp.tasks.base import Task
 from mpexp.tasks.classification import Classification
 
@@ -44,15 +44,6 @@ def to_float(images: torch.Tensor, memory_format=torch.contiguous_format) -> tor
     scaled = images.dtype == torch.uint8
     images = images.to(torch.float32, memory_format=memory_format)  # one copy for both changes
     return images.div_(255) if scaled else images
-
-
-def leave_stops_to_the_main_process(worker_id: int) -> None:
-    """A DataLoader worker's `worker_init_fn`: it ignores SIGTERM. A scheduler's pre-emption
-    (SLURM's, `timeout`'s) sends SIGTERM to every process of the job, and a worker that died of
-    it would end the main process's next batch with a traceback ("DataLoader worker ... is killed
-    by signal") before the run could write its checkpoint. The main process answers the signal
-    (mpexp/stopping.py) and ends its workers itself."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -317,7 +308,7 @@ class InMemoryData(TrainingData):
         train = shuffle or sampler is not None
         # with augmentation each batch brings its samples' indices, to take their draws by
         indexed = (*data, torch.arange(len(data[1]))) if draws is not None else data
-        loader = DataLoader(
+        loader = WorkerLoader(
             TensorDataset(*indexed),
             batch_size=self.batch_size,
             shuffle=shuffle,
@@ -327,7 +318,6 @@ class InMemoryData(TrainingData):
             pin_memory=pin,
             generator=generator,
             persistent_workers=False,
-            worker_init_fn=leave_stops_to_the_main_process,
         )
         for images, labels, *index in loader:
             images = to_float(images.to(device, non_blocking=pin), self.memory_format)

@@ -36,11 +36,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-from mpexp.data.base import leave_stops_to_the_main_process
+from mpexp.data.workers import WorkerLoader
 from mpexp.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -160,9 +160,12 @@ class ResizedImages:
             undecodable = []
             # a generator of its own: the loader's start draws a seed, which must not shift the
             # run's (a run that builds the store trains as one that reads it)
-            loader = DataLoader(_Resizing(self.paths, self.side, self.decode), batch_size=None,
-                                num_workers=workers, generator=torch.Generator(),
-                                worker_init_fn=leave_stops_to_the_main_process)  # fmt: skip
+            loader = WorkerLoader(
+                _Resizing(self.paths, self.side, self.decode),
+                batch_size=None,
+                num_workers=workers,
+                generator=torch.Generator(),
+            )
             bar = tqdm(loader, total=len(self.paths), unit="img", leave=False,
                        desc=f"Caching images at {self.side} px")  # fmt: skip
             with partial[0].open("wb") as out:

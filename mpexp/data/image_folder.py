@@ -58,8 +58,9 @@ from torchvision.transforms import v2
 
 from mpexp.data import gpu_decode
 from mpexp.data.augment import CropFlip, mixed_seed
-from mpexp.data.base import Batch, TrainingData, leave_stops_to_the_main_process
+from mpexp.data.base import Batch, TrainingData
 from mpexp.data.image_cache import KINDS, CacheUnavailable, ResizedImages, store_name
+from mpexp.data.workers import WorkerLoader
 from mpexp.errors import ConfigError, DataError
 from mpexp.tasks.classification import Classification
 
@@ -452,7 +453,7 @@ class ImageFolderData(TrainingData):
         self, split: str, keys: Keys, drop_last: bool, persistent: bool = True
     ) -> DataLoader:
         workers = self.num_workers
-        return DataLoader(
+        return WorkerLoader(
             self.splits[split],
             batch_size=self.batch_size,
             sampler=keys,
@@ -465,7 +466,6 @@ class ImageFolderData(TrainingData):
             # checkpoint restores: a DataLoader's start must not shift the training's draws
             generator=torch.Generator(),
             collate_fn=gpu_decode.collate if self.decode_on == "gpu" else None,
-            worker_init_fn=leave_stops_to_the_main_process,
         )
 
     def _statistics(self) -> tuple[list[float], list[float]]:
