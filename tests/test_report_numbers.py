@@ -113,11 +113,14 @@ def test_mean_and_interval_over_seeds(tmp_path):
     assert fp32.result.half_width == pytest.approx(half, abs=1e-9)
     assert fp32.parity == "reference"
 
-    report.main([str(tmp_path), "--wandb", "disabled"])
+    report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"])
     (row,) = read_table(tmp_path / "report.md", "Accuracy against fp32")
     assert (row["n"], row["runs"]) == ("3", "0, 1, 2")
     assert row["val acc (%)"] == f"92.00 ± {half:.2f}" == "92.00 ± 4.97"
     assert row["parity"] == "fp32 reference"
+    # --no-plots: the tables alone (the plots are test_report's)
+    assert "Not drawn (`--no-plots`)" in (tmp_path / "report.md").read_text()
+    assert not list(tmp_path.glob("*.png"))
 
 
 # Paired by seed: the interval is that of the three per-seed differences (t with 2 df).
@@ -146,7 +149,7 @@ def test_parity_verdict_from_the_interval_of_the_difference(tmp_path, finals, ve
     assert fp16.d_result.half_width == pytest.approx(T2 * sd / math.sqrt(3))
     assert fp16.parity == verdict
 
-    report.main([str(tmp_path), "--wandb", "disabled"])
+    report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"])
     _, row = read_table(tmp_path / "report.md", "Accuracy against fp32")
     assert row["parity"] == shown
     assert row["Δ val acc (points)"] == f"{mean:+.2f} ± {T2 * sd / math.sqrt(3):.2f}"
@@ -173,7 +176,7 @@ def test_each_run_is_reported_with_its_own_config_whatever_hydra_wrote_there(tmp
     (hydra / "config.yaml").write_text(yaml.safe_dump({"trainer": {"seed": 0, "epochs": 9}}))
     (hydra / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": {}}}}))
 
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     runs = read_table(tmp_path / "report.md", "Runs")
     assert [(r["run"], r["seed"], r["val acc (%)"]) for r in runs] == [
         ("0 trainer.seed=5", "5", "90.00"),
@@ -190,7 +193,7 @@ def test_a_diverged_run_is_marked_and_the_others_compared_as_usual(tmp_path, cap
     for seed, folder in enumerate("678"):  # every seed of bf16 diverged
         make_run(tmp_path, folder, "bf16", seed, [0.1, math.nan], [2.0, 1.0], val_loss=math.inf)
 
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert (
         "diverged (final val loss or result not finite): 5 precision=fp16,trainer.seed=2, 6" in out
@@ -219,7 +222,7 @@ def test_a_diverged_run_is_marked_and_the_others_compared_as_usual(tmp_path, cap
 def test_single_seed_runs_say_so(tmp_path, capsys):
     final_only(tmp_path, "fp32", [0.92], seeds=(0,))
     final_only(tmp_path, "bf16", [0.80], seeds=(0,), first=1)
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     text = (tmp_path / "report.md").read_text()
     fp32, bf16 = read_table(tmp_path / "report.md", "Accuracy against fp32")
     assert fp32["val acc (%)"] == "92.00" and fp32["n"] == "1"  # no interval from one value
@@ -232,7 +235,7 @@ def test_single_seed_runs_say_so(tmp_path, capsys):
 def test_worse_configuration_is_named_on_the_console(tmp_path, capsys):
     final_only(tmp_path, "fp32", [0.90, 0.92, 0.94])
     final_only(tmp_path, "fp16", [0.85, 0.865, 0.89], first=3)
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert (
         "worse than fp32 by more than 0.5 points of val/acc: precision=fp16 (-5.17 ± 0.72 points)"
@@ -256,7 +259,7 @@ def test_speedup_with_its_interval(tmp_path):
     assert bf16.speedup.value == pytest.approx(2.0)
     assert (bf16.speedup.low, bf16.speedup.high) == pytest.approx((2.0 / factor, 2.0 * factor))
 
-    report.main([str(tmp_path), "--wandb", "disabled"])
+    report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"])
     fp32_row, bf16_row = read_table(tmp_path / "report.md", "Speed")
     assert fp32_row["speedup"] == "1.00x"
     assert bf16_row["speedup"] == f"2.00x ({2 / factor:.2f} to {2 * factor:.2f})"
@@ -274,7 +277,7 @@ def test_emulated_precisions_are_marked_in_the_speed_table(tmp_path):
     summary["ran"]["emulated"] = True  # as precision/modes.py records bf16 on a CPU without it
     (bf16 / "summary.json").write_text(json.dumps(summary))
 
-    report.main([str(tmp_path), "--wandb", "disabled"])
+    report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"])
     fp32_row, bf16_row = read_table(tmp_path / "report.md", "Speed")
     assert fp32_row["configuration"] == "precision=fp32"  # ran natively: no mark
     assert bf16_row["configuration"] == "precision=bf16 †" and bf16_row["speedup"] == "0.50x"
@@ -289,7 +292,7 @@ def test_gpu_memory_is_compared_after_the_first_epoch(tmp_path):
     make_run(tmp_path, "1", "fp16", 0, [0.9] * 3, [5.0, 1.0, 1.0], gpu_mib=[740, 740, 739])
     fp16 = config(build_report([tmp_path], 0.5), "fp16")
     assert fp16.rows[0].peak_mem_mib == 740
-    report.main([str(tmp_path), "--wandb", "disabled"])
+    report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"])
     fp32_row, fp16_row = read_table(tmp_path / "report.md", "Speed")
     assert fp32_row["peak memory (MiB)"] == "1120.0"
     assert fp16_row["memory vs fp32"] == f"{740 / 1120:.2f}x"
@@ -305,7 +308,7 @@ def test_the_data_wait_share_is_shown_beside_the_speed_and_a_data_bound_run_name
         tmp_path, "2", "bf16", 0, [0.9] * 4, [5.0, 1.0, 1.0, 1.0], data_wait=[0.6, 0.4, 0.3, 0.5]
     )
     make_run(tmp_path, "3", "fp16", 0, [0.9] * 4, [5.0, 1.0, 1.0, 1.0])  # logged no data wait
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     md = tmp_path / "report.md"
     speed = {row["configuration"]: row["data wait (%)"] for row in read_table(md, "Speed")}
     # 3 and 5 per cent: sd sqrt(2), standard error 1
@@ -331,7 +334,7 @@ def time_to_target_sweep(root: Path) -> None:
 
 def test_time_to_target_defaults_to_fp32_accuracy_minus_the_tolerance(tmp_path):
     time_to_target_sweep(tmp_path)
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     fp32, fp16, bf16 = read_table(tmp_path / "report.md", "Speed")
     # target 92 - 0.5 = 91.5 %: fp32 gets there in its 4th epoch (3+2+2+2 s), fp16 in its 3rd
     # (2+1+1 s); every seed alike, so no spread
@@ -349,7 +352,7 @@ def test_time_to_target_defaults_to_fp32_accuracy_minus_the_tolerance(tmp_path):
 @pytest.mark.parametrize("option", ["--target", "--target-acc"])  # the older name too
 def test_target_accuracy_from_the_command_line(tmp_path, option):
     time_to_target_sweep(tmp_path)
-    assert report.main([str(tmp_path), "--wandb", "disabled", option, "85"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots", option, "85"]) == 0
     fp32, fp16, _ = read_table(tmp_path / "report.md", "Speed")
     assert fp32["time to target (s)"] == "7.0 ± 0.0"  # 0.9 in the 3rd epoch: 3+2+2
     assert fp16["time to target (s)"] == "3.0 ± 0.0"  # 0.88 in the 2nd: 2+1
@@ -365,7 +368,9 @@ def test_a_target_that_is_no_number_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize("target", ["0", "101"])
 def test_a_target_accuracy_must_be_a_percentage(tmp_path, target, capsys):
     time_to_target_sweep(tmp_path)
-    assert report.main([str(tmp_path), "--wandb", "disabled", "--target", target]) == 2
+    assert (
+        report.main([str(tmp_path), "--wandb", "disabled", "--no-plots", "--target", target]) == 2
+    )
     assert f"--target {target} is not a val/acc in percent" in capsys.readouterr().err
 
 
@@ -379,7 +384,7 @@ def test_timing_warnings_few_epochs_and_overlapping_jobs(tmp_path):
         make_run(tmp_path, str(k), "fp32", k, [0.9] * 4, [2.0, 1.0, 1.0, 1.0], span=span)
     # one more epoch than timed: two timed epochs, fewer than 3
     make_run(tmp_path, "3", "fp16", 0, [0.9] * 3, [2.0, 1.0, 1.0], span=spans[0], host="other")
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     text = (tmp_path / "report.md").read_text()
     warnings = text.split("## Warnings", 1)[1].split("\n## ", 1)[0]
     assert "**Few timed epochs.** `3 precision=fp16,trainer.seed=0` timed fewer than 3" in warnings
@@ -393,7 +398,7 @@ def test_sequential_jobs_with_enough_epochs_get_no_timing_warning(tmp_path):
     for k in range(3):
         span = (f"2026-01-01T10:0{2 * k}:00+00:00", f"2026-01-01T10:0{2 * k + 1}:00+00:00")
         make_run(tmp_path, str(k), "fp32", k, [0.9] * 4, [2.0, 1.0, 1.0, 1.0], span=span)
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     assert "## Warnings" not in (tmp_path / "report.md").read_text()
 
 
@@ -408,7 +413,7 @@ def test_a_leg_whose_step_ran_another_way_than_fp32s_is_flagged(tmp_path):
         for seed in (0, 1):
             make_run(tmp_path, f"{k}{seed}", precision, seed, [0.9] * 4, [2.0, 1.0, 1.0, 1.0],
                      step_path=path)  # fmt: skip
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     warnings = (tmp_path / "report.md").read_text().split("## Warnings", 1)[1].split("\n## ")[0]
     flagged = [line for line in warnings.splitlines() if "Another step path" in line]
     assert len(flagged) == 1 and "`precision=fp16`" in flagged[0], flagged
@@ -434,7 +439,7 @@ def test_fp8_is_judged_against_fp32_and_against_bf16(tmp_path, capsys):
     assert fp8.d_result.value == pytest.approx(-4.5) and fp8.parity == "worse"
     assert bf16.parity_vs_bf16 is None and bf16.bf16_reference is None  # only fp8 gets a second
 
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert (
         f"worse than bf16 by more than 0.5 points of val/acc: precision=fp8 (-5.50 ± {half:.2f} "
@@ -457,7 +462,7 @@ def test_fp8_is_judged_against_fp32_and_against_bf16(tmp_path, capsys):
 def test_fp8_without_a_bf16_configuration_says_so(tmp_path):
     final_only(tmp_path, "fp32", [0.90, 0.92, 0.94])
     final_only(tmp_path, "fp8", [0.90, 0.92, 0.94], first=3)
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     (row,) = read_table(tmp_path / "report.md", "fp8 against bf16")
     assert (row["bf16 reference"], row["parity vs bf16"]) == ("none", "no bf16 reference")
     _, fp8 = read_table(tmp_path / "report.md", "Accuracy against fp32")
@@ -491,6 +496,7 @@ def test_an_fp8_rowwise_sweep_beside_a_bf16_one_is_judged_against_that_bf16(tmp_
                 str(tmp_path),
                 "--wandb",
                 "disabled",
+                "--no-plots",
             ]
         )
         == 0
@@ -516,7 +522,7 @@ def test_compile_time_is_shown_and_counted_in_time_to_target_not_in_epoch_time(t
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
         rows[1]["perf/compile_s"] = 1.5  # the first epoch's row
         metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     fp32, fp16, _ = read_table(tmp_path / "report.md", "Speed")
     assert (fp32["compile (s)"], fp16["compile (s)"]) == ("0.0 ± 0.0", "1.5 ± 0.0")
     assert fp16["time to target (s)"] == "5.5 ± 0.0"  # 2+1+1 s of epochs and 1.5 s compiling
@@ -561,7 +567,7 @@ def test_a_language_model_is_judged_by_its_val_loss_lower_being_better(tmp_path,
     assert bf16.time_to_target.value == pytest.approx(3.0)  # 2 + 1 s: below 2.03 at epoch 2
     assert fp16.reached == 0
 
-    assert report.main([str(tmp_path), "--wandb", "disabled"]) == 0
+    assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert "worse than fp32 by more than 0.02 nats of val/loss: precision=fp16 (+0.1000 ± " in out
     rows = {

@@ -1,6 +1,7 @@
 """`python -m mpexp.report` / `mpexp-report`: write the report for run folders, and log it to W&B.
 
 mpexp-report <run dir or multirun dir> [more dirs] [--tolerance 0.5] [--target 98] [--out DIR]
+    [--no-plots]                            report.md alone, without its PNG plots
 mpexp-report <multirun dir> --wandb-view    the sweep's W&B view, from the report's wandb-view.json
     [--view-timeout 60]                     seconds W&B may take to save it
 """
@@ -22,13 +23,15 @@ from mpexp.report.wandb_run import log_to_wandb, resolved_mode
 log = logging.getLogger(__name__)
 
 
-def write_report(report: Report) -> Path:
-    """Write report.md and the plots into `report.out_dir`; return report.md's path."""
-    from mpexp.report import plots  # matplotlib is only needed once there is something to draw
-
+def write_report(report: Report, draw: bool = True) -> Path:
+    """Write report.md and (when `draw`) the plots into `report.out_dir`; return report.md's
+    path."""
     try:
         report.out_dir.mkdir(parents=True, exist_ok=True)
-        if report.rows:
+        report.plots_drawn = draw
+        if report.rows and draw:
+            from mpexp.report import plots  # matplotlib: only when there is something to draw
+
             report.plots = plots.draw_all(report.configs, report.out_dir)
         report.path.write_text(render_markdown(report) + "\n")
     except OSError as err:
@@ -43,17 +46,20 @@ def make_report(
     paths: list[Path],
     tolerance: float | None = None,
     out_dir: Path | None = None,
+    *,
     wandb_mode: str = "auto",
     target: float | None = None,
     view_timeout: float = wandb_view.TIMEOUT,
+    draw: bool = True,
 ) -> Report:
     """Build, write and (when the runs were online) log the report and create the sweep's W&B
     view; print where they are.
     `tolerance` (None: the task's own) and `target`, the result to reach for the time to target
     (None: per fp32 reference), are in the result's unit: points and percent of val accuracy,
-    nats of a language model's val loss. `view_timeout`: seconds W&B may take to save the view."""
+    nats of a language model's val loss. `view_timeout`: seconds W&B may take to save the view;
+    `draw`: False for report.md without its plots."""
     report = build_report(paths, tolerance, out_dir, target)
-    write_report(report)
+    write_report(report, draw)
     try:
         view = wandb_view.write_spec(report)
     except OSError as err:  # report.md was written: the view is a convenience beside it
@@ -131,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         "again, and a view created before is not made twice",
     )
     parser.add_argument(
+        "--no-plots",
+        dest="draw",
+        action="store_false",
+        help="write report.md without its PNG plots (drawing them takes most of the report's time)",
+    )
+    parser.add_argument(
         "--view-timeout",
         type=_seconds,
         default=wandb_view.TIMEOUT,
@@ -144,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             out_dir = report_dir(args.dirs, args.out)
             wandb_view.open_view(wandb_view.read_spec(out_dir), out_dir, args.view_timeout)
             return 0
-        make_report(args.dirs, args.tolerance, args.out, args.wandb, args.target, args.view_timeout)
+        make_report(args.dirs, args.tolerance, args.out, wandb_mode=args.wandb,
+                    target=args.target, view_timeout=args.view_timeout, draw=args.draw)  # fmt: skip
     except UserError as err:
         print(f"mpexp.report: {err}", file=sys.stderr)
         return 2

@@ -604,6 +604,7 @@ class Report:
     tolerance: float | None  # --tolerance; None: each configuration's task's own
     target: float | None = None  # --target, in the result's unit (percent of accuracy, nats)
     plots: dict[str, Path] = field(default_factory=dict)
+    plots_drawn: bool = True  # False: --no-plots
 
     @property
     def path(self) -> Path:
