@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import sys
 
 import pytest
 import torch
+from hydra.core.global_hydra import GlobalHydra
 
+import mpexp.train
 from mpexp.errors import ConfigError
 from mpexp.run.runner import train
 from mpexp.run.validate import validate
@@ -21,6 +25,33 @@ def fails_cleanly(tmp_path, *overrides: str) -> str:
     assert "Traceback" not in output
     assert "Epoch:" not in output  # nothing trained
     return output
+
+
+@pytest.fixture
+def refused(tmp_path, monkeypatch, capsys):
+    """`mpexp-train experiment=quickstart <overrides>` run in this process, from tmp_path, for a
+    mistake that the command refuses before the run starts (before Hydra sets up its logging):
+    its output, once it was checked that the command exited non-zero, with no traceback and
+    nothing trained. The command's own process is test_a_typo_in_a_sweep_fails_before_any_job's."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(logging, "raiseExceptions", logging.raiseExceptions)  # the command sets it
+
+    def run(*overrides: str) -> str:
+        monkeypatch.setattr(sys, "argv", ["mpexp-train", "experiment=quickstart", *overrides])
+        try:
+            with pytest.raises(SystemExit) as exited:
+                mpexp.train.cli()
+        finally:
+            GlobalHydra.instance().clear()  # as a process that ends would leave it
+        said = capsys.readouterr()
+        output = said.out + said.err
+        assert exited.value.code not in (0, None), output
+        assert "Traceback" not in output
+        assert "Epoch:" not in output
+        return output
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -42,8 +73,10 @@ def fails_cleanly(tmp_path, *overrides: str) -> str:
         ("trainer.epochs=0", "trainer.epochs=0 must be an integer >= 1"),  # a range, not a type
     ],
 )
-def test_schema_refuses_bad_keys_and_values_before_any_run_dir_exists(tmp_path, override, message):
-    output = fails_cleanly(tmp_path, override)
+def test_schema_refuses_bad_keys_and_values_before_any_run_dir_exists(
+    refused, tmp_path, override, message
+):
+    output = refused(override)
     assert message in output
     assert not (tmp_path / "outputs").exists()  # no junk run folder per typo
 
@@ -58,8 +91,8 @@ def test_a_typo_in_a_sweep_fails_before_any_job(tmp_path):
     assert not list((tmp_path / "outputs" / "multirun").glob("*/*/*"))  # no job folder
 
 
-def test_unknown_option_lists_the_valid_ones(tmp_path):
-    output = fails_cleanly(tmp_path, "precision=fp4")
+def test_unknown_option_lists_the_valid_ones(refused):
+    output = refused("precision=fp4")
     assert "fp4" in output
     for option in ("bf16", "fp16", "fp32", "fp8", "tf32"):
         assert option in output
@@ -79,8 +112,9 @@ def test_unknown_option_lists_the_valid_ones(tmp_path):
         (["loss_scaling=hysteresis", "loss_scaling.hysteresis=0"], "loss_scaling.hysteresis"),
     ],
 )
-def test_bad_values_fail_before_training(tmp_path, overrides, named):
-    assert named in fails_cleanly(tmp_path, *overrides)
+def test_bad_values_fail_before_training(refused, tmp_path, overrides, named):
+    assert named in refused(*overrides)
+    assert not (tmp_path / "outputs").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
