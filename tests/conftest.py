@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import os
 import subprocess
 import sys
@@ -130,6 +131,42 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+@pytest.fixture
+def in_process(monkeypatch, capsys):
+    """`mpexp-train <args>` from `cwd`, run in this process through the command's own entry
+    point, as `run_cli` runs it in a process of its own: for what the command says and where it
+    stops, where the process boundary itself is not what a test checks. The same
+    CompletedProcess, its stdout and stderr as the command wrote them."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    import mpexp.train
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(logging, "raiseExceptions", logging.raiseExceptions)  # the command sets it
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", ["mpexp-train", *args])
+        try:
+            mpexp.train.cli()
+            status = 0
+        except SystemExit as exited:
+            status = exited.code if isinstance(exited.code, int) else int(exited.code is not None)
+        finally:
+            GlobalHydra.instance().clear()  # as the command's process would, ending
+            # a run that started has Hydra's handlers on the root logger (train.log, the console)
+            for handler in set(root.handlers) - set(handlers):
+                root.removeHandler(handler)
+                handler.close()
+            root.setLevel(level)
+        said = capsys.readouterr()
+        return subprocess.CompletedProcess(["mpexp-train", *args], status, said.out, said.err)
+
+    return run
 
 
 # The files whose tests stop, kill or time processes (signals, SIGKILL, W&B's process, pre-emption):

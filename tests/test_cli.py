@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import re
-import sys
 
 import pytest
 import torch
-from hydra.core.global_hydra import GlobalHydra
 
-import mpexp.train
 from mpexp.errors import ConfigError
 from mpexp.run.runner import train
 from mpexp.run.validate import validate
@@ -28,25 +24,16 @@ def fails_cleanly(tmp_path, *overrides: str) -> str:
 
 
 @pytest.fixture
-def refused(tmp_path, monkeypatch, capsys):
+def refused(tmp_path, in_process):
     """`mpexp-train experiment=quickstart <overrides>` run in this process, from tmp_path, for a
-    mistake that the command refuses before the run starts (before Hydra sets up its logging):
-    its output, once it was checked that the command exited non-zero, with no traceback and
-    nothing trained. The command's own process is test_a_typo_in_a_sweep_fails_before_any_job's."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(logging, "raiseExceptions", logging.raiseExceptions)  # the command sets it
+    mistake that the command refuses before the run starts: its output, once it was checked
+    that the command exited non-zero, with no traceback and nothing trained. The command's own
+    process is test_a_typo_in_a_sweep_fails_before_any_job's."""
 
     def run(*overrides: str) -> str:
-        monkeypatch.setattr(sys, "argv", ["mpexp-train", "experiment=quickstart", *overrides])
-        try:
-            with pytest.raises(SystemExit) as exited:
-                mpexp.train.cli()
-        finally:
-            GlobalHydra.instance().clear()  # as a process that ends would leave it
-        said = capsys.readouterr()
-        output = said.out + said.err
-        assert exited.value.code not in (0, None), output
+        result = in_process("experiment=quickstart", *overrides, cwd=tmp_path)
+        output = result.stdout + result.stderr
+        assert result.returncode != 0, output
         assert "Traceback" not in output
         assert "Epoch:" not in output
         return output

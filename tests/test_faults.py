@@ -192,13 +192,13 @@ def test_two_runs_started_together_get_a_directory_each(tmp_path):
         assert status(run_dir) == "finished"
 
 
-def test_a_new_run_is_refused_a_directory_that_holds_a_run(tmp_path):
+def test_a_new_run_is_refused_a_directory_that_holds_a_run(tmp_path, in_process):
     run_dir = tmp_path / "sweep" / "0"  # also where a sweep's first job would go
     train(make_cfg(*ARGS, "trainer.epochs=1"), RunContext(run_dir))  # the run it holds
     before = {p.name: p.read_bytes() for p in (run_dir / "metrics.jsonl", run_dir / "summary.json")}
     (saved,) = checkpoint_files(run_dir)
 
-    again = run_cli("mpexp.train", *ARGS, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    again = in_process(*ARGS, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     output = one_line_failure(again)
     assert f"{run_dir} already holds a run (status: finished)" in output
     assert f"trainer.resume={run_dir}" in output
@@ -861,9 +861,9 @@ def test_impossible_values_are_named_before_anything_runs(overrides, named):
     ids=["images too small", "model too large"],
 )
 def test_a_model_that_cannot_be_built_names_the_key_and_leaves_no_run_dir(
-    tmp_path, overrides, said
+    tmp_path, in_process, overrides, said
 ):
-    result = run_cli("mpexp.train", *TINY, *overrides, cwd=tmp_path)
+    result = in_process(*TINY, *overrides, cwd=tmp_path)
     assert said in one_line_failure(result)
     assert result.returncode == 2
     assert not (tmp_path / "outputs").exists()  # nor the date's folder made for it
@@ -880,7 +880,9 @@ def test_images_too_small_for_a_deeper_model_are_named_with_their_keys():
     assert "(dataset.channels=1, dataset.height=2, dataset.width=2 now)" in str(refused.value)
 
 
-def test_a_users_value_under_mpexps_own_name_is_refused_at_the_call(tmp_path):
+def test_a_users_value_under_mpexps_own_name_is_refused_at_the_call(
+    tmp_path, in_process, monkeypatch
+):
     """A model of the user's that logs `train/loss` would overwrite the loss the report reads; the
     run ends failed, with one line naming the key and the line that logged it."""
     (tmp_path / "my_models.py").write_text(
@@ -893,8 +895,9 @@ def test_a_users_value_under_mpexps_own_name_is_refused_at_the_call(tmp_path):
         "        return super().forward(x)\n"
     )
     run_dir = tmp_path / "run"
-    result = run_cli("mpexp.train", *TINY, "model._target_=my_models.LossLoggingCNN",
-                     f"hydra.run.dir={run_dir}", cwd=tmp_path, pythonpath=tmp_path)  # fmt: skip
+    monkeypatch.syspath_prepend(tmp_path)
+    result = in_process(*TINY, "model._target_=my_models.LossLoggingCNN",
+                        f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
     said = (
         "mpexp.log: 'train/loss' is one of mpexp's own metric names (train/, val/, test/, amp/, "
         "opt/, perf/, mem/, diag/, step, epoch, lr, samples, tokens); choose another prefix for "
@@ -943,12 +946,12 @@ def snapshot(run_dir: Path) -> dict:
     ("1", "has trained 2 epochs, more than trainer.epochs=1 asks for"),
 ])  # fmt: skip
 def test_resuming_a_finished_run_says_how_to_train_on_and_changes_nothing(
-    finished_run, epochs, said
+    finished_run, in_process, epochs, said
 ):
     before = snapshot(finished_run)
-    result = run_cli("mpexp.train", *ARGS, "trainer.keep_checkpoints=2", "wandb.mode=offline",
-                     f"trainer.epochs={epochs}", f"trainer.resume={finished_run}",
-                     cwd=finished_run.parent)  # fmt: skip
+    result = in_process(*ARGS, "trainer.keep_checkpoints=2", "wandb.mode=offline",
+                        f"trainer.epochs={epochs}", f"trainer.resume={finished_run}",
+                        cwd=finished_run.parent)  # fmt: skip
     output = one_line_failure(result)
     assert said in output and "To train on, give more epochs: trainer.epochs=4" in output
     assert snapshot(finished_run) == before  # no rows, no W&B segment, no .hydra rewrite
@@ -978,13 +981,13 @@ def _narrower_first_conv(state: dict) -> None:
     ],
     ids=["no config", "no scaler", "a weight of another shape"],
 )  # fmt: skip
-def test_a_refused_resume_leaves_the_run_as_it_was(finished_run, change, said):
+def test_a_refused_resume_leaves_the_run_as_it_was(finished_run, in_process, change, said):
     _, newest = checkpoint_files(finished_run)
     rewrite_checkpoint(newest, change)
     before = snapshot(finished_run)
-    result = run_cli("mpexp.train", *ARGS, "trainer.keep_checkpoints=2", "wandb.mode=offline",
-                     "trainer.epochs=3", f"trainer.resume={finished_run}",
-                     cwd=finished_run.parent)  # fmt: skip
+    result = in_process(*ARGS, "trainer.keep_checkpoints=2", "wandb.mode=offline",
+                        "trainer.epochs=3", f"trainer.resume={finished_run}",
+                        cwd=finished_run.parent)  # fmt: skip
     output = one_line_failure(result)
     assert f"trainer.resume: {newest} {said}" in output
     assert result.returncode == 2
