@@ -14,21 +14,12 @@ from mpexp.tracking.tracker import RunContext
 from tests.conftest import TINY, make_cfg, run_cli
 
 
-def fails_cleanly(tmp_path, *overrides: str) -> str:
-    result = run_cli("mpexp.train", "experiment=quickstart", *overrides, cwd=tmp_path)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, output
-    assert "Traceback" not in output
-    assert "Epoch:" not in output  # nothing trained
-    return output
-
-
 @pytest.fixture
 def refused(tmp_path, in_process):
     """`mpexp-train experiment=quickstart <overrides>` run in this process, from tmp_path, for a
-    mistake that the command refuses before the run starts: its output, once it was checked
-    that the command exited non-zero, with no traceback and nothing trained. The command's own
-    process is test_a_typo_in_a_sweep_fails_before_any_job's."""
+    mistake that the command refuses before training: its output, once it was checked that the
+    command exited non-zero, with no traceback and nothing trained. The command's own process
+    is test_a_typo_in_a_sweep_fails_before_any_job's."""
 
     def run(*overrides: str) -> str:
         result = in_process("experiment=quickstart", *overrides, cwd=tmp_path)
@@ -105,15 +96,13 @@ def test_bad_values_fail_before_training(refused, tmp_path, overrides, named):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
-def test_cuda_without_a_gpu_says_so(tmp_path):
-    output = fails_cleanly(tmp_path, "trainer.device=cuda")
+def test_cuda_without_a_gpu_says_so(refused):
+    output = refused("trainer.device=cuda")
     assert "trainer.device=cuda" in output and "trainer.device=cpu" in output
 
 
-def test_missing_dataset_says_where_to_put_it(tmp_path):
-    output = fails_cleanly(
-        tmp_path, "dataset=mnist", f"dataset.root={tmp_path / 'd'}", "dataset.download=false"
-    )
+def test_missing_dataset_says_where_to_put_it(refused, tmp_path):
+    output = refused("dataset=mnist", f"dataset.root={tmp_path / 'd'}", "dataset.download=false")
     assert "MNIST/raw" in output and "dataset=synthetic" in output
 
 

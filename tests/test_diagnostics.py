@@ -27,7 +27,7 @@ from mpexp.step.diagnostics import (
 )
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
-from tests.conftest import CPU, TINY, make_cfg, precision_of, run_cli
+from tests.conftest import CPU, TINY, make_cfg, precision_of
 from tests.test_training import read_metrics
 from tests.test_wandb import history, leet_records
 
@@ -223,8 +223,8 @@ def test_the_floor_can_be_ridden_out_with_continue(tmp_path):
     assert summary["ran"]["final_scale"] == pytest.approx(1e30)
 
 
-def test_floor_error_reaches_the_user_without_a_traceback(tmp_path):
-    result = run_cli("mpexp.train", "experiment=quickstart", *TINY, *FLOOR, cwd=tmp_path)
+def test_floor_error_reaches_the_user_without_a_traceback(tmp_path, in_process):
+    result = in_process("experiment=quickstart", *TINY, *FLOOR, cwd=tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "Traceback" not in output
     assert "Loss scale hit its floor at step 1" in output

@@ -228,11 +228,13 @@ def test_without_a_path_the_standard_library_is_the_corpus(tmp_path):
     assert b"import " in bytes(np.asarray(data.tokens[:100_000]))
 
 
-def test_a_missing_text_file_under_the_home_folder_stops_the_command_with_one_line(tmp_path):
+def test_a_missing_text_file_under_the_home_folder_stops_the_command_with_one_line(
+    tmp_path, in_process, monkeypatch
+):
     """`dataset.path=~/...` as typed (Hydra's grammar refuses `~`, so the command expands it),
     naming a file that does not exist: one line, exit code 2."""
-    result = run_cli("mpexp.train", *TINY_LM, "dataset.path=~/nowhere.txt", cwd=tmp_path,
-                     env={"HOME": str(tmp_path)})  # fmt: skip
+    monkeypatch.setenv("HOME", str(tmp_path))
+    result = in_process(*TINY_LM, "dataset.path=~/nowhere.txt", cwd=tmp_path)
     assert result.returncode == 2
     assert f"dataset.path={tmp_path}/nowhere.txt does not exist" in one_line_failure(result)
     assert expand_home(["a.b=~/x,~/y", "c='~/z'", "~d", "e=a~b", "f=~"]) == [
