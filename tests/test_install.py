@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT
 
 IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info")
 SMALL = [
@@ -120,7 +120,7 @@ def test_bash_completion_of_the_console_script(installed, tmp_path):
     assert completed == ["precision=fp16", "precision=fp32", "precision=fp8"]
 
 
-def test_a_users_own_config_group_option_through_the_searchpath(tmp_path):
+def test_a_users_own_config_group_option_through_the_searchpath(tmp_path, in_process, monkeypatch):
     (tmp_path / "my_models.py").write_text(
         "from torch import nn\n\n"
         "def tiny_mlp(in_channels, num_classes, image_size, hidden=32):\n"
@@ -132,10 +132,9 @@ def test_a_users_own_config_group_option_through_the_searchpath(tmp_path):
     option.parent.mkdir(parents=True)
     option.write_text("_target_: my_models.tiny_mlp\nhidden: 16\n")
 
-    result = run_cli(
-        "mpexp.train", *SMALL, f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]",
-        "model=tiny_mlp", "wandb.mode=disabled", cwd=tmp_path, pythonpath=tmp_path,
-    )  # fmt: skip
+    monkeypatch.syspath_prepend(tmp_path)
+    result = in_process(*SMALL, f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]",
+                        "model=tiny_mlp", "wandb.mode=disabled", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     (run_dir,) = (tmp_path / "outputs").glob("*/*")
     summary = json.loads((run_dir / "summary.json").read_text())
