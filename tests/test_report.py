@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import statistics
@@ -241,13 +243,25 @@ def test_wandb_runs_hold_what_ran_and_plot_against_epoch_and_step(precision_swee
     assert final_summary(records)["val/acc"] == {"max": max(accs), "last": accs[-1]}
 
 
-def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
+@pytest.fixture(scope="module")
+def reported_twice(precision_sweep, tmp_path_factory):
+    """The sweep's report written into a folder of its own (--out), W&B `auto`: twice, as after
+    a sweep and once more by hand. The folder, and the last line the second report printed."""
     sweep, _ = precision_sweep
-    # `auto` logs the way the sweep's runs were logged; here offline, into --out
-    assert report.main([str(sweep), "--out", str(tmp_path)]) == 0
+    out = tmp_path_factory.mktemp("reported_twice")
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as env, contextlib.redirect_stdout(printed):
+        env.setenv("WANDB_SILENT", "true")
+        for _ in range(2):
+            assert report.main([str(sweep), "--out", str(out)]) == 0
+    return out, printed.getvalue().splitlines()[-1]
 
-    (wandb_dir,) = (tmp_path / "wandb-report" / "wandb").glob("offline-run-*")
+
+def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, reported_twice):
+    sweep, _ = precision_sweep
+    out, _ = reported_twice
+    # `auto` logs the way the sweep's runs were logged; here offline, into --out
+    (wandb_dir,) = (out / "wandb-report" / "wandb").glob("offline-run-*")
     (run,) = [r["run"] for r in leet_records(wandb_dir) if r["type"] == "run"]
     assert run["run_group"] == f"sweep-{sweep.parent.name}_{sweep.name}"
     assert run["job_type"] == "report" and run["project"] == "mpexp"
@@ -274,16 +288,10 @@ def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, tmp_p
     ]
 
 
-def test_the_report_is_one_wandb_run_per_folder_and_holds_report_md(
-    precision_sweep, tmp_path, monkeypatch, capsys
-):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    sweep, _ = precision_sweep
-    for _ in range(2):  # the report written again, as after a sweep and once more by hand
-        assert report.main([str(sweep), "--out", str(tmp_path)]) == 0
+def test_the_report_is_one_wandb_run_per_folder_and_holds_report_md(reported_twice):
+    out, sync = reported_twice
     # one report run, updated: its id comes from the folder; the older offline copy is replaced
-    (wandb_dir,) = (tmp_path / "wandb-report" / "wandb").glob("offline-run-*")
-    sync = capsys.readouterr().out.splitlines()[-1]
+    (wandb_dir,) = (out / "wandb-report" / "wandb").glob("offline-run-*")
     assert sync.count("wandb-report") == 1 and sync.endswith(f"{wandb_dir}`")
     records = leet_records(wandb_dir)
     (run,) = [r["run"] for r in records if r["type"] == "run"]
@@ -292,7 +300,7 @@ def test_the_report_is_one_wandb_run_per_folder_and_holds_report_md(
     artifacts = [r["artifact"] for r in records if r["type"] == "artifact"]
     (files,) = [a for a in artifacts if a["type"] == "report"]
     names = {c["path"] for c in files["manifest"]["contents"]}
-    assert names == {"report.md", *(p.name for p in tmp_path.glob("*.png"))} and len(names) > 4
+    assert names == {"report.md", *(p.name for p in out.glob("*.png"))} and len(names) > 4
 
 
 def test_failed_run_is_named_and_the_rest_reported(sweep_with_a_failure):
