@@ -138,7 +138,8 @@ def in_process(monkeypatch, capsys):
     """`mpexp-train <args>` from `cwd`, run in this process through the command's own entry
     point, as `run_cli` runs it in a process of its own: for what the command says and where it
     stops, where the process boundary itself is not what a test checks. The same
-    CompletedProcess, its stdout and stderr as the command wrote them."""
+    CompletedProcess, its stdout and stderr as the command wrote them. A test's own modules
+    (`monkeypatch.syspath_prepend`) stay imported in this process: each takes a name of its own."""
     from hydra.core.global_hydra import GlobalHydra
 
     import mpexp.train

@@ -885,7 +885,7 @@ def test_a_users_value_under_mpexps_own_name_is_refused_at_the_call(
 ):
     """A model of the user's that logs `train/loss` would overwrite the loss the report reads; the
     run ends failed, with one line naming the key and the line that logged it."""
-    (tmp_path / "my_models.py").write_text(
+    (tmp_path / "my_logging_models.py").write_text(
         "import mpexp\n"
         "from mpexp.models.simplecnn import SimpleCNN\n\n\n"
         "class LossLoggingCNN(SimpleCNN):\n"
@@ -896,13 +896,13 @@ def test_a_users_value_under_mpexps_own_name_is_refused_at_the_call(
     )
     run_dir = tmp_path / "run"
     monkeypatch.syspath_prepend(tmp_path)
-    result = in_process(*TINY, "model._target_=my_models.LossLoggingCNN",
+    result = in_process(*TINY, "model._target_=my_logging_models.LossLoggingCNN",
                         f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
     said = (
         "mpexp.log: 'train/loss' is one of mpexp's own metric names (train/, val/, test/, amp/, "
         "opt/, perf/, mem/, diag/, step, epoch, lr, samples, tokens); choose another prefix for "
         "your values, e.g. "
-        f"'my/train/loss'. (mpexp.log called at {tmp_path / 'my_models.py'}:8)"
+        f"'my/train/loss'. (mpexp.log called at {tmp_path / 'my_logging_models.py'}:8)"
     )
     assert said in one_line_failure(result)
     assert result.returncode == 2

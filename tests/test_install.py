@@ -121,7 +121,7 @@ def test_bash_completion_of_the_console_script(installed, tmp_path):
 
 
 def test_a_users_own_config_group_option_through_the_searchpath(tmp_path, in_process, monkeypatch):
-    (tmp_path / "my_models.py").write_text(
+    (tmp_path / "my_mlps.py").write_text(
         "from torch import nn\n\n"
         "def tiny_mlp(in_channels, num_classes, image_size, hidden=32):\n"
         "    h, w = image_size\n"
@@ -130,7 +130,7 @@ def test_a_users_own_config_group_option_through_the_searchpath(tmp_path, in_pro
     )
     option = tmp_path / "my_conf" / "model" / "tiny_mlp.yaml"
     option.parent.mkdir(parents=True)
-    option.write_text("_target_: my_models.tiny_mlp\nhidden: 16\n")
+    option.write_text("_target_: my_mlps.tiny_mlp\nhidden: 16\n")
 
     monkeypatch.syspath_prepend(tmp_path)
     result = in_process(*SMALL, f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]",
