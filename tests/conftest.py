@@ -173,6 +173,9 @@ def in_process(monkeypatch, capsys):
 # The files whose tests stop, kill or time processes (signals, SIGKILL, W&B's process, pre-emption):
 # under `pytest -n 2` they run one after another in one process, never beside each other
 ONE_AT_A_TIME = {"test_faults", "test_preemption", "test_resume", "test_wandb"}
+# The groups that take longest (about 170, 50, 45 and 35 s on two cores) start first, each as a
+# worker comes free, so that the many short files even out the two workers' ends
+LONGEST_FIRST = ["processes", "test_report", "test_config", "test_distributed"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
@@ -189,12 +192,18 @@ def pytest_collection_modifyitems(config, items):
 
 def _group_for_xdist(items) -> None:
     """Each file's tests in one worker (its module-scoped runs are made once), the files of
-    ONE_AT_A_TIME in one worker together, and first: the longest group starts first, so that the
-    two workers end close together."""
+    ONE_AT_A_TIME in one worker together; the groups of LONGEST_FIRST first, in its order."""
+    group = {}
     for item in items:
         module = item.path.stem
-        item.add_marker(pytest.mark.xdist_group("processes" if module in ONE_AT_A_TIME else module))
-    items.sort(key=lambda item: item.path.stem not in ONE_AT_A_TIME)  # stable: in file order
+        group[item] = "processes" if module in ONE_AT_A_TIME else module
+        item.add_marker(pytest.mark.xdist_group(group[item]))
+
+    def rank(item) -> int:
+        name = group[item]
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest in file order
 
 
 @pytest.fixture(autouse=True)
