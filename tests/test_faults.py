@@ -596,10 +596,20 @@ def test_loader_workers_go_on_through_the_jobs_stop_signals():
 # ends it with a SIGTERM of the main process's own, which a worker that ignored every SIGTERM
 # waited out for ever
 EXIT_WITH_A_LIVE_WORKER = """
-from mpexp.data.workers import WorkerLoader
-from tests.test_faults import WorkerPids
+from torch.utils.data import Dataset
 
-batches = iter(WorkerLoader(WorkerPids(), num_workers=1))
+from mpexp.data.workers import WorkerLoader
+
+
+class Items(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return index
+
+
+batches = iter(WorkerLoader(Items(), num_workers=1))
 next(batches)
 """
 
