@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import io
 import logging
 import os
 import subprocess
@@ -133,8 +135,7 @@ def run_cli(
     )
 
 
-@pytest.fixture
-def in_process(monkeypatch, capsys):
+def command_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`mpexp-train <args>` from `cwd`, run in this process through the command's own entry
     point, as `run_cli` runs it in a process of its own: for what the command says and where it
     stops, where the process boundary itself is not what a test checks. The same
@@ -144,16 +145,17 @@ def in_process(monkeypatch, capsys):
 
     import mpexp.train
 
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    monkeypatch.setattr(logging, "raiseExceptions", logging.raiseExceptions)  # the command sets it
-
-    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-        root = logging.getLogger()
-        handlers, level = root.handlers[:], root.level
-        monkeypatch.chdir(cwd)
-        monkeypatch.setattr(sys, "argv", ["mpexp-train", *args])
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("HYDRA_FULL_ERROR", raising=False)
+        patch.setattr(logging, "raiseExceptions", logging.raiseExceptions)  # the command sets it
+        patch.chdir(cwd)
+        patch.setattr(sys, "argv", ["mpexp-train", *args])
         try:
-            mpexp.train.cli()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                mpexp.train.cli()
             status = 0
         except SystemExit as exited:
             status = exited.code if isinstance(exited.code, int) else int(exited.code is not None)
@@ -164,10 +166,14 @@ def in_process(monkeypatch, capsys):
                 root.removeHandler(handler)
                 handler.close()
             root.setLevel(level)
-        said = capsys.readouterr()
-        return subprocess.CompletedProcess(["mpexp-train", *args], status, said.out, said.err)
+    return subprocess.CompletedProcess(["mpexp-train", *args], status, out.getvalue(),
+                                       err.getvalue())  # fmt: skip
 
-    return run
+
+@pytest.fixture
+def in_process():
+    """command_in_process, for a test."""
+    return command_in_process
 
 
 # The files whose tests stop, kill or time processes (signals, SIGKILL, W&B's process, pre-emption):

@@ -77,7 +77,7 @@ from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
-from tests.conftest import ROOT, TINY, make_cfg, run_cli
+from tests.conftest import ROOT, TINY, command_in_process, make_cfg, run_cli
 from tests.test_image_folder import SMALL, write_images
 from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
 from tests.test_training import read_metrics
@@ -928,8 +928,8 @@ def test_a_users_value_under_mpexps_own_name_is_refused_at_the_call(
 def _one_finished_run(tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("finished")
     run_dir = cwd / "run"
-    result = run_cli("mpexp.train", *ARGS, "trainer.keep_checkpoints=2", "wandb.mode=offline",
-                     f"hydra.run.dir={run_dir}", cwd=cwd)  # fmt: skip
+    result = command_in_process(*ARGS, "trainer.keep_checkpoints=2", "wandb.mode=offline",
+                                f"hydra.run.dir={run_dir}", cwd=cwd)  # fmt: skip
     assert result.returncode == 0, result.stderr
     return run_dir
 
