@@ -119,7 +119,7 @@ def test_mean_and_interval_over_seeds(tmp_path):
     assert row["val acc (%)"] == f"92.00 ± {half:.2f}" == "92.00 ± 4.97"
     assert row["parity"] == "fp32 reference"
     # --no-plots: the tables alone (the plots are test_report's)
-    assert "Not drawn (`--no-plots`)" in (tmp_path / "report.md").read_text()
+    assert "This report drew none (`--no-plots`)" in (tmp_path / "report.md").read_text()
     assert not list(tmp_path.glob("*.png"))
 
 

@@ -522,7 +522,8 @@ def _runs_section(report: Report) -> list[str]:
 def _plots_section(report: Report) -> list[str]:
     lines = ["## Plots", ""]
     if not report.plots_drawn:
-        return [*lines, "Not drawn (`--no-plots`): the report without it draws them.", ""]
+        return [*lines, "This report drew none (`--no-plots`); a PNG beside it is an earlier "
+                "report's. The report without `--no-plots` draws them anew.", ""]  # fmt: skip
     for name, title in PLOT_TITLES.items():
         if name in report.plots:
             lines += [f"![{title}]({report.plots[name].name})", ""]
