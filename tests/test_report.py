@@ -343,7 +343,7 @@ def test_incomplete_and_unreadable_runs_are_named(sweep_with_a_failure, tmp_path
     killed.write_text(json.dumps({**json.loads(killed.read_text()), "status": "running"}))
     (tmp_path / "broken" / "summary.json").write_text('{"status": "fini')
 
-    assert report.main([str(tmp_path)]) == 0
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert "not reported: killed: it is still running or was killed" in out
     assert "not reported: broken: summary.json cannot be read" in out
@@ -361,7 +361,7 @@ def test_runs_whose_files_hold_other_json_are_named_and_the_rest_reported(
     line = len(metrics.read_text().splitlines()) + 1
     metrics.write_text(metrics.read_text() + "42\n")  # valid JSON, not a row
 
-    assert report.main([str(tmp_path)]) == 0
+    assert report.main([str(tmp_path), "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert "not reported: listed: summary.json holds a list, not an object" in out
     assert f"numbered: metrics.jsonl cannot be read (line {line} holds a number, not an" in out
@@ -389,7 +389,8 @@ def test_a_run_killed_mid_write_is_reported_without_its_half_line(sweep_with_a_f
 def test_without_an_fp32_run_nothing_is_compared(precision_sweep, tmp_path):
     sweep, _ = precision_sweep
     run = shutil.copytree(sweep / "2", tmp_path / "fp16_only")
-    assert report.main([str(run)]) == 0  # a single run directory: the report goes into it
+    # a single run directory: the report goes into it
+    assert report.main([str(run), "--no-plots"]) == 0
 
     (accuracy,) = read_table(run / "report.md", "Accuracy against fp32")
     (speed,) = read_table(run / "report.md", "Speed")
