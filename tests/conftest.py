@@ -170,6 +170,15 @@ def command_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                                        err.getvalue())  # fmt: skip
 
 
+def one_line_failure(result: subprocess.CompletedProcess) -> str:
+    """The output of a command that failed as a mistake should: a non-zero exit, no traceback,
+    nothing trained."""
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "Traceback" not in output and "Epoch:" not in output
+    return output
+
+
 @pytest.fixture
 def in_process():
     """command_in_process, for a test."""

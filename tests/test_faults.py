@@ -77,7 +77,14 @@ from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
-from tests.conftest import ROOT, TINY, command_in_process, make_cfg, run_cli
+from tests.conftest import (
+    ROOT,
+    TINY,
+    command_in_process,
+    make_cfg,
+    one_line_failure,
+    run_cli,
+)
 from tests.test_image_folder import SMALL, write_images
 from tests.test_resume import ARGS, comparable, start_cli, status, wait_for
 from tests.test_training import read_metrics
@@ -167,13 +174,6 @@ def test_deterministic_runs_with_one_seed_repeat_exactly(tmp_path):
     assert all(s["ran"]["deterministic"] for s in summaries)
     assert comparable(tmp_path / "a") == comparable(tmp_path / "b")
     assert len(read_metrics(tmp_path / "a")[0]) == 8
-
-
-def one_line_failure(result) -> str:
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, output
-    assert "Traceback" not in output and "Epoch:" not in output
-    return output
 
 
 # --- one run, one directory --------------------------------------------------------------------
