@@ -18,6 +18,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -78,13 +79,22 @@ class LiveBytes(TorchDispatchMode):
         self.where = ""  # the module whose forward runs now, where the model says (see `watch`)
         self._refs: dict[int, weakref.ref] = {}
         self.count_flops = False  # matrix products' FLOPs (torch's formulas) while on
+        self.host_reads: dict[str, int] = {}  # per phase: values read on the host, taken as 0
         self.flops = 0
 
     # --- what the ops make ---------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            # a value read on the host (.item(), a flag in an `if`): a fake has none, so it
+            # reads as 0, which a loss scaler's overflow flag means as "finite: take the step"
+            self.host_reads[self.phase] = self.host_reads.get(self.phase, 0) + 1
+            return False if args[0].dtype is torch.bool else 0
         self.clock += 1
         if self.count_flops:
             formula = flop_registry.get(func._overloadpacket)

@@ -16,15 +16,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass, field
 
 import torch
 from omegaconf import DictConfig
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    FakeTensorMode,
-    UnsupportedOperatorException,
-)
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mpexp.errors import reason
 from mpexp.plan.live_bytes import LiveBytes
@@ -33,7 +30,7 @@ from mpexp.precision.fp32_modules import run_in_float32
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.pure_updates import COMPENSATION, hold_in_bf16
 from mpexp.precision.scaling import build_scaler
-from mpexp.run.build import build, checked, model_trial, output_shape
+from mpexp.run.build import build, checked, fake_tensor_limit, model_trial, output_shape
 from mpexp.run.validate import validate
 from mpexp.step import performance
 from mpexp.step.diagnostics import Diagnostics
@@ -61,6 +58,8 @@ class Rehearsal:
     micro_batch: int
     validation_batch: int
     missing: dict[str, str] = field(default_factory=dict)  # a number not given -> why
+    # values one optimizer step reads on the host (each a host-device synchronisation on a GPU)
+    host_reads: int = 0
 
 
 def rehearse(cfg: DictConfig, device_type: str, micro_batches: int | None = None) -> Rehearsal:
@@ -81,115 +80,158 @@ def rehearse(cfg: DictConfig, device_type: str, micro_batches: int | None = None
     task = data.planned_task()
     if task is None:  # the shapes need the data: set it up as the run would
         task = data.setup(CPU)
-    accumulate = int(cfg.trainer.accumulate)
-    batch = int(data.batch_size)
-    micro = batch // accumulate
-    val_batch = validation_batch_size(data, cfg)
-    missing: dict[str, str] = {}
-    rehearsed = accumulate
-
+    data.task = task
     what = f"model={cfg.model._target_}"
     with model_trial(task, what), torch.device("meta"):  # no memory, and no initialisation
         meta = build(cfg.model, **task.model_kwargs())
-    tracker = LiveBytes()
-    with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+    stage = Stage(cfg, data, device_type)
+    with FakeTensorMode(allow_non_fake_inputs=True), stage.tracker:
+        try:
+            stage.build(meta, precision, what)
+            stage.step(micro_batches)
+            stage.validate()
+        except RuntimeError as err:
+            if not fake_tensor_limit(err):
+                raise
+            stage.cannot(err)
+        finally:
+            stage.stop_watching()
+    return stage.rehearsal()
+
+
+class Stage:
+    """One rehearsal's parts and what it has measured so far (see `rehearse`)."""
+
+    def __init__(self, cfg: DictConfig, data, device_type: str) -> None:
+        self.cfg, self.data, self.task = cfg, data, data.task
+        self.device_type = device_type
+        self.tracker = LiveBytes()
+        self.batch = int(data.batch_size)
+        self.accumulate = int(cfg.trainer.accumulate)
+        self.rehearsed = self.accumulate
+        self.model = self.optimizer = None
+        self.parameters = 0
+        self.held = dict.fromkeys(("weights", "gradients", "optimizer", "compensation"), 0)
+        self.held["buffers"] = 0
+        self.missing: dict[str, str] = {}
+        self.precision_name = ""
+        self._handles: list = []
+
+    def build(self, meta: torch.nn.Module, precision, what: str) -> None:
+        """The model as the run has it when its first step starts, its loss scaler and
+        optimizer (mpexp/run/build.py's order)."""
+        cfg, task = self.cfg, self.task
+        self.precision_name = precision.mode
         bf16 = torch.bfloat16 if precision.pure is not None else None
         model = materialize(meta, bf16)
         if precision.pure is not None:
             model = hold_in_bf16(model)  # its weights are bfloat16 already: the hooks
+        self.model = model
+        self.parameters = sum(p.numel() for p in model.parameters())
         with model_trial(task, what):
             shape = output_shape(model, task)
         checked(model, shape, task, what)
-        parameters = sum(p.numel() for p in model.parameters())
-        model, precision = convert_to_fp8(
-            model, precision, list(cfg.precision.fp32_modules), compiled=False
-        )
-        run_in_float32(model, list(cfg.precision.fp32_modules), precision)
-        speed = performance.plan_speed(cfg, CPU)
-        speed = _speed_for(speed, cfg, device_type)
+        fp32_modules = list(cfg.precision.fp32_modules)
+        model, precision = convert_to_fp8(model, precision, fp32_modules, compiled=False)
+        run_in_float32(model, fp32_modules, precision)
+        speed = _speed_for(performance.plan_speed(cfg, CPU), cfg, self.device_type)
         if speed.channels_last:  # as the run's model.to(memory_format=...), which fake
             for p in model.parameters():  # parameters refuse (it swaps tensors)
                 if p.dim() == 4:
                     p.data = p.data.contiguous(memory_format=torch.channels_last)
-        scaler = build_scaler(
-            cfg.loss_scaling, precision, CPU, cfg.trainer.on_nonfinite_loss == "skip"
+        skip = cfg.trainer.on_nonfinite_loss == "skip"
+        self.scaler = build_scaler(cfg.loss_scaling, precision, CPU, skip)
+        fused = performance.choose_fused(cfg, torch.device(self.device_type), self.scaler, speed)
+        speed = dataclasses.replace(speed, fused=fused)
+        self.optimizer = performance.build_optimizer(cfg, model, CPU, self.scaler, speed)
+        self.diagnostics = Diagnostics(
+            cfg.diagnostics, model, self.scaler, None, precision, self.optimizer
         )
-        fused = performance.choose_fused(cfg, torch.device(device_type), scaler, speed)
-        optimizer = performance.build_optimizer(
-            cfg, model, CPU, scaler, dataclasses.replace(speed, fused=fused)
-        )
-        diagnostics = Diagnostics(cfg.diagnostics, model, scaler, None, precision, optimizer)
-        handles = tracker.watch(model)
-        inputs, targets = task.example(batch, CPU)
+        self.model, self.precision, self.speed = model, precision, speed
+        self._handles = self.tracker.watch(model)
+
+    def step(self, micro_batches: int | None) -> None:
+        """One optimizer step through `micro_batches` of the step's micro-batches (all: None),
+        after a first step that makes the optimizer's states."""
+        inputs, targets = self.task.example(self.batch, CPU)
         if inputs.dim() == 4:  # images, as the data hands them to a channels-last step
-            inputs = inputs.contiguous(memory_format=speed.memory_format())
-        try:
-            # a first step of one micro-batch makes the optimizer's states (and pure bf16's
-            # compensation), which every later step holds through its forward and backward
-            first = (inputs[:micro], targets[:micro])
-            train_step(model, *first, optimizer, scaler, precision, loss_fn=task.loss)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            tracker.start("train_step")
-            tracker.count_flops = True
-            inspect = diagnostics.inspector(0)
-            if inspect is not None:
-                diagnostics.measure_attention(0, inputs)
-            rehearsed = min(micro_batches or accumulate, accumulate)
-            train_step(
-                model,
-                inputs[: rehearsed * micro],
-                targets[: rehearsed * micro],
-                optimizer,
-                scaler,
-                precision,
-                rehearsed,
-                cfg.trainer.clip_grad_norm,
-                inspect=inspect,
-                loss_fn=task.loss,
-            )
-            tracker.count_flops = False
-            scaler.update()
-            held = held_bytes(model, optimizer, scaler, tracker)
-            optimizer.zero_grad(set_to_none=True)
-            tracker.start("validation")
-            val_inputs, val_targets = task.example(val_batch, CPU)
-            data.task = task
-            # its last act, the one read of the sums on the host, finds no value in a fake
-            with contextlib.suppress(DataDependentOutputException):
-                evaluate(model, data, CPU, precision, batches=[(val_inputs, val_targets)])
-        except UnsupportedOperatorException as err:
-            op = getattr(err, "func", None) or reason(err)
-            missing["train_step"] = f"fake tensors cannot run {op}: no peak is planned"
-            held = held_bytes(model, optimizer, scaler, tracker)
-        finally:
-            for handle in handles:
-                handle.remove()
-    peaks = {
-        phase: tracker.peaks[phase].nbytes if phase in tracker.peaks and phase not in missing
-        else None
-        for phase in ("train_step", "validation")
-    }  # fmt: skip
-    if "train_step" in missing:
-        missing.setdefault("validation", missing["train_step"])
-        peaks["validation"] = None
-    tokens = getattr(task, "block_size", None)
-    return Rehearsal(
-        precision=str(cfg.precision.get("name") or precision.mode),
-        device=device_type,
-        parameters=parameters,
-        bytes=held,
-        peak_bytes=peaks,
-        largest={phase: tracker.largest_at(phase) for phase in peaks if peaks[phase]},
-        flops_per_step=tracker.flops * accumulate / rehearsed
-        if "train_step" not in missing
-        else None,
-        samples_per_step=batch,
-        tokens_per_step=batch * tokens if tokens else None,
-        micro_batch=micro,
-        validation_batch=val_batch,
-        missing=missing,
-    )
+            inputs = inputs.contiguous(memory_format=self.speed.memory_format())
+        micro = self.batch // self.accumulate
+        # a first update makes the optimizer's states (and pure bf16's compensation), which
+        # every later step holds through its forward and backward
+        for p in self.model.parameters():
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tracker.start("train_step")
+        self.tracker.count_flops = True
+        inspect = self.diagnostics.inspector(0)
+        if inspect is not None:
+            self.diagnostics.measure_attention(0, inputs)
+        self.rehearsed = min(micro_batches or self.accumulate, self.accumulate)
+        size = self.rehearsed * micro
+        self._train_step(inputs[:size], targets[:size], self.rehearsed, inspect)
+        self.tracker.count_flops = False
+
+    def _train_step(self, inputs, targets, accumulate: int, inspect) -> None:
+        clip = self.cfg.trainer.clip_grad_norm
+        p = self
+        train_step(
+            p.model, inputs, targets, p.optimizer, p.scaler, p.precision, accumulate, clip,
+            inspect=inspect, loss_fn=self.task.loss,
+        )  # fmt: skip
+        self.scaler.update()
+        self.held = held_bytes(self.model, self.optimizer, self.tracker)
+        self.optimizer.zero_grad(set_to_none=True)  # as the loop does after each step
+
+    def validate(self) -> None:
+        """One validation batch, as validation runs it."""
+        self.tracker.start("validation")
+        batch = self.task.example(validation_batch_size(self.data, self.cfg), CPU)
+        evaluate(self.model, self.data, CPU, self.precision, batches=[batch])
+
+    def cannot(self, err: RuntimeError) -> None:
+        """What fake tensors cannot run (a custom kernel without a shape rule, a value read on
+        the host): the numbers that need it are not given, and the plan says why."""
+        op = getattr(err, "func", None)
+        named = re.search(r"CustomOpDef\((.+?)\)", str(err))
+        if named:
+            op = f"{named[1]} (a custom operator with no fake implementation: its register_fake)"
+        why = f"fake tensors cannot run {op or reason(err)}, so no peak or FLOPs are planned"
+        for phase in ("train_step", "validation", "flops_per_step"):
+            self.missing[phase] = why
+        if self.model is not None:
+            self.held["weights"] = self.tracker.live_bytes(list(self.model.parameters()))
+
+    def stop_watching(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def rehearsal(self) -> Rehearsal:
+        peaks = {
+            phase: self.tracker.peaks[phase].nbytes
+            if phase in self.tracker.peaks and phase not in self.missing else None
+            for phase in ("train_step", "validation")
+        }  # fmt: skip
+        tokens = getattr(self.task, "block_size", None)
+        counted = "flops_per_step" not in self.missing
+        micro = self.batch // self.accumulate
+        return Rehearsal(
+            precision=self.precision_name,
+            device=self.device_type,
+            parameters=self.parameters,
+            bytes=self.held,
+            peak_bytes=peaks,
+            largest={phase: self.tracker.largest_at(phase) for phase in peaks if peaks[phase]},
+            flops_per_step=self.tracker.flops * self.accumulate / self.rehearsed
+            if counted else None,
+            samples_per_step=self.batch,
+            tokens_per_step=self.batch * tokens if tokens else None,
+            micro_batch=micro,
+            validation_batch=validation_batch_size(self.data, self.cfg),
+            missing=self.missing,
+            host_reads=self.tracker.host_reads.get("train_step", 0),
+        )  # fmt: skip
 
 
 def materialize(meta: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -229,7 +271,7 @@ def _speed_for(speed, cfg: DictConfig, device_type: str):
     return dataclasses.replace(speed, channels_last=bool(channels_last))
 
 
-def held_bytes(model, optimizer, scaler, tracker: LiveBytes) -> dict[str, int]:
+def held_bytes(model, optimizer, tracker: LiveBytes) -> dict[str, int]:
     """What stays between steps, by kind, each storage counted once; the storages named, so that
     the lists of the largest tensors say whose they are."""
     weights = [p for p in model.parameters()]

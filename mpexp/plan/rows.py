@@ -26,14 +26,16 @@ def plan_rows(
     device: str | None = None,
     device_memory: int | None = None,
     micro_batches: int | None = None,
+    preset_sweeps: bool = True,
 ) -> list[dict]:
-    """One row per combination of `overrides`' values (and of the values its preset sweeps)."""
+    """One row per combination of `overrides`' values (and of the values its preset sweeps,
+    unless `preset_sweeps` is false)."""
     config.register()
     register_resolvers()
     rows = []
     with initialize_config_dir(config_dir=str(config.config_dir()), version_base="1.3"):
         for combo in combinations(expand_home(list(overrides))):
-            for own in with_preset_sweeps(combo):
+            for own in with_preset_sweeps(combo) if preset_sweeps else [combo]:
                 full = compose(config_name="train", overrides=own, return_hydra_config=True)
                 choices = full.hydra.runtime.choices
                 cfg = compose(config_name="train", overrides=own)
@@ -58,9 +60,14 @@ def with_preset_sweeps(overrides: list[str]) -> list[list[str]]:
     if not swept:
         return [overrides]
     parsed = OverridesParser.create().parse_overrides(swept)
-    if not all(p.is_sweep_override() for p in parsed):
-        return [overrides]
-    return [overrides + combo for combo in combinations(swept)]
+    # lists and ranges, as the basic sweeper runs them; a search's intervals (Optuna's learning
+    # rates) change no byte
+    listed = [
+        text
+        for text, p in zip(swept, parsed, strict=True)
+        if p.is_choice_sweep() or p.is_range_sweep()
+    ]
+    return [overrides + combo for combo in combinations(listed)] if listed else [overrides]
 
 
 def visible_memory(device_type: str) -> int | None:
@@ -99,6 +106,7 @@ def row(
         "fits": fits,
         "advice": advice(rehearsal, memory, cfg) if fits is False else [],
         "missing": rehearsal.missing,
+        "host_reads_per_step": rehearsal.host_reads,
     }
 
 

@@ -59,6 +59,11 @@ def table(rows: list[dict]) -> str:
                 f"    {gib(t['bytes']):>10}  {t['dtype']:>8} {tuple(t['shape'])}  {t['what']}"
                 for t in largest[:3]
             )
+        if row["host_reads_per_step"]:
+            text.append(
+                f"  the step reads {row['host_reads_per_step']} values on the host (each a wait "
+                "for the GPU; a fake has no value, so each was taken as 0)"
+            )
         for what, why in row["missing"].items():
             text.append(f"  {what}: not planned ({why})")
         if row["advice"]:

@@ -116,7 +116,11 @@ def fake_tensor_limit(err: BaseException) -> bool:
         fake_tensor.DataDependentOutputException,
         fake_tensor.DynamicOutputShapeException,
     )
-    return isinstance(err, limits)
+    # a custom operator registered without a shape rule ("no fake impl registered for ...")
+    return isinstance(err, limits) or bool(NO_SHAPE_RULE.search(str(err)))
+
+
+NO_SHAPE_RULE = re.compile(r"no (fake|abstract|meta) (impl|kernel)", re.IGNORECASE)
 
 
 def out_of_memory(err: BaseException) -> bool:
