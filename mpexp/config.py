@@ -138,6 +138,9 @@ class TrainerConfig:
     z_loss: float = 0.0  # a language model's auxiliary loss on its logits' log-normaliser
     on_nonfinite_loss: NonfiniteLoss = NonfiniteLoss["raise"]
     peak_tflops: Optional[float] = None  # null: from mpexp.step.flops.PEAK_TFLOPS by GPU name
+    # plan the run on fake tensors before its first step (mpexp/plan/): null on a GPU only, where
+    # the allocator's peak is what the plan predicts; a CPU's resident memory holds more
+    plan: Optional[bool] = None
 
 
 @dataclass

@@ -74,6 +74,12 @@ class TrainingData(ABC):
     ) -> Task:
         """Load (or open) the data for training on `device`; return the task it serves."""
 
+    def planned_task(self) -> Task | None:
+        """The task from the config alone, for `mpexp-plan`: the shapes a run's batches will
+        have, known without reading the data; None where only the data can tell (then the plan
+        sets the data up as a run would)."""
+        return None
+
     @property
     @abstractmethod
     def train_size(self) -> int:

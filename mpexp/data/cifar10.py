@@ -10,6 +10,7 @@ from torchvision import datasets
 from mpexp.data.base import Batch, InMemoryData
 from mpexp.data.checks import check_cifar_batches, check_labels
 from mpexp.data.torchvision_sets import open_torchvision
+from mpexp.tasks.classification import Classification
 
 
 class CIFAR10Data(InMemoryData):
@@ -19,6 +20,9 @@ class CIFAR10Data(InMemoryData):
         super().__init__(**loader)
         self.root = root
         self.download = download
+
+    def planned_task(self) -> Classification:
+        return Classification(channels=3, height=32, width=32, num_classes=10)
 
     def load(self) -> tuple[Batch, Batch, int]:
         cls = datasets.CIFAR10

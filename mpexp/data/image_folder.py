@@ -278,6 +278,14 @@ class ImageFolderData(TrainingData):
 
     # --- the files ---------------------------------------------------------------------------
 
+    def planned_task(self) -> Classification:
+        """The classes from the class folders' names alone: no image is opened."""
+        root = self._root()
+        whole = root / "train" if (root / "train").is_dir() else root
+        classes = [d for d in whole.iterdir() if d.is_dir() and not d.name.startswith(".")]
+        s = self.image_size
+        return Classification(channels=3, height=s, width=s, num_classes=len(classes))
+
     def _root(self) -> Path:
         if self.path is None:
             raise DataError(f"dataset=image_folder needs dataset.path=<folder> holding {LAYOUT}.")

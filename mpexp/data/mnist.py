@@ -11,6 +11,7 @@ from torchvision import datasets
 from mpexp.data.base import Batch, InMemoryData
 from mpexp.data.checks import check_labels, check_mnist_raw
 from mpexp.data.torchvision_sets import open_torchvision
+from mpexp.tasks.classification import Classification
 
 
 class MNISTData(InMemoryData):
@@ -23,6 +24,9 @@ class MNISTData(InMemoryData):
         super().__init__(**loader)
         self.root = root
         self.download = download
+
+    def planned_task(self) -> Classification:
+        return Classification(channels=1, height=28, width=28, num_classes=10)
 
     def load(self) -> tuple[Batch, Batch, int]:
         cls = self.torchvision_class

@@ -9,6 +9,7 @@ import torch
 from mpexp.data.base import Batch, InMemoryData
 from mpexp.errors import DataError
 from mpexp.system import available_memory_bytes
+from mpexp.tasks.classification import Classification
 
 # float32 bytes held per image value while a set is made: the noise, the templates gathered per
 # label and the blend, each of the set's whole size (see make_images)
@@ -44,6 +45,10 @@ class SyntheticData(InMemoryData):
         self.num_classes = num_classes
         self.noise = noise
         self.seed = seed
+
+    def planned_task(self) -> Classification:
+        c, h, w = self.shape
+        return Classification(channels=c, height=h, width=w, num_classes=self.num_classes)
 
     def load(self) -> tuple[Batch, Batch, int]:
         self._check_memory()

@@ -259,6 +259,15 @@ class TextData(TokenWindows):
         self.source: Source | None = None
         self.encoded: Encoded | None = None  # the corpus in a tokenizer's tokens, if not bytes
 
+    def planned_task(self) -> LanguageModelling | None:
+        if self.tokenizer != "byte":  # a learned or given tokenizer's vocabulary: read or learned
+            return None if self.vocab_size is None else self._task(self.vocab_size, None)
+        return self._task(self.vocab_size or VOCAB_SIZE, 1.0)
+
+    def _task(self, vocab: int, bytes_per_token: float | None) -> LanguageModelling:
+        self.require_block_size("dataset=text")
+        return LanguageModelling(vocab, self.block_size, bytes_per_token=bytes_per_token)
+
     def corpus(self) -> Source:
         """Where the text comes from (a subclass may fetch it first)."""
         return stdlib_source() if self.path is None else path_source(self.path)

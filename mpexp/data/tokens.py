@@ -63,6 +63,10 @@ class TokenFiles(TokenWindows):
         self.split_from_train = False  # no val.bin: the training file's tail validates
         self.names: tuple[str, str | None] = ("train.bin", "val.bin")  # the first files' names
 
+    def planned_task(self) -> LanguageModelling:
+        self.require_block_size("dataset=tokens")
+        return LanguageModelling(self.vocab_size, self.block_size, self.bytes_per_token)
+
     def setup(
         self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
     ) -> LanguageModelling:

@@ -5,6 +5,7 @@ background, the optimizer, the schedule and the compiled forward pass (`build_tr
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, fields, replace
 
@@ -43,29 +44,83 @@ def build_model(
     `what` names the model and the dataset in that message; `data_keys` and `model_keys` are the
     settings it names as the ones to change (`dataset.height=2`), the data's shape's and the
     model's size's."""
-    try:
+    with model_trial(task, what, data_keys, model_keys):
         model = build(node, **task.model_kwargs())
-        model.eval()  # no BatchNorm statistics change, no dropout draws from the RNG
-        inputs, _ = task.example(1, "cpu")
-        with torch.no_grad():
-            shape = tuple(model(inputs).shape)
-        model.train()
+        shape = output_shape(model, task)
+    return checked(model, shape, task, what)
+
+
+def output_shape(model: torch.nn.Module, task: Task) -> tuple[int, ...]:
+    """The model's output shape for one example of the task's inputs."""
+    model.eval()  # no BatchNorm statistics change, no dropout draws from the RNG
+    inputs, _ = task.example(1, "cpu")
+    with torch.no_grad():
+        shape = tuple(model(inputs).shape)
+    model.train()
+    return shape
+
+
+def checked(model: torch.nn.Module, shape: tuple[int, ...], task: Task, what: str):
+    problem = task.check_output(shape)
+    if problem is not None:
+        raise ConfigError(f"{what} {problem}.")
+    return model
+
+
+@contextlib.contextmanager
+def model_trial(task: Task, what: str, data_keys: str = "", model_keys: str = ""):
+    """Building or trying a model: what it raises becomes one message (see `build_model`)."""
+    try:
+        yield
     except (ValueError, RuntimeError, TypeError, MemoryError) as err:
+        if fake_tensor_limit(err):  # mpexp-plan's rehearsal: the plan names what it cannot run
+            raise
         if out_of_memory(err):
             smaller = f"a smaller model ({model_keys} now)" if model_keys else "a smaller model"
             raise ConfigError(
                 f"{what}: the model does not fit in this machine's memory "
                 f"({allocation(err)}).\nUse {smaller}."
             ) from None
+        if not shape_mismatch(err):  # the model's own fault: its words, no advice on shapes
+            raise ConfigError(
+                f"{what} failed when tried on one example of the dataset's "
+                f"{task.describe_inputs()}: {type(err).__name__}: {reason(err)}.\n"
+                "Fix the model's code (the error above is its own), or use another model."
+            ) from None
         data = f"the images' size ({data_keys} now)" if data_keys else "the data"
         raise ConfigError(
             f"{what} cannot take the dataset's {task.describe_inputs()}: {reason(err)}.\n"
             f"Change {data}, or use a model made for this data."
         ) from None
-    problem = task.check_output(shape)
-    if problem is not None:
-        raise ConfigError(f"{what} {problem}.")
-    return model
+
+
+# words of PyTorch's and of models' own errors about an input that does not fit the model
+SHAPE_WORDS = re.compile(
+    r"shape|size|dimension|mat1|expected .*input|input .*expected|pixels|channels", re.IGNORECASE
+)
+
+
+def shape_mismatch(err: BaseException) -> bool:
+    """Whether `err` says the input's shape does not suit the model (advice on the data's shape
+    helps), rather than that the model is broken (its own words are the help)."""
+    return bool(SHAPE_WORDS.search(str(err)))
+
+
+def fake_tensor_limit(err: BaseException) -> bool:
+    """Whether `err` is fake tensors' own limit (an operator without a shape rule, a value read
+    from a tensor), met when `mpexp-plan` rehearses a model: not the model's fault."""
+    from torch._subclasses import fake_tensor
+
+    limits = (
+        fake_tensor.UnsupportedOperatorException,
+        fake_tensor.DataDependentOutputException,
+        fake_tensor.DynamicOutputShapeException,
+    )
+    # a custom operator registered without a shape rule ("no fake impl registered for ...")
+    return isinstance(err, limits) or bool(NO_SHAPE_RULE.search(str(err)))
+
+
+NO_SHAPE_RULE = re.compile(r"no (fake|abstract|meta) (impl|kernel)", re.IGNORECASE)
 
 
 def out_of_memory(err: BaseException) -> bool:

@@ -19,6 +19,7 @@ from mpexp import __version__, config
 from mpexp.checkpoints.checkpoint import Checkpointer, open_resume
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, reason
+from mpexp.plan.before_run import against_measured, plan_run
 from mpexp.precision import pure_updates
 from mpexp.run.build import Built, build_parts, build_training
 from mpexp.run.validate import validate, validate_run_length
@@ -69,6 +70,8 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     if world.is_main and resume is None:
         refuse_if_taken(run.run_dir, restart=cfg.trainer.resume == AUTO)
     stop_if_asked(stop, world, run, "as the run started")  # e.g. while torch was imported
+    # on a GPU, the run rehearsed on fake tensors first: one that cannot fit stops here
+    plan = plan_run(cfg, world.device)
     seed_everything(cfg.trainer.seed)
     built = build_parts(cfg, world, run.choices)
     data, model, precision, scaler = built.data, built.model, built.precision, built.scaler
@@ -101,6 +104,8 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
     with ended_in_summary(tracker):
         optimizer, schedule, forward = build_training(cfg, built, world.device)
         ran = ran_record(cfg, run, world, built, optimizer, schedule)
+        if plan is not None:
+            ran["plan"] = plan
         log.info(
             "Training %s on %s (%s) | %s on %s | precision %s (autocast %s, TF32 %s) | "
             "loss scaling %s | %s",
@@ -149,6 +154,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         }
         summary["ran"].update(world.check_replicas(model))
         summary["ran"]["step_path"] = performance.step_path(summary["ran"])
+        summary.update(against_measured(plan, summary))
         tracker.update_summary(summary)
         fit.check_it_trained()
         if cfg.wandb.samples and world.is_main:

@@ -198,18 +198,15 @@ def build_optimizer(
     A step captured as a CUDA graph takes the fused optimizer, capturable: its step count and
     learning-rate arithmetic stay on the device.
     """
-    fused = cfg.optimizer.get("fused") if speed is None else speed.fused
+    fused = choose_fused(cfg, device, scaler, speed)
     extra = {}
     if speed is not None and speed.cuda_graph:
         target = get_object(cfg.optimizer._target_)
         if "capturable" in inspect.signature(target).parameters:
             extra["capturable"] = True
-    if fused is None:
-        # a schedule on the host must see each skipped step: unfused, GradScaler skips on the host
-        scheduled = not schedule_on_device(cfg) and scaler.continues_after_skip()
-        fused = device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
-        if device.type == "cuda" and not fused:
-            log.info("Unfused optimizer: GradScaler reads the overflow flag on the host per step.")
+    asked = cfg.optimizer.get("fused") if speed is None else speed.fused
+    if device.type == "cuda" and not fused and asked is None:
+        log.info("Unfused optimizer: GradScaler reads the overflow flag on the host per step.")
     build = instantiate(optimizer_spec(cfg.optimizer), fused=bool(fused), **extra)
     optimizer = build(parameter_groups(model, cfg.optimizer))
     if fused:
@@ -217,6 +214,17 @@ def build_optimizer(
     # pure bf16: the step computed in fp32 and rounded into the bf16 weights as configured
     pure_updates.watch(optimizer, cfg, device)
     return optimizer
+
+
+def choose_fused(cfg: DictConfig, device: torch.device, scaler, speed: Speed | None) -> bool:
+    """Whether the optimizer on `device` is fused (see `build_optimizer`): as `optimizer.fused`
+    (or the step's speed plan) says, else on CUDA wherever no host read needs the unfused step."""
+    fused = cfg.optimizer.get("fused") if speed is None else speed.fused
+    if fused is not None:
+        return bool(fused)
+    # a schedule on the host must see each skipped step: unfused, GradScaler skips on the host
+    scheduled = not schedule_on_device(cfg) and scaler.continues_after_skip()
+    return device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
 
 
 # keys of the optimizer group that are mpexp's own, not arguments of the optimizer

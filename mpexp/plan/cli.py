@@ -1,0 +1,123 @@
+"""`mpexp-plan`: what a run needs in memory and compute, per precision, before it runs.
+
+    mpexp-plan experiment=gpt2_small precision=fp32,bf16,fp16,fp8,bf16_pure_kahan
+    mpexp-plan model=resnet50 dataset=image_folder dataset.path=~/data/imagenet \\
+        dataset.batch_size=256 --device-memory 80GiB --json plan.json
+
+It takes `mpexp-train`'s overrides; a comma list gives one row per value, as a sweep would run
+one job per value, and so do the values a preset sweeps (its `hydra.sweeper.params`, seeds
+aside: a seed changes no byte). Each row is rehearsed on fake tensors (mpexp/plan/rehearsal.py):
+seconds on a CPU, no GPU and no data needed beyond the shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+from mpexp.errors import UserError
+
+log = logging.getLogger("mpexp")
+
+# of the device's memory, what a planned peak may take and still fit: the rest is for the CUDA
+# context, cuBLAS and cuDNN workspaces and the caching allocator's fragmentation, none of which
+# torch.cuda.max_memory_allocated (what the plan is checked against) counts
+USABLE = 0.9
+UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+# keys a preset sweeps that change nothing the plan measures
+UNPLANNED_KEYS = ("trainer.seed",)
+
+
+def parse_bytes(text: str) -> int:
+    """`80GiB`, `80GB`, `81920MiB`, `8e10` as bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match[2].lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give e.g. 80GiB, 40GB, 24000MiB")
+    return int(float(match[1]) * UNITS[match[2].lower()])
+
+
+def arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="mpexp-plan",
+        description="What a run needs in memory and compute, per precision, before it runs: "
+        "each configuration rehearsed on fake tensors (no GPU, no data beyond its shapes).",
+        epilog="Overrides are mpexp-train's (group=option, key=value); a comma list gives a row "
+        "per value. docs/plan.md says what each number means.",
+    )
+    parser.add_argument("overrides", nargs="*", help="as mpexp-train takes them")
+    parser.add_argument(
+        "--device-memory",
+        type=parse_bytes,
+        default=None,
+        help="the device's memory (80GiB, 40GB); default: the visible GPU's",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="the device the run trains on; default: cpu where trainer.device=cpu, else cuda",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="rehearse this many of a step's micro-batches (at least 2: the peak is reached by "
+        "the second); default: all of them",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `mpexp-plan` command."""
+    args = arguments(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        from mpexp.plan.rows import plan_rows  # torch: once the arguments are known to be good
+
+        rows = plan_rows(args.overrides, args.device, args.device_memory, args.micro_batches)
+    except UserError as err:
+        sys.stderr.write(f"{err}\n")
+        raise SystemExit(2) from None
+    except Exception as err:
+        from mpexp.plan.rows import composition_error
+
+        message = composition_error(err)
+        if message is None:
+            raise
+        sys.stderr.write(f"{message}\n")
+        raise SystemExit(1) from None
+    from mpexp.plan.table import table
+
+    print(table(rows))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+        print(f"Written: {args.json}")
+    if any(row["fits"] is False for row in rows):
+        raise SystemExit(3)  # scripts can tell a plan that does not fit
+
+
+def combinations(overrides: list[str]) -> list[list[str]]:
+    """One list of plain overrides per combination of the comma lists' values."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = []
+    for text, override in zip(overrides, parsed, strict=True):
+        if override.is_sweep_override():
+            key = override.get_key_element()
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            choices.append([text])
+    return [list(combo) for combo in itertools.product(*choices)]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""mpexp-plan: every preset at its real size on fake tensors, bytes per parameter by precision,
+the plan against a real run's memory on this CPU, and what it says of configs it cannot plan."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from mpexp import config
+from mpexp.plan.cli import main as plan_main
+from mpexp.plan.rows import plan_rows
+from tests.conftest import TINY, one_line_failure
+
+GiB = 2**30
+PRESETS = sorted(p.stem for p in (config.config_dir() / "experiment").glob("*.yaml"))
+# the precisions a preset is planned in beyond those it sweeps: GPT-2 small's study's five
+EXTRA = {"gpt2_small": ["fp32", "fp16", "fp8", "bf16_pure"]}
+
+
+def swept_precisions(preset: str) -> list[str]:
+    """The precisions a preset's sweep runs (its own where it sweeps none), and any in EXTRA."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(config.config_dir()), version_base="1.3"):
+        full = compose("train", [f"experiment={preset}"], return_hydra_config=True)
+    swept = OmegaConf.select(full, "hydra.sweeper.params.precision")
+    own = full.hydra.runtime.choices.precision
+    return [*(str(swept).split(",") if swept else [own]), *EXTRA.get(preset, [])]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_plans_under_80_gib_in_each_precision_it_sweeps(preset):
+    """At the sizes the preset ships (GPT-2 small's 480 windows of 1,024 tokens, ViT-Base's 256
+    images), in every precision its sweep runs: the step's peak and validation's both fit an 80
+    GiB GPU. Two micro-batches reach the step's peak (see test_two_micro_batches_...)."""
+    own = [f"experiment={preset}", f"precision={','.join(swept_precisions(preset))}"]
+    rows = plan_rows(own, "cuda", 80 * GiB, micro_batches=2, preset_sweeps=False)
+    assert rows
+    for row in rows:
+        peaks = row["peak_bytes"]
+        assert not row["missing"], row["missing"]
+        where = f"{row['overrides']}: step {peaks['train_step'] / GiB:.1f} GiB, " + (
+            f"validation {peaks['validation'] / GiB:.1f} GiB; {row['advice']}"
+        )
+        assert row["fits"], where
+    if preset == "gpt2_small":  # the preset's own step: 491,520 tokens in micro-batches of 12
+        (bf16,) = [r for r in rows if r["precision"] == "bf16"]
+        assert bf16["tokens_per_step"] == 491_520 and bf16["micro_batch"] == 12
+        assert 120e6 < bf16["parameters"] < 130e6  # 124 M with the padded 50,304-token head
+        # forward and backward: 6 FLOPs a parameter a token, and attention's on top
+        assert 6 * bf16["parameters"] * 491_520 < bf16["flops_per_step"] < 1.5e15
+
+
+@pytest.mark.parametrize(
+    ("precision", "per_parameter"),
+    [("fp32", 16), ("bf16", 16), ("fp16", 16), ("bf16_pure", 8), ("bf16_pure_kahan", 10)],
+)
+def test_bytes_held_per_parameter_under_adam_follow_the_arithmetic(precision, per_parameter):
+    """Weights, gradients and Adam's two moments: fp32 4+4+8; mixed precision keeps fp32
+    weights (4+4+8); pure bf16 2+2+2+2; Kahan's compensation 2 more."""
+    (row,) = plan_rows([*TINY, f"precision={precision}", "optimizer=adam"], "cuda")
+    b = row["bytes"]
+    assert (b["weights"] + b["gradients"] + b["optimizer"]) / row["parameters"] == per_parameter
+    assert b["compensation"] == (2 * row["parameters"] if "kahan" in precision else 0)
+
+
+def test_two_micro_batches_reach_the_peak_of_all_of_them():
+    overrides = [*TINY, "trainer.accumulate=8", "precision=fp16,bf16_pure_kahan"]
+    every = plan_rows(overrides, "cuda")
+    two = plan_rows(overrides, "cuda", micro_batches=2)
+    for a, b in zip(every, two, strict=True):
+        assert a["peak_bytes"] == b["peak_bytes"] and a["bytes"] == b["bytes"]
+        assert a["flops_per_step"] == pytest.approx(b["flops_per_step"])
+
+
+def test_a_comma_list_gives_a_row_per_value_written_as_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as ended:  # the last row does not fit in 1 MiB
+        plan_main([*TINY, "precision=fp32,bf16", "--device-memory", "1MiB", "--json", str(out)])
+    assert ended.value.code == 3
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["precision"] for r in rows] == ["fp32", "bf16"]
+    assert [r["overrides"][-1] for r in rows] == ["precision=fp32", "precision=bf16"]
+    for row in rows:
+        assert set(row["bytes"]) >= {"weights", "gradients", "optimizer"}
+        assert set(row["peak_bytes"]) == {"train_step", "validation"}
+        assert row["fits"] is False and row["flops_per_step"] > 0
+        assert row["advice"], "a row that does not fit names the keys that would make it"
+        assert row["largest"]["train_step"][0]["bytes"] > 0
+    printed = capsys.readouterr().out
+    assert "precision=fp32" in printed and "does not fit" in printed
+
+
+def test_a_row_that_does_not_fit_is_told_the_accumulation_that_would():
+    # 64 images a step in one micro-batch of a wide CNN: the activations are most of the peak
+    (row,) = plan_rows([*TINY, "model.width=64"], "cuda")
+    peak = row["peak_bytes"]["train_step"]
+    (small,) = plan_rows([*TINY, "model.width=64"], "cuda", device_memory=int(peak / 0.9 * 0.6))
+    said = [a for a in small["advice"] if a.startswith("trainer.accumulate=")]
+    assert said, small["advice"]
+    steps = int(said[0].split("=")[1].split()[0])
+    (fitted,) = plan_rows(
+        [*TINY, "model.width=64", f"trainer.accumulate={steps}"], "cuda", small["device_memory"]
+    )
+    assert fitted["fits"], (said, fitted["peak_bytes"])
+
+
+def test_a_config_the_plan_cannot_build_gets_the_message_mpexp_train_gives(tmp_path, in_process):
+    for mistake in (["precision=fp99"], ["trainer.accumulate=7"]):
+        trained = one_line_failure(in_process(*TINY, *mistake, cwd=tmp_path))
+        planned = subprocess.run(
+            [sys.executable, "-m", "mpexp.plan.cli", *TINY, *mistake],
+            capture_output=True, text=True, cwd=tmp_path, check=False,
+        )  # fmt: skip
+        said = one_line_failure(planned).strip()
+        assert said and said.splitlines()[0] in trained, (said, trained)
+
+
+def _users_models(folder: Path) -> None:
+    (folder / "plan_users_models.py").write_text(
+        "import torch\n"
+        "from mpexp.models.simplecnn import SimpleCNN\n\n\n"
+        "class Broken(SimpleCNN):\n"
+        "    def forward(self, x):\n"
+        "        raise RuntimeError('my model is broken')\n\n\n"
+        "@torch.library.custom_op('plan_users::twice', mutates_args=())\n"
+        "def twice(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x * 2\n\n\n"
+        "class WithKernel(SimpleCNN):\n"
+        "    def forward(self, x):\n"
+        "        return super().forward(twice(x))\n"
+    )
+
+
+def test_a_users_model_that_raises_is_quoted_without_advice_on_the_images(
+    tmp_path, in_process, monkeypatch
+):
+    _users_models(tmp_path)
+    monkeypatch.syspath_prepend(tmp_path)
+    model = "model._target_=plan_users_models.Broken"
+    trained = one_line_failure(in_process(*TINY, model, cwd=tmp_path))
+    for said in (trained, _planned_error([*TINY, model])):
+        assert "my model is broken" in said, said
+        assert "images' size" not in said and "dataset.height" not in said
+
+
+def _planned_error(overrides: list[str]) -> str:
+    from mpexp.errors import UserError
+
+    with pytest.raises(UserError) as refused:
+        plan_rows(overrides, "cuda")
+    return str(refused.value)
+
+
+def test_an_operator_fake_tensors_cannot_run_is_named_and_its_numbers_left_out(
+    tmp_path, monkeypatch
+):
+    _users_models(tmp_path)
+    monkeypatch.syspath_prepend(tmp_path)
+    (row,) = plan_rows([*TINY, "model._target_=plan_users_models.WithKernel"], "cuda", GiB)
+    assert row["peak_bytes"] == {"train_step": None, "validation": None}
+    assert row["flops_per_step"] is None and row["fits"] is None
+    assert "plan_users::twice" in row["missing"]["train_step"]
+    assert row["bytes"]["weights"] > 0  # what it could follow, it gives
+
+
+# a GPT of about 40 M parameters on byte tokens, and the same run with a tiny one: the growth of
+# the process's peak resident memory between the two is what the larger model's run took
+GPT = [
+    "dataset=text", "model=gpt", "model.block_size=32", "dataset.batch_size=2",
+    "dataset.train_size=8", "dataset.val_size=2", "trainer.epochs=null", "trainer.max_steps=1",
+    "trainer.device=cpu", "wandb.mode=disabled", "trainer.progress=false",
+]  # fmt: skip
+LARGE = ["model.n_layer=4", "model.n_embd=896", "model.n_head=14"]
+SMALL = ["model.n_layer=1", "model.n_embd=32"]
+PEAK_RSS = (
+    "import resource, sys\n"
+    "import mpexp.train\n"
+    "sys.argv = ['mpexp-train', *sys.argv[1:]]\n"
+    "try:\n"
+    "    mpexp.train.cli()\n"
+    "except SystemExit as e:\n"
+    "    assert not e.code, e.code\n"
+    "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+)
+
+
+def test_the_planned_peak_of_a_40m_parameter_run_is_within_a_quarter_of_its_resident_growth(
+    tmp_path,
+):
+    text = tmp_path / "book.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog, naïve café. " * 2000)
+    common = [*GPT, f"dataset.path={text}", f"dataset.cache_dir={tmp_path / 'cache'}"]
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", PEAK_RSS, *common, *size, f"hydra.run.dir={tmp_path / name}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        for name, size in (("large", LARGE), ("small", SMALL))
+    }
+    rows = {
+        name: plan_rows([*common, *size])[0] for name, size in (("large", LARGE), ("small", SMALL))
+    }
+    planned = {name: max(row["peak_bytes"].values()) for name, row in rows.items()}
+    assert 35e6 < rows["large"]["parameters"] < 45e6
+    measured = {}
+    for name, run in runs.items():
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-2000:]
+        measured[name] = int(out.split("PEAK")[-1])
+    grown = measured["large"] - measured["small"]
+    plan = planned["large"] - planned["small"]
+    assert abs(plan - grown) <= 0.25 * grown, (plan / 2**20, grown / 2**20)
+
+
+def test_presets_sweep_values_are_what_the_plan_expands():
+    """The plan reads a preset's sweep as Hydra's -m would run it (seeds aside)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(config.config_dir()), version_base="1.3"):
+        full = compose("train", ["experiment=bf16_pure"], return_hydra_config=True)
+    swept = OmegaConf.select(full, "hydra.sweeper.params.precision")
+    assert swept.count(",") >= 2
+    rows = plan_rows(["experiment=bf16_pure"], "cuda")
+    assert [r["precision"] for r in rows] == swept.split(",")
+
+
+def test_a_run_that_cannot_fit_is_refused_before_it_starts_with_its_plan(tmp_path, in_process):
+    """A GPT whose weights alone outgrow this machine's memory, planned as a GPU run plans
+    itself (trainer.plan=true on a CPU): refused before anything is built or written."""
+    (tmp_path / "book.txt").write_text("some text to train on. " * 400)
+    huge = [
+        "model=gpt", "dataset=text", f"dataset.path={tmp_path / 'book.txt'}",
+        f"dataset.cache_dir={tmp_path / 'cache'}", "model.n_layer=8", "model.n_embd=16384",
+        "model.n_head=16", "trainer.plan=true", "wandb.mode=disabled",
+    ]  # fmt: skip
+    result = in_process(*huge, cwd=tmp_path)
+    said = one_line_failure(result)
+    assert "This run does not fit this machine's" in said, said
+    assert "the weights, gradients and optimizer states hold" in said
+    assert "precision=bf16_pure" in said  # the advice: fewer bytes a parameter
+    assert result.returncode == 2 and not (tmp_path / "outputs").exists()
+
+
+def test_a_planned_run_records_the_plan_beside_what_it_measured(tmp_path, in_process):
+    run_dir = tmp_path / "run"
+    result = in_process(*TINY, "trainer.epochs=1", "trainer.plan=true", f"hydra.run.dir={run_dir}",
+                        cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    plan = summary["ran"]["plan"]
+    assert plan["peak_bytes"]["train_step"] > plan["bytes"]["weights"] > 0
+    assert summary["mem/planned_peak_mib"] == max(plan["peak_bytes"].values()) / 2**20
+
+
+@pytest.mark.gpu
+def test_a_gpu_runs_measured_peak_is_within_a_quarter_of_its_plan(tmp_path, in_process):
+    """On a GPU every run plans itself: the allocator's measured peak against the plan's (the
+    GPU issue's target is 10 % at GPT-2 small's size; a small GPT's peak has more fixed costs)."""
+    (tmp_path / "book.txt").write_text("the quick brown fox jumps over the lazy dog. " * 4000)
+    run_dir = tmp_path / "run"
+    result = in_process(
+        "model=gpt", "dataset=text", f"dataset.path={tmp_path / 'book.txt'}",
+        f"dataset.cache_dir={tmp_path / 'cache'}", "model.n_layer=4", "model.n_embd=512",
+        "model.n_head=8", "model.block_size=256", "dataset.batch_size=32", "precision=bf16",
+        "trainer.epochs=1", "wandb.mode=disabled", "trainer.progress=false",
+        f"hydra.run.dir={run_dir}", cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert abs(summary["mem/plan_error"]) < 0.25, summary["mem/plan_error"]
