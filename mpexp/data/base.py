@@ -138,7 +138,7 @@ class TrainingData(ABC):
 
     def faster_data_hint(self) -> str:
         """What to change when the step waits on this data (said once a run, see
-        mpexp.step.loop.STARVED_SHARE)."""
+        mpexp.step.data_wait.STARVED_SHARE)."""
         return (
             "Give the loader more workers (dataset.num_workers) where the dataset has them, "
             "or keep the data on the device (dataset.loader=device)."

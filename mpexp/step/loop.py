@@ -15,7 +15,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -31,6 +31,7 @@ from mpexp.distributed import World
 from mpexp.errors import NumericsError, UserError, reason
 from mpexp.precision.modes import Precision
 from mpexp.precision.scaling import LossScaler, min_scale_error
+from mpexp.step.data_wait import STARVED_SHARE, WaitClock
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.flops import Throughput
 from mpexp.step.history import OwnRows, StepHistory, StepRow
@@ -462,10 +463,6 @@ class StepLog:
         )
 
 
-# the share of an epoch spent waiting for batches past which a run is warned (perf/data_wait_share)
-STARVED_SHARE = 0.1
-
-
 @dataclass
 class Interval:
     """The steps since the last validation (an epoch's, by default): what its row reports."""
@@ -476,31 +473,6 @@ class Interval:
     samples: int = 0  # samples trained on (this rank's)
     counted: int = 0  # of those, already in the run's samples_seen
     waited: float = 0.0  # seconds waited for batches
-
-
-class WaitClock:
-    """The batches of an epoch, with the host time spent waiting for each one added up: time
-    the step could not run for lack of data (on a GPU the device may still be busy with queued
-    steps meanwhile, so this bounds its own wait from above)."""
-
-    def __init__(self, batches: Iterator[Batch]):
-        self._batches = iter(batches)
-        self.seconds = 0.0
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        began = time.perf_counter()
-        try:
-            return next(self._batches)
-        finally:
-            self.seconds += time.perf_counter() - began
-
-    def take(self) -> float:
-        """The seconds waited since the last take."""
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
 
 
 @dataclass
