@@ -24,7 +24,6 @@ import random
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from mpexp.data.base import Batch
 from mpexp.errors import ConfigError
@@ -75,7 +74,9 @@ class BatchMixing:
 
     def targets(self, labels: torch.Tensor, lam: float) -> torch.Tensor:
         """`lam` of each item's class and `1 - lam` of its rolled partner's, as float32."""
-        onehot = F.one_hot(labels, self.num_classes).float()
+        # scattered, not F.one_hot: that reads the labels' min and max on the host (on a CPU)
+        onehot = torch.zeros(len(labels), self.num_classes, device=labels.device)
+        onehot.scatter_(1, labels[:, None], 1.0)
         partners = onehot.roll(1, 0)
         return onehot.mul_(lam).add_(partners, alpha=1.0 - lam)
 

@@ -25,8 +25,9 @@ def resnet18(
     zero_init_residual: bool = False,
 ) -> nn.Module:
     """torchvision's ResNet-18 as made for ImageNet (1.8 GMAC per 224 px image forward)."""
+    _check_zero_init(zero_init_residual, weights)
     model = _imagenet_resnet("resnet18", in_channels, num_classes, image_size, weights)
-    return _zero_residuals(model, weights) if zero_init_residual else model
+    return _zero_residuals(model) if zero_init_residual else model
 
 
 def resnet50(
@@ -37,8 +38,9 @@ def resnet50(
     zero_init_residual: bool = False,
 ) -> nn.Module:
     """torchvision's ResNet-50 as made for ImageNet (4.1 GMAC per 224 px image forward)."""
+    _check_zero_init(zero_init_residual, weights)
     model = _imagenet_resnet("resnet50", in_channels, num_classes, image_size, weights)
-    return _zero_residuals(model, weights) if zero_init_residual else model
+    return _zero_residuals(model) if zero_init_residual else model
 
 
 def resnet18_cifar(
@@ -57,22 +59,25 @@ def resnet18_cifar(
     model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     if zero_init_residual:
-        _zero_residuals(model, None)
+        _zero_residuals(model)
     # torchvision's forward keeps no Python-side state: the step may be captured as a CUDA graph
     # (mpexp.step.performance.declares_capturable)
     model.capturable = True
     return model
 
 
-def _zero_residuals(model: models.ResNet, weights: str | None) -> models.ResNet:
-    """Each residual branch's last BatchNorm with gamma 0, as torchvision's
-    `zero_init_residual=True` gives: every block starts as the identity, which steadies the first
-    steps at a large learning rate (Goyal et al., "Accurate, Large Minibatch SGD", 2017)."""
-    if weights is not None:
+def _check_zero_init(zero_init_residual: bool, weights: str | None) -> None:
+    if zero_init_residual and weights is not None:
         raise ConfigError(
             f"model.zero_init_residual=true initialises a ResNet trained from scratch; "
             f"model.weights={weights} brings trained gammas it would zero. Drop one of the two."
         )
+
+
+def _zero_residuals(model: models.ResNet) -> models.ResNet:
+    """Each residual branch's last BatchNorm with gamma 0, as torchvision's
+    `zero_init_residual=True` gives: every block starts as the identity, which steadies the first
+    steps at a large learning rate (Goyal et al., "Accurate, Large Minibatch SGD", 2017)."""
     for block in model.modules():
         if isinstance(block, models.resnet.Bottleneck):
             nn.init.zeros_(block.bn3.weight)
