@@ -127,13 +127,25 @@ def test_the_loop_times_the_gaps_between_steps_with_the_device_clock(tmp_path, m
     assert 0.5 <= epoch["perf/data_wait_s"] < 0.75
 
 
+def test_compute_only_steps_time_the_step_on_a_batch_kept_on_the_device(tmp_path):
+    """After training: a rate of its own, in the summary and a row, none of its steps logged as
+    training's, and the validation metrics those of training."""
+    cfg = make_cfg(*TINY, "trainer.epochs=1", "trainer.compute_only_steps=9")
+    summary = train(cfg, RunContext(tmp_path))
+    steps, (epoch,) = read_metrics(tmp_path)
+    assert summary["perf/compute_only_samples_per_s"] > 0
+    trained = [s["step"] for s in steps if "train/loss" in s]
+    assert trained == list(range(1, 17))  # 1024 / 64: training's alone
+    assert summary["val/acc"] == epoch["val/acc"]
+    rows = (tmp_path / "metrics.jsonl").read_text()
+    assert rows.count("perf/compute_only_samples_per_s") == 1
+
+
 @pytest.mark.gpu
 def test_cuda_events_time_the_gpus_idle_time_not_the_hosts_wait():
     """Steps of 20 ms on the GPU with the host 5 ms late for each batch: the host waited 5 ms a
     step, but the GPU never idled (it had queued steps to run). Steps of 5 ms with the host
     20 ms late: the GPU idled about 15 ms a step."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     device = torch.device("cuda")
     cycles = _cycles_per_ms(device)
 

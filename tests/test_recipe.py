@@ -4,6 +4,7 @@ experiment=imagenet_resnet50 (torchvision's reference recipe for ResNet-50)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -260,3 +261,29 @@ def test_the_imagenet_resnet50_preset_is_torchvisions_recipe_on_an_image_folder(
     assert not opt.decay_norms_and_biases and t.epochs == 600
     assert t.ema_every == 32 and t.ema_decay == pytest.approx(1 - 2e-5 * 8 * 128 * 32 / 600)
     assert cfg.scheduler._target_.endswith("cosine")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "bf16_pure"])
+def test_on_a_gpu_the_recipe_trains_with_its_step_captured(tmp_path, precision):
+    """Mixed batches, smoothed labels and the average beside a captured step (pure bf16 runs
+    eagerly: its update hooks are Python); the device clock finds a step fed from the device
+    barely waiting; the step alone is timed after training."""
+    overrides = [
+        *TINY,
+        "trainer.device=cuda",
+        f"precision={precision}",
+        "trainer.label_smoothing=0.1",
+        "trainer.mixup_alpha=0.2",
+        "trainer.cutmix_alpha=1.0",
+        "trainer.ema_decay=0.99",
+        "trainer.ema_every=2",
+        "trainer.compute_only_steps=20",
+    ]
+    summary = train(make_cfg(*overrides), RunContext(tmp_path))
+    assert summary["ran"]["cuda_graph"] is (precision == "bf16")
+    _, epochs = read_metrics(tmp_path)
+    for epoch in epochs:
+        assert math.isfinite(epoch["val_ema/loss"]) and 0 <= epoch["val_ema/acc5"] <= 1
+        assert epoch["perf/data_wait_share"] < 0.5  # the batches are gathered on the device
+    assert summary["perf/compute_only_samples_per_s"] > 0
