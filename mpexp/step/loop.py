@@ -680,10 +680,10 @@ class Fit:
                 interval.start += time.perf_counter() - began  # checkpoints are not training time
                 waiting.forget()  # nor is the device's wait through one
         else:
-            interval.waited += waiting.take()
             if self.eval_every is None:
+                interval.waited += waiting.take()
                 self._close_interval(epoch, Position(epoch + 1, 0, step))
-            else:
+            else:  # the interval goes on into the next epoch, and so does the clock's count
                 self.position = Position(epoch + 1, 0, step)
         bar.close()
 
