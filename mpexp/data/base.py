@@ -162,8 +162,8 @@ def faster_data_hint(keys: list[str]) -> str:
     """A dataset's keys that feed it faster, in a sentence."""
     if not keys:
         return (
-            "This dataset has no loading setting that feeds it faster: a cheaper step "
-            "(a larger dataset.batch_size) or a faster host is what is left."
+            "This dataset has no loading setting that feeds it faster; a larger "
+            "dataset.batch_size spreads the time between steps over more samples."
         )
     # a key with a value is set to it; one without (a count) is raised
     said = [key if "=" in key else f"a higher {key}" for key in keys]

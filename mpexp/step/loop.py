@@ -655,7 +655,8 @@ class Fit:
             waiting.step_ended()
             if self.stepper.steps_taken <= self.stepper.setup_steps:
                 waiting.forget()  # a set-up step synchronises: the gap after it is the host's
-            self.last_batch = inputs, targets
+            if self.trainer.compute_only_steps:
+                self.last_batch = inputs, targets
             interval.samples += len(targets)  # on the host: a shape, no device read
             bar.update()
             flush = step % self.trainer.log_every == 0
