@@ -4,8 +4,8 @@ Metric names are a contract read by dashboards and the report:
   per step   step, train/loss, amp/scale (the scale the step used), amp/skipped_steps
              (cumulative), lr; with trainer.on_nonfinite_loss=skip also amp/nonfinite_loss_steps
              (cumulative)
-  per epoch  epoch, train/epoch_loss, val/loss, val/acc (val/acc5 with 5 classes or more; val_ema/...
-             with trainer.ema_decay), perf/epoch_time_s, perf/samples_per_s
+  per epoch  epoch, train/epoch_loss, val/loss, val/acc (val/acc5 with 5 classes or more;
+             val_ema/... with trainer.ema_decay), perf/epoch_time_s, perf/samples_per_s
              (samples actually trained on: a last partial batch counts its size), perf/tflops,
              mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU); perf/mfu where the device's
              peak is known (mpexp/step/flops.py); perf/data_wait_s and perf/data_wait_share (the
