@@ -118,6 +118,41 @@ def test_cutmix_pastes_a_box_of_the_previous_image_and_weighs_targets_by_its_are
     )
 
 
+class Given:
+    """Draws decided in advance: the Beta draw, then each randrange's."""
+
+    def __init__(self, lam: float, *picks: int):
+        self.lam, self.picks = lam, list(picks)
+
+    def betavariate(self, alpha: float, beta: float) -> float:
+        return self.lam
+
+    def randrange(self, stop: int) -> int:
+        return self.picks.pop(0)
+
+
+@pytest.mark.parametrize("kind", ["MixUp", "CutMix"])
+def test_the_mixing_is_torchvisions_for_the_same_draws(kind):
+    """torchvision.transforms.v2's MixUp and CutMix, their draws replayed from torch's
+    generator, give the same images and targets."""
+    from torchvision.transforms import v2
+
+    images, labels = torch.rand(6, 3, 10, 14), torch.tensor([0, 1, 2, 3, 4, 1])
+    alpha = 0.2 if kind == "MixUp" else 1.0
+    torch.manual_seed(5)
+    theirs = getattr(v2, kind)(alpha=alpha, num_classes=5)(images.clone(), labels)
+    torch.manual_seed(5)  # the same draws, in their order: Beta, then the box's centre (x, y)
+    lam = float(torch.distributions.Beta(torch.tensor([alpha]), torch.tensor([alpha])).sample(()))
+    if kind == "MixUp":
+        mixing, draws = BatchMixing(5, alpha, 0.0, seed=0), Given(lam)
+    else:
+        x, y = int(torch.randint(14, (1,))), int(torch.randint(10, (1,)))
+        mixing, draws = BatchMixing(5, 0.0, alpha, seed=0), Given(lam, y, x)
+    mine = mixing.mix(images.clone(), labels, draws)
+    torch.testing.assert_close(mine[0], theirs[0])
+    torch.testing.assert_close(mine[1], theirs[1])
+
+
 def test_with_both_each_batch_takes_one_at_even_odds_and_a_resume_draws_the_same():
     mixing = BatchMixing(5, mixup_alpha=0.2, cutmix_alpha=1.0, seed=1)
     batches = [(torch.rand(4, 1, 8, 8), torch.tensor([0, 1, 2, 3])) for _ in range(200)]
