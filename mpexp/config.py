@@ -141,6 +141,23 @@ class TrainerConfig:
     # plan the run on fake tensors before its first step (mpexp/plan/): null on a GPU only, where
     # the allocator's peak is what the plan predicts; a CPU's resident memory holds more
     plan: Optional[bool] = None
+    # GPU only: after training, this many steps timed on one batch kept on the device
+    # (perf/compute_only_samples_per_s), the step's own rate without the data path; 0: none, for
+    # they are extra steps on the trained weights (the checkpoints are written before them)
+    compute_only_steps: int = 0
+    # classifiers' recipe (mpexp/tasks/classification.py, mpexp/data/mixing.py,
+    # mpexp/step/weight_average.py); every default leaves training as it was before them
+    label_smoothing: float = 0.0  # share of each target spread over the classes; torchvision: 0.1
+    mixup_alpha: float = 0.0  # Beta(a, a) draws each batch's mixing weight; 0: no mixup
+    cutmix_alpha: float = 0.0  # the same for CutMix; with both > 0, each batch takes one at random
+    # an fp32 exponential moving average of the weights, validated as val_ema/...; null: none.
+    # Per update: torchvision's 0.99998 is per sample-epoch, see conf/experiment/imagenet_resnet50
+    ema_decay: Optional[float] = None
+    # steps between updates: torchvision's 32; each update is a pass over the weights
+    ema_every: int = 32
+    # updates up to this step copy the weights instead of averaging them (torchvision restarts
+    # the average through the learning rate's warm-up, whose weights are far from the final ones)
+    ema_warmup_steps: int = 0
 
 
 @dataclass
@@ -326,7 +343,16 @@ class SimpleCNNConfig(ModelConfig):
 
 
 @dataclass
-class ResNetConfig(ModelConfig):
+class ResidualConfig(ModelConfig):
+    """ResNets (mpexp/models/resnet.py)."""
+
+    # the last BatchNorm of each residual branch starts at gamma 0, so that each block starts as
+    # the identity (Goyal et al. 2017); false: torchvision's default, as runs before the key
+    zero_init_residual: bool = False
+
+
+@dataclass
+class ResNetConfig(ResidualConfig):
     weights: Optional[str] = None  # torchvision's ImageNet weights (e.g. IMAGENET1K_V1); null: none
 
 
@@ -476,6 +502,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "base": ModelConfig,
         "simplecnn": SimpleCNNConfig,
         "resnet": ResNetConfig,
+        "resnet_cifar": ResidualConfig,
         "vit": ViTConfig,
         "gpt": GPTConfig,
     },

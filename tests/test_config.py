@@ -92,6 +92,7 @@ def test_groups_hold_the_documented_options():
         "gpt2_small",
         "gpt_precisions",
         "hparams_search",
+        "imagenet_resnet50",
         "precision_grid",
         "quickstart",
         "world4ai",
@@ -234,11 +235,14 @@ IMAGE_DATASETS = [d for d in options("dataset") if d not in TEXT_DATASETS]
 PAIRS = pairs(IMAGE_MODELS, IMAGE_DATASETS) + pairs(list(TEXT_MODELS), list(TEXT_DATASETS))
 # presets that set keys only image sets have (dataset.augment) compose with those alone
 IMAGE_PRESETS = ("cifar10_resnet",)
+# and presets that set an image folder's own keys (dataset.resize_size) with it alone
+FOLDER_PRESETS = ("imagenet_resnet50",)
 PRESET_CASES = [
     (experiment, model, dataset)
     for experiment in options("experiment")
     for model, dataset in PAIRS
-    if experiment not in IMAGE_PRESETS or dataset not in TEXT_DATASETS
+    if (experiment not in IMAGE_PRESETS or dataset not in TEXT_DATASETS)
+    and (experiment not in FOLDER_PRESETS or dataset == "image_folder")
 ]
 
 

@@ -114,6 +114,16 @@ def reads(tmp_path, name: str, steps: int, flushes: int, *overrides: str) -> int
             "loss_scaling=dynamic",
             "model._target_=tests.test_host_reads.LoggingCNN",
         ],
+        # a classifier's recipe: mixed batches (draws on the host, no tensor read) and the
+        # weights' average updated after every step on the device
+        [
+            "precision=bf16",
+            "trainer.label_smoothing=0.1",
+            "trainer.mixup_alpha=0.2",
+            "trainer.cutmix_alpha=1.0",
+            "trainer.ema_decay=0.9",
+            "trainer.ema_every=1",
+        ],
     ],
     ids=lambda o: ",".join(x.split(".")[-1] for x in o),
 )

@@ -129,6 +129,8 @@ def test_a_run_that_waits_on_its_data_says_so_once(tmp_path, caplog):
         *TINY,
         "dataset._target_=tests.test_training.SlowData",
         "dataset.train_size=128",
+        "dataset.loader=dataloader",
+        "dataset.num_workers=0",
         "trainer.epochs=3",
     )
     with caplog.at_level(logging.WARNING, logger="mpexp"):
@@ -141,7 +143,9 @@ def test_a_run_that_waits_on_its_data_says_so_once(tmp_path, caplog):
         )
     starved = [r.message for r in caplog.records if "for data" in r.message]
     assert len(starved) == 1, starved  # once a run, from the second epoch on
-    assert starved[0].startswith("Epoch 2 waited") and "dataset.num_workers" in starved[0]
+    assert starved[0].startswith("Epoch 2 waited")
+    # the keys of this dataset that feed it faster (tests/test_data_wait.py: each dataset's)
+    assert "dataset.loader=device" in starved[0] and "dataset.num_workers" in starved[0]
 
 
 class HostTensors(TorchDispatchMode):

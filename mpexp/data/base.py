@@ -142,13 +142,15 @@ class TrainingData(ABC):
         """Warn about values that will spoil training (non-finite inputs); `name` is the
         dataset's option, for the message. Called once, on the main rank."""
 
+    def faster_data_keys(self) -> list[str]:
+        """The dataset keys that feed this data faster, as this run has them set: what the
+        data-wait warning and the sweep report suggest (none: nothing in its loading to change)."""
+        return []
+
     def faster_data_hint(self) -> str:
         """What to change when the step waits on this data (said once a run, see
-        mpexp.step.loop.STARVED_SHARE)."""
-        return (
-            "Give the loader more workers (dataset.num_workers) where the dataset has them, "
-            "or keep the data on the device (dataset.loader=device)."
-        )
+        mpexp.step.data_wait.STARVED_SHARE)."""
+        return faster_data_hint(self.faster_data_keys())
 
     def record(self) -> dict:
         """What the run records about the data beyond its config (`ran.data`), e.g. an image
@@ -160,6 +162,18 @@ class TrainingData(ABC):
         config (a checkpoint keeps it; a resume whose data gives another is refused). None
         where the config alone decides the samples."""
         return None
+
+
+def faster_data_hint(keys: list[str]) -> str:
+    """A dataset's keys that feed it faster, in a sentence."""
+    if not keys:
+        return (
+            "This dataset has no loading setting that feeds it faster; a larger "
+            "dataset.batch_size spreads the time between steps over more samples."
+        )
+    # a key with a value is set to it; one without (a count) is raised
+    said = [key if "=" in key else f"a higher {key}" for key in keys]
+    return f"Feed it faster: {', or '.join(said)} (docs/speed.md)."
 
 
 class InMemoryData(TrainingData):
@@ -215,6 +229,12 @@ class InMemoryData(TrainingData):
         _, c, h, w = train[0].shape
         self.task = Classification(channels=c, height=h, width=w, num_classes=num_classes)
         return self.task
+
+    def faster_data_keys(self) -> list[str]:
+        """Held on the device, the data needs no loading; through a DataLoader, its workers."""
+        if self.loader == "device":
+            return []
+        return ["dataset.loader=device", "dataset.num_workers"]
 
     def check_values(self, name: str) -> None:
         warn_nonfinite({"training": self.train[0], "validation": self.val[0]}, name)

@@ -663,6 +663,16 @@ class ImageFolderData(TrainingData):
             memory_format=self.memory_format,
         )
 
+    def faster_data_keys(self) -> list[str]:
+        """More decoding workers; images stored resized (no decoding at all), or JPEGs decoded
+        on the GPU: the two are alternatives, and neither applies once taken."""
+        keys = ["dataset.num_workers"]
+        if self.cache == "none":
+            keys.append("dataset.cache=resized")
+            if self.decode == "cpu":  # auto has tried the GPU where it can
+                keys.append("dataset.decode=gpu")
+        return keys
+
     # --- what the run records ------------------------------------------------------------------
 
     def resume_key(self) -> dict:

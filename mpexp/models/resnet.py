@@ -22,9 +22,12 @@ def resnet18(
     num_classes: int = 1000,
     image_size: tuple[int, int] = (224, 224),
     weights: str | None = None,
+    zero_init_residual: bool = False,
 ) -> nn.Module:
     """torchvision's ResNet-18 as made for ImageNet (1.8 GMAC per 224 px image forward)."""
-    return _imagenet_resnet("resnet18", in_channels, num_classes, image_size, weights)
+    _check_zero_init(zero_init_residual, weights)
+    model = _imagenet_resnet("resnet18", in_channels, num_classes, image_size, weights)
+    return _zero_residuals(model) if zero_init_residual else model
 
 
 def resnet50(
@@ -32,13 +35,19 @@ def resnet50(
     num_classes: int = 1000,
     image_size: tuple[int, int] = (224, 224),
     weights: str | None = None,
+    zero_init_residual: bool = False,
 ) -> nn.Module:
     """torchvision's ResNet-50 as made for ImageNet (4.1 GMAC per 224 px image forward)."""
-    return _imagenet_resnet("resnet50", in_channels, num_classes, image_size, weights)
+    _check_zero_init(zero_init_residual, weights)
+    model = _imagenet_resnet("resnet50", in_channels, num_classes, image_size, weights)
+    return _zero_residuals(model) if zero_init_residual else model
 
 
 def resnet18_cifar(
-    in_channels: int = 3, num_classes: int = 10, image_size: tuple[int, int] = (32, 32)
+    in_channels: int = 3,
+    num_classes: int = 10,
+    image_size: tuple[int, int] = (32, 32),
+    zero_init_residual: bool = False,
 ) -> nn.Module:
     """ResNet-18 with a 3x3 stride-1 stem and no max-pool.
 
@@ -49,9 +58,31 @@ def resnet18_cifar(
     model = models.resnet18(weights=None, num_classes=num_classes)
     model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
+    if zero_init_residual:
+        _zero_residuals(model)
     # torchvision's forward keeps no Python-side state: the step may be captured as a CUDA graph
     # (mpexp.step.performance.declares_capturable)
     model.capturable = True
+    return model
+
+
+def _check_zero_init(zero_init_residual: bool, weights: str | None) -> None:
+    if zero_init_residual and weights is not None:
+        raise ConfigError(
+            f"model.zero_init_residual=true initialises a ResNet trained from scratch; "
+            f"model.weights={weights} brings trained gammas it would zero. Drop one of the two."
+        )
+
+
+def _zero_residuals(model: models.ResNet) -> models.ResNet:
+    """Each residual branch's last BatchNorm with gamma 0, as torchvision's
+    `zero_init_residual=True` gives: every block starts as the identity, which steadies the first
+    steps at a large learning rate (Goyal et al., "Accurate, Large Minibatch SGD", 2017)."""
+    for block in model.modules():
+        if isinstance(block, models.resnet.Bottleneck):
+            nn.init.zeros_(block.bn3.weight)
+        elif isinstance(block, models.resnet.BasicBlock):
+            nn.init.zeros_(block.bn2.weight)
     return model
 
 

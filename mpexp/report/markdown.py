@@ -193,9 +193,8 @@ def _warnings(report: Report) -> list[str]:
         warnings.append(
             f"**Waiting on data.** {_names(data_bound)} waited for their batches more than "
             f"{DATA_BOUND:.0%} of their epochs' time (`perf/data_wait_share`): their epoch times "
-            "and speedups time the data loading, not the precision. Feed them faster (more "
-            "`dataset.num_workers`, `dataset.cache=resized` or `dataset.decode=gpu` for an "
-            "image folder: docs/speed.md) before comparing speed."
+            "and speedups time the data loading, not the precision. Feed them faster before "
+            f"comparing speed (docs/speed.md): {_faster_data(data_bound)}."
         )
     cut = [r for r in report.rows if r.run.cut_off]
     if cut:
@@ -224,6 +223,29 @@ def _warnings(report: Report) -> list[str]:
 
 def _names(rows: list[Row]) -> str:
     return ", ".join(f"`{r.label}`" for r in rows)
+
+
+def _faster_data(rows: list[Row]) -> str:
+    """What feeds each run's data faster: the keys its dataset named (`ran.faster_data`), runs
+    with the same keys together; runs recorded before the keys were get the general advice."""
+    by_keys: dict[tuple[str, ...] | None, list[Row]] = {}
+    for row in rows:
+        keys = row.run.ran.get("faster_data")
+        by_keys.setdefault(None if keys is None else tuple(keys), []).append(row)
+    said = []
+    for keys, group in by_keys.items():
+        if keys is None:
+            advice = (
+                "more `dataset.num_workers`, or keep in-memory data on the device "
+                "(`dataset.loader=device`), or for an image folder `dataset.cache=resized` or "
+                "`dataset.decode=gpu`"
+            )
+        elif not keys:
+            advice = "their data has no loading setting that feeds it faster"
+        else:
+            advice = ", or ".join(f"`{key}`" if "=" in key else f"a higher `{key}`" for key in keys)
+        said.append(f"{_names(group)}: {advice}" if len(by_keys) > 1 else advice)
+    return "; ".join(said)
 
 
 def _result_section(spec: Result, configs: list[Config]) -> list[str]:

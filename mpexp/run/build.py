@@ -153,19 +153,33 @@ IMAGE_KEYS = ("channels", "height", "width", "image_size")
 
 
 def with_objective(task: Task, trainer: DictConfig) -> Task:
-    """The task with the training objective's own terms (`trainer.z_loss`), which only a task
-    that has them takes."""
-    if not trainer.z_loss:
-        return task
-    if "z_loss" not in {f.name for f in fields(task)}:
-        raise ConfigError(
-            f"trainer.z_loss={trainer.z_loss} applies to language models (a loss on the "
-            f"log-normaliser of their output logits); this run's task is {task.name}. Drop it "
-            "or train model=gpt on dataset=text."
-        )
-    if trainer.z_loss < 0:
-        raise ConfigError(f"trainer.z_loss={trainer.z_loss} must be 0 or more, e.g. 1e-4.")
-    return replace(task, z_loss=trainer.z_loss)
+    """The task with the training objective's own terms (`trainer.z_loss`,
+    `trainer.label_smoothing`), which only a task that has them takes."""
+    terms = {
+        "z_loss": (
+            "a loss on the log-normaliser of their output logits",
+            "language models",
+            "train model=gpt on dataset=text",
+        ),
+        "label_smoothing": (
+            "a share of each target spread over all classes",
+            "classifiers",
+            "train on an image dataset",
+        ),
+    }
+    own = {f.name for f in fields(task)}
+    taken = {}
+    for key, (what, applies_to, fix) in terms.items():
+        value = trainer.get(key, 0.0)
+        if not value:
+            continue
+        if key not in own:
+            raise ConfigError(
+                f"trainer.{key}={value} applies to {applies_to} ({what}); this run's task is "
+                f"{task.name}. Drop it or {fix}."
+            )
+        taken[key] = value
+    return replace(task, **taken) if taken else task
 
 
 @dataclass

@@ -197,6 +197,8 @@ def ran_record(
         "choices": run.choices,
         "task": built.task.record(),
         "data": built.data.record(),
+        # the dataset keys that would feed it faster: the report's advice for a data-bound run
+        "faster_data": built.data.faster_data_keys(),
         **built.precision.record(),
         **built.scaler.describe(),
         **performance.describe(optimizer, built.speed),

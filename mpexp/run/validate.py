@@ -289,8 +289,41 @@ def _validate_training_loop(cfg: DictConfig) -> None:
             f"trainer.peak_tflops={peak} must be positive: the device's dense peak TFLOP/s for "
             "the run's precision, e.g. 989.4 for bf16 on an H100 SXM (null looks it up)."
         )
+    _validate_recipe(trainer)
     _integer(diag.grad_stats_every, "diagnostics.grad_stats_every", 0)
     _integer(diag.max_names, "diagnostics.max_names", 1)
+
+
+def _validate_recipe(trainer: Mapping[str, Any]) -> None:
+    """The objective's terms and a classifier's recipe: label smoothing, mixup, CutMix, EMA."""
+    if _number(trainer.z_loss, "trainer.z_loss") < 0:
+        raise ConfigError(f"trainer.z_loss={trainer.z_loss} must be 0 or more, e.g. 1e-4.")
+    smoothing = _number(trainer.label_smoothing, "trainer.label_smoothing")
+    if not 0 <= smoothing < 1:
+        raise ConfigError(
+            f"trainer.label_smoothing={smoothing} must be in [0, 1): the share of each target "
+            "spread over all classes, e.g. 0.1."
+        )
+    for key in ("mixup_alpha", "cutmix_alpha"):
+        if _number(trainer[key], f"trainer.{key}") < 0:
+            raise ConfigError(
+                f"trainer.{key}={trainer[key]} must be 0 (off) or positive: the Beta "
+                "distribution's parameter, e.g. 0.2 for mixup, 1.0 for CutMix."
+            )
+    decay = trainer.ema_decay
+    if decay is not None and not 0 < _number(decay, "trainer.ema_decay") < 1:
+        raise ConfigError(
+            f"trainer.ema_decay={decay} must be in (0, 1), e.g. 0.999 (null: no average)."
+        )
+    _integer(trainer.ema_every, "trainer.ema_every", 1)
+    _integer(trainer.ema_warmup_steps, "trainer.ema_warmup_steps", 0)
+    _integer(trainer.compute_only_steps, "trainer.compute_only_steps", 0)
+    if decay is not None and trainer.strategy == "fsdp":
+        raise ConfigError(
+            "trainer.ema_decay under trainer.strategy=fsdp: each rank holds a shard of the "
+            "weights, so the average would be of shards that validation cannot put together. "
+            "Use trainer.strategy=ddp, or ema_decay=null."
+        )
 
 
 def _validate_scheduler(sched: Mapping[str, Any]) -> None:

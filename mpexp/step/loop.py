@@ -15,7 +15,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -27,10 +27,12 @@ from tqdm import tqdm
 from mpexp.checkpoints.checkpoint import Checkpointer, Position, Resume
 from mpexp.config import run_length
 from mpexp.data.base import Batch, TrainingData
+from mpexp.data.mixing import batch_mixing
 from mpexp.distributed import World
 from mpexp.errors import NumericsError, UserError, reason
 from mpexp.precision.modes import Precision
 from mpexp.precision.scaling import LossScaler, min_scale_error
+from mpexp.step.data_wait import STARVED_SHARE, wait_clock
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.flops import Throughput
 from mpexp.step.history import OwnRows, StepHistory, StepRow
@@ -38,6 +40,7 @@ from mpexp.step.performance import Compilations, Speed
 from mpexp.step.rollback import BufferRollback
 from mpexp.step.schedules import DeviceSchedule, Schedule
 from mpexp.step.step_graph import WARMUP_STEPS, CudaGraph, StepGraph
+from mpexp.step.weight_average import weight_average
 from mpexp.stopping import StopSignals
 from mpexp.system import PeakMemory, synchronize
 from mpexp.tracking.tracker import Tracker
@@ -462,10 +465,6 @@ class StepLog:
         )
 
 
-# the share of an epoch spent waiting for batches past which a run is warned (perf/data_wait_share)
-STARVED_SHARE = 0.1
-
-
 @dataclass
 class Interval:
     """The steps since the last validation (an epoch's, by default): what its row reports."""
@@ -476,31 +475,6 @@ class Interval:
     samples: int = 0  # samples trained on (this rank's)
     counted: int = 0  # of those, already in the run's samples_seen
     waited: float = 0.0  # seconds waited for batches
-
-
-class WaitClock:
-    """The batches of an epoch, with the host time spent waiting for each one added up: time
-    the step could not run for lack of data (on a GPU the device may still be busy with queued
-    steps meanwhile, so this bounds its own wait from above)."""
-
-    def __init__(self, batches: Iterator[Batch]):
-        self._batches = iter(batches)
-        self.seconds = 0.0
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        began = time.perf_counter()
-        try:
-            return next(self._batches)
-        finally:
-            self.seconds += time.perf_counter() - began
-
-    def take(self) -> float:
-        """The seconds waited since the last take."""
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
 
 
 @dataclass
@@ -586,6 +560,12 @@ class Fit:
         self.interval: Interval | None = None  # the steps since the last validation
         self.compile_failed = False
         self.warned_starved = False  # the data-wait warning is given once a run
+        # how long the step waited for data: the GPU's idle time, or a CPU's wait for batches
+        self.waiting = wait_clock(self.device)
+        # a classifier's recipe: mixed training batches, an fp32 average of the weights
+        self.mixing = batch_mixing(cfg.trainer, parts.data.task, cfg.trainer.seed)
+        self.average = weight_average(cfg.trainer, parts.model)
+        self.last_batch: Batch | None = None  # what compute_only_steps time the step on
         self.rows = 0  # validation rows this process has logged
 
     def restore(self, resume: Resume) -> None:
@@ -598,6 +578,8 @@ class Fit:
         self.row = carried["epoch_row"]
         self.resumed_time = carried["elapsed"]
         self.resumed_samples = carried.get("interval_samples")
+        if self.average is not None:
+            self.average.load_state(carried["weight_average"])
         data = self.parts.data
         self.samples_seen = carried.get(
             "samples_seen", self.position.step * data.batch_size * self.world.size
@@ -614,6 +596,7 @@ class Fit:
                     if self.position.step >= self.total_steps:
                         break
             tested = self._test()
+            tested.update(self._compute_only())
         except Exception:
             self._write_own_values()
             raise
@@ -658,12 +641,22 @@ class Fit:
         )
         static = self.stepper.graph is not None  # a captured step reads its batch in place
         batches = data.train_batches(epoch, self.trainer.seed, self.device, static, start=done)
-        waiting = WaitClock(batches)
+        if self.mixing is not None:
+            batches = self.mixing.batches(batches, epoch, done, data.rank)
+        waiting = self.waiting
         interval = self.interval
-        for batch, (inputs, targets) in enumerate(waiting, start=done + 1):
+        for batch, (inputs, targets) in enumerate(waiting.batches(batches), start=done + 1):
             step += 1
             self.tracker.step = step  # where the user's own mpexp.log() calls log
+            waiting.step_began()
             self.stepper.step(step, inputs, targets)
+            if self.average is not None:
+                self.average.after_step(step)
+            waiting.step_ended()
+            if self.stepper.steps_taken <= self.stepper.setup_steps:
+                waiting.forget()  # a set-up step synchronises: the gap after it is the host's
+            if self.trainer.compute_only_steps:
+                self.last_batch = inputs, targets
             interval.samples += len(targets)  # on the host: a shape, no device read
             bar.update()
             flush = step % self.trainer.log_every == 0
@@ -686,11 +679,12 @@ class Fit:
                 began = time.perf_counter()
                 self._checkpoint(Position(epoch, batch, step), began - interval.start, stopping)
                 interval.start += time.perf_counter() - began  # checkpoints are not training time
+                waiting.forget()  # nor is the device's wait through one
         else:
-            interval.waited += waiting.take()
             if self.eval_every is None:
+                interval.waited += waiting.take()
                 self._close_interval(epoch, Position(epoch + 1, 0, step))
-            else:
+            else:  # the interval goes on into the next epoch, and so does the clock's count
                 self.position = Position(epoch + 1, 0, step)
         bar.close()
 
@@ -704,6 +698,7 @@ class Fit:
         if not (samples or self.resumed_time):
             self.steps.new_epoch()
         self.memory.reset()
+        self.waiting.forget()  # validation and checkpoints since the last step are no data wait
         self.interval = Interval(
             start=time.perf_counter() - self.resumed_time,
             setup_s=self.stepper.setup_s,
@@ -778,6 +773,44 @@ class Fit:
         )
         return tested
 
+    def _validate_average(self) -> dict[str, float]:
+        """The validation metrics of the weights' moving average (`val_ema/...`), on the path
+        that validated the weights themselves (compiled, once `_validate` has compiled it)."""
+        p = self.parts
+        compiled = p.forward is not p.model
+        with self.average.swapped_in():
+            metrics = evaluate(p.forward, p.data, self.device, p.precision, pad=compiled)
+        return {f"val_ema/{key.split('/', 1)[1]}": value for key, value in metrics.items()}
+
+    def _compute_only(self) -> dict[str, float]:
+        """The step's own rate (`perf/compute_only_samples_per_s`), timed after training on the
+        last batch, kept on the device, for `trainer.compute_only_steps` steps: with the data
+        path out of the way, each precision's speedup is the step's. These steps change the
+        weights after the last checkpoint; their history rows are read and dropped."""
+        steps = self.trainer.compute_only_steps
+        if not steps or self.last_batch is None:
+            return {}
+        inputs, targets = self.last_batch
+        step = self.position.step
+        synchronize(self.device)
+        began = time.perf_counter()
+        for i in range(1, steps + 1):
+            self.stepper.step(step + i, inputs, targets)
+            if i % self.trainer.log_every == 0:
+                self.history.flush()  # the ring holds log_every rows: read, not logged
+        synchronize(self.device)
+        seconds = time.perf_counter() - began
+        self.history.flush(wait=True)
+        rate = steps * len(targets) * self.world.size / seconds
+        measured = {"perf/compute_only_samples_per_s": rate}
+        self.tracker.log({"step": step, **measured})
+        log.info(
+            "Compute only (%d steps on one batch kept on the device): %.0f samples/s",
+            steps,
+            rate,
+        )
+        return measured
+
     def _validate(self) -> tuple[dict[str, float], float]:
         """The validation metrics, and the time spent compiling for them (the first validation
         compiles the model's graph in eval mode). A compiled model pads a last, smaller batch, so
@@ -816,6 +849,8 @@ class Fit:
         p = self.parts
         task = p.data.task
         metrics, val_compile_s = self._validate()
+        if self.average is not None:
+            metrics.update(self._validate_average())
         row = {
             "epoch": epoch,
             "step": step,
@@ -888,6 +923,7 @@ class Fit:
         # covers them too
         self.own.start(self.tracker.take_waiting())
         rows = self.history.flush(wait)
+        self.waiting.read()  # the device's idle gaps that it has passed
         # before the step rows, which may stop the run: values logged up to a non-finite loss are
         # what explains it
         for row in self.own.done(wait):
@@ -923,6 +959,7 @@ class Fit:
             **self.steps.state(),
             "elapsed": elapsed,
             "epoch_row": self.row,
+            **({"weight_average": self.average.state()} if self.average is not None else {}),
             # the interval in progress (none at a validation): its samples, and all of them
             "interval_samples": 0 if at_interval_end else self.interval.samples,
             "samples_seen": self.samples_seen

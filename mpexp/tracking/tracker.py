@@ -4,13 +4,16 @@ Metric names are a contract read by dashboards and the report:
   per step   step, train/loss, amp/scale (the scale the step used), amp/skipped_steps
              (cumulative), lr; with trainer.on_nonfinite_loss=skip also amp/nonfinite_loss_steps
              (cumulative)
-  per epoch  epoch, train/epoch_loss, val/loss, val/acc, perf/epoch_time_s, perf/samples_per_s
+  per epoch  epoch, train/epoch_loss, val/loss, val/acc (val/acc5 with 5 classes or more;
+             val_ema/... with trainer.ema_decay), perf/epoch_time_s, perf/samples_per_s
              (samples actually trained on: a last partial batch counts its size), perf/tflops,
              mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU); perf/mfu where the device's
              peak is known (mpexp/step/flops.py); perf/data_wait_s and perf/data_wait_share (the
-             time the loop waited for its batches, and that over the epoch's time)
+             time the step waited for its batches, a GPU's idle time between steps, and that over
+             the epoch's time: mpexp/step/data_wait.py)
   at the end  test/loss, test/acc (the task's validation metrics on a held-out test set, where the
-             data has one: an image folder's test/), once, in a row with `step` and in the summary
+             data has one: an image folder's test/), once, in a row with `step` and in the summary;
+             perf/compute_only_samples_per_s likewise, with trainer.compute_only_steps
   diagnostics  diag/... rows keyed by step, only when enabled (see mpexp/step/diagnostics.py); they
              share `step` with the step rows, so readers tell rows apart by their other keys
   summary    the final epoch's metrics, amp/skipped_steps, and under `ran` what ran, with
