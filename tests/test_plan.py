@@ -15,6 +15,7 @@ from mpexp import config
 from mpexp.plan.cli import main as plan_main
 from mpexp.plan.rows import plan_rows
 from tests.conftest import TINY, one_line_failure
+from tests.test_config import FOLDER_PRESETS
 
 GiB = 2**30
 PRESETS = sorted(p.stem for p in (config.config_dir() / "experiment").glob("*.yaml"))
@@ -33,12 +34,25 @@ def swept_precisions(preset: str) -> list[str]:
     return [*(str(swept).split(",") if swept else [own]), *EXTRA.get(preset, [])]
 
 
+@pytest.fixture(scope="module")
+def imagenet_classes(tmp_path_factory) -> Path:
+    """An image folder's layout at ImageNet's size: 1,000 class folders (the plan only lists
+    them)."""
+    root = tmp_path_factory.mktemp("imagenet")
+    for i in range(1000):
+        (root / "train" / f"n{i:08d}").mkdir(parents=True)
+    return root
+
+
 @pytest.mark.parametrize("preset", PRESETS)
-def test_every_preset_plans_under_80_gib_in_each_precision_it_sweeps(preset):
+def test_every_preset_plans_under_80_gib_in_each_precision_it_sweeps(preset, imagenet_classes):
     """At the sizes the preset ships (GPT-2 small's 480 windows of 1,024 tokens, ViT-Base's 256
-    images), in every precision its sweep runs: the step's peak and validation's both fit an 80
-    GiB GPU. Two micro-batches reach the step's peak (see test_two_micro_batches_...)."""
+    images, ResNet-50's 1,000 classes at 224 px), in every precision its sweep runs: the step's
+    peak and validation's both fit an 80 GiB GPU. Two micro-batches reach the step's peak (see
+    test_two_micro_batches_...)."""
     own = [f"experiment={preset}", f"precision={','.join(swept_precisions(preset))}"]
+    if preset in FOLDER_PRESETS:
+        own.append(f"dataset.path={imagenet_classes}")
     rows = plan_rows(own, "cuda", 80 * GiB, micro_batches=2, preset_sweeps=False)
     assert rows
     for row in rows:

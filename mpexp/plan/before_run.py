@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from mpexp.errors import ConfigError
 from mpexp.plan.rehearsal import rehearse
-from mpexp.plan.rows import row
+from mpexp.plan.rows import held, row
 
 GiB = 2**30
 
@@ -38,7 +38,7 @@ def plan_run(cfg: DictConfig, device: torch.device) -> dict | None:
             f"This run does not fit {where} {memory / GiB:.1f} GiB: its plan peaks at "
             f"{(peaks['train_step'] or 0) / GiB:.1f} GiB in the training step and "
             f"{(peaks['validation'] or 0) / GiB:.1f} GiB in validation, of which the weights, "
-            f"gradients and optimizer states hold {held(planned) / GiB:.1f} GiB.\n"
+            f"gradients and optimizer states hold {held(planned['bytes']) / GiB:.1f} GiB.\n"
             f"Any one of these would fit: {'; '.join(planned['advice'])}.\n"
             "mpexp-plan with the same overrides shows the whole plan; trainer.plan=false starts "
             "the run without it."
@@ -56,11 +56,6 @@ def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def held(planned: dict) -> int:
-    b = planned["bytes"]
-    return b["weights"] + b["gradients"] + b["optimizer"] + b["buffers"]
 
 
 def against_measured(plan: dict | None, summary: dict) -> dict:

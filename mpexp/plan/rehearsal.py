@@ -35,6 +35,7 @@ from mpexp.run.validate import validate
 from mpexp.step import performance
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.loop import evaluate, train_step
+from mpexp.step.weight_average import weight_average
 from mpexp.targets import rewrite_targets
 
 log = logging.getLogger(__name__)
@@ -111,8 +112,9 @@ class Stage:
         self.rehearsed = self.accumulate
         self.model = self.optimizer = None
         self.parameters = 0
-        self.held = dict.fromkeys(("weights", "gradients", "optimizer", "compensation"), 0)
-        self.held["buffers"] = 0
+        kinds = ("weights", "gradients", "optimizer", "compensation", "buffers", "weight_average")
+        self.held = dict.fromkeys(kinds, 0)
+        self.average = None
         self.missing: dict[str, str] = {}
         self.precision_name = ""
         self._handles: list = []
@@ -147,6 +149,8 @@ class Stage:
         self.diagnostics = Diagnostics(
             cfg.diagnostics, model, self.scaler, None, precision, self.optimizer
         )
+        # trainer.ema_decay's fp32 copy of the weights, made where the loop makes it
+        self.average = weight_average(cfg.trainer, model)
         self.model, self.precision, self.speed = model, precision, speed
         self._handles = self.tracker.watch(model)
 
@@ -181,7 +185,9 @@ class Stage:
             inspect=inspect, loss_fn=self.task.loss,
         )  # fmt: skip
         self.scaler.update()
-        self.held = held_bytes(self.model, self.optimizer, self.tracker)
+        if self.average is not None:  # an update is due at every ema_every-th step
+            self.average.after_step(self.average.every)
+        self.held = held_bytes(self.model, self.optimizer, self.tracker, self.average)
         self.optimizer.zero_grad(set_to_none=True)  # as the loop does after each step
 
     def validate(self) -> None:
@@ -189,6 +195,9 @@ class Stage:
         self.tracker.start("validation")
         batch = self.task.example(validation_batch_size(self.data, self.cfg), CPU)
         evaluate(self.model, self.data, CPU, self.precision, batches=[batch])
+        if self.average is not None:  # validated again with the average swapped in
+            with self.average.swapped_in():
+                evaluate(self.model, self.data, CPU, self.precision, batches=[batch])
 
     def cannot(self, err: RuntimeError) -> None:
         """What fake tensors cannot run (a custom kernel without a shape rule, a value read on
@@ -271,7 +280,7 @@ def _speed_for(speed, cfg: DictConfig, device_type: str):
     return dataclasses.replace(speed, channels_last=bool(channels_last))
 
 
-def held_bytes(model, optimizer, tracker: LiveBytes) -> dict[str, int]:
+def held_bytes(model, optimizer, tracker: LiveBytes, average=None) -> dict[str, int]:
     """What stays between steps, by kind, each storage counted once; the storages named, so that
     the lists of the largest tensors say whose they are."""
     weights = [p for p in model.parameters()]
@@ -295,6 +304,7 @@ def held_bytes(model, optimizer, tracker: LiveBytes) -> dict[str, int]:
         "compensation": tracker.live_bytes(compensation),
         # BatchNorm's statistics, fp8's amax histories where a recipe keeps them
         "buffers": tracker.live_bytes(list(model.buffers())),
+        "weight_average": tracker.live_bytes(average.average) if average is not None else 0,
     }
 
 

@@ -94,7 +94,7 @@ def row(
         "device": rehearsal.device,
         "parameters": rehearsal.parameters,
         "bytes": rehearsal.bytes,
-        "bytes_per_parameter": round(held(rehearsal) / max(rehearsal.parameters, 1), 2),
+        "bytes_per_parameter": round(held(rehearsal.bytes) / max(rehearsal.parameters, 1), 2),
         "peak_bytes": rehearsal.peak_bytes,
         "largest": rehearsal.largest,
         "flops_per_step": rehearsal.flops_per_step,
@@ -110,17 +110,16 @@ def row(
     }
 
 
-def held(rehearsal: Rehearsal) -> int:
-    """Bytes held between steps (the compensation buffers are among the optimizer's)."""
-    b = rehearsal.bytes
-    return b["weights"] + b["gradients"] + b["optimizer"] + b["buffers"]
+def held(b: dict[str, int]) -> int:
+    """Bytes held between steps, of a row's `bytes` (the compensation is among the optimizer's)."""
+    return b["weights"] + b["gradients"] + b["optimizer"] + b["buffers"] + b["weight_average"]
 
 
 def advice(rehearsal: Rehearsal, memory: int, cfg: DictConfig) -> list[str]:
     """The keys that would make a row fit, estimated from the row's own numbers: what a step
     holds beyond its weights, gradients and states grows with its micro-batch."""
     budget = USABLE * memory
-    kept = held(rehearsal)
+    kept = held(rehearsal.bytes)
     if kept >= budget:
         per = kept / max(rehearsal.parameters, 1)
         out = [
