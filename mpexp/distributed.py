@@ -50,7 +50,7 @@ EPOCH_REDUCTIONS: dict[str, Callable] = {
 LAUNCH_HINT = (
     "Start one process per device with torchrun, e.g.\n"
     "  torchrun --nproc_per_node=2 -m mpexp.train trainer.strategy=ddp ...\n"
-    "or submit a SLURM job with hydra/launcher=slurm_gpu (README, 'Scaling out')."
+    "or submit a SLURM job with hydra/launcher=slurm_gpu (docs/scaling-out.md)."
 )
 
 
@@ -324,7 +324,7 @@ def hydra_overrides_for_rank(argv: list[str]) -> list[str]:
         raise SystemExit(
             "A sweep (-m) cannot run inside a torchrun launch: every process would start the "
             "sweep on its own.\nStart one torchrun per job, or sweep with a launcher that starts "
-            "the processes per job: hydra/launcher=slurm_gpu (README, 'Scaling out')."
+            "the processes per job: hydra/launcher=slurm_gpu (docs/scaling-out.md)."
         )
     if is_rank_zero():
         return []

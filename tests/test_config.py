@@ -101,7 +101,7 @@ def test_groups_hold_the_documented_options():
 
 def test_help_lists_the_groups_a_user_chooses_from_and_no_schema(tmp_path):
     result = run_cli("mpexp.train", "--help", cwd=tmp_path)
-    section = result.stdout.split("== Configuration groups ==", 1)[1].split("== Config ==")[0]
+    section = result.stdout.split("== Configuration groups ==", 1)[1].split("\n== ")[0]
     listed = [line.split(":")[0] for line in section.splitlines()[2:] if ":" in line]
     assert listed == sorted(GROUPS)  # not the schemas behind them (schema/dataset, ...)
     assert (
