@@ -70,32 +70,37 @@ def _one_point_each(configs: list[Config]) -> bool:
 
 
 def draw_all(report: Report) -> dict[str, Path]:
-    """Every plot that has something to show, by name: the result's needs more than one
-    validation per run, the sweep's a numeric key swept beside the precision, the loss-scale
-    plot a scaled run, the underflow plot a run with gradient statistics. Runs that diverged are
-    not drawn: their values are not finite."""
+    """Draw every plot (`figures`) into the report's folder; their paths by name."""
+    return {
+        name: _save(fig, report.out_dir / file) for name, (fig, file) in figures(report).items()
+    }
+
+
+def figures(report: Report) -> dict[str, tuple[Figure, str]]:
+    """Every plot that has something to show, by name, with its file name: the result's needs
+    more than one validation per run, the sweep's a numeric key swept beside the precision, the
+    loss-scale plot a scaled run, the underflow plot a run with gradient statistics. Runs that
+    diverged are not drawn: their values are not finite."""
     configs = [c for c in report.configs if c.rows]
     if not configs:
         return {}
-    out_dir = report.out_dir
-    figures = {}
+    drawn = {}
     if not _one_point_each(configs):
         # targets only where one was asked for: the default ones would be a line per reference
-        targets = report.target is not None
-        figures["result"] = (result(configs, targets), out_dir / "result.png")
-    figures["loss_curves"] = (loss_curves(configs), out_dir / "loss_curves.png")
-    figures["epoch_time"] = (epoch_time(configs), out_dir / "epoch_time.png")
-    figures["peak_memory"] = (peak_memory(configs), out_dir / "peak_memory.png")
+        drawn["result"] = (result(configs, report.target is not None), "result.png")
+    drawn["loss_curves"] = (loss_curves(configs), "loss_curves.png")
+    drawn["epoch_time"] = (epoch_time(configs), "epoch_time.png")
+    drawn["peak_memory"] = (peak_memory(configs), "peak_memory.png")
     axis = sweep_axis(report.configs)
     if axis is not None:
-        figures["sweep"] = (sweep(axis), out_dir / axis.file_name)
+        drawn["sweep"] = (sweep(axis), axis.file_name)
     scaled = [(i, r) for i, c in enumerate(configs) for r in c.rows if r.loss_scaling != "none"]
     if scaled:
-        figures["loss_scale"] = (loss_scale(scaled), out_dir / "loss_scale.png")
+        drawn["loss_scale"] = (loss_scale(scaled), "loss_scale.png")
     with_stats = [(i, r) for i, c in enumerate(configs) for r in c.rows if _underflow_keys(r)]
     if with_stats:
-        figures["underflow"] = (underflow(with_stats), out_dir / "underflow.png")
-    return {name: _save(fig, path) for name, (fig, path) in figures.items()}
+        drawn["underflow"] = (underflow(with_stats), "underflow.png")
+    return drawn
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -307,18 +312,18 @@ def sweep(axis: SweepAxis) -> Figure:
             for point in curve.points:
                 if not point.config.rows:  # at the panel's top: its value is not finite
                     ax.plot(point.x, 0.96, marker="x", color=style["color"], markersize=9,
-                            transform=ax.get_xaxis_transform())  # fmt: skip
+                            linestyle="none", transform=ax.get_xaxis_transform(),
+                            label=f"{curve.precision}: every seed diverged")  # fmt: skip
         if axis.log:
             ax.set_xscale("log")
             ax.minorticks_off()  # the swept values are the ticks
         ax.set_xticks(axis.values, [axis.shown(x) for x in axis.values])
         ax.set(xlabel=axis.key, ylabel=f"{spec.name} ({spec.shown_in})", title=panel.label)
         ax.tick_params(labelleft=True)
-        ax.legend(fontsize="small")
-    fig.suptitle(
-        f"Final {spec.metric} against {axis.key}: mean over seeds, band from the lowest seed to "
-        "the highest (x: every seed diverged)"
-    )
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles, strict=True))  # one "diverged" entry per precision
+        ax.legend(unique.values(), unique.keys(), fontsize="small")
+    fig.suptitle(f"Final {spec.metric}: mean over seeds, band from the lowest seed to the highest")
     return fig
 
 
