@@ -92,6 +92,7 @@ def test_groups_hold_the_documented_options():
         "gpt2_small",
         "gpt_precisions",
         "hparams_search",
+        "lr_sensitivity",
         "precision_grid",
         "quickstart",
         "world4ai",

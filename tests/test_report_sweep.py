@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import yaml
 from matplotlib.image import imread
 
 from mpexp.report import cli as report
@@ -24,7 +25,7 @@ from mpexp.report.wandb_view import SPEC_FILE
 from mpexp.run.runner import train
 from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.tracker import RunContext
-from tests.conftest import make_cfg
+from tests.conftest import CONF, make_cfg
 from tests.test_report import PNG_SIGNATURE, read_table
 from tests.test_report_numbers import make_run
 
@@ -266,3 +267,14 @@ def test_runs_that_validated_once_get_no_result_plot(tmp_path, capsys):
     # the loss curves keep the training loss alone
     (fig, _) = plots.figures(build_report([tmp_path]))["loss_curves"]
     assert [ax.get_xlabel() for ax in fig.axes] == ["step"]
+
+
+def test_the_lr_sensitivity_preset_sweeps_a_log_grid_of_rates_by_precision_and_qk_norm():
+    preset = yaml.safe_load((CONF / "experiment" / "lr_sensitivity.yaml").read_text())
+    params = preset["hydra"]["sweeper"]["params"]
+    rates = [float(r) for r in params["optimizer.lr"].split(",")]
+    assert rates[-1] / rates[0] >= 100 and rates == sorted(rates)  # decades: a log grid
+    assert params["precision"] == "fp32,bf16" and params["model.qk_norm"] == "false,true"
+    assert len(params["trainer.seed"].split(",")) == 3
+    cfg = make_cfg("experiment=lr_sensitivity")
+    assert (cfg.model.n_layer, cfg.trainer.max_steps, cfg.trainer.epochs) == (2, 300, None)
