@@ -56,11 +56,9 @@ def _legend_labels(configs: list[Config]) -> list[str]:
 
 
 def _by_steps(configs: list[Config]) -> bool:
-    """Whether a run trained to a step budget (`trainer.max_steps`) or validated every
-    `trainer.eval_every_steps`: its validation rows are then not one per epoch, and every figure
-    draws them against the step, for all runs (one axis holds one quantity)."""
-    trainers = (r.run.config.get("trainer", {}) for c in configs for r in c.rows)
-    return any(t.get("max_steps") or t.get("eval_every_steps") for t in trainers)
+    """Whether a run trained to a step budget (Run.step_budget): every figure then draws the
+    validation rows against the step, for all runs (one axis holds one quantity)."""
+    return any(r.run.step_budget for c in configs for r in c.rows)
 
 
 def _one_point_each(configs: list[Config]) -> bool:

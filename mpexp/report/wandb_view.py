@@ -104,8 +104,6 @@ def view_spec(report: Report) -> dict | None:
     results = list(dict.fromkeys(map(result_metric, runs)))
     axis = sweep_axis(report.configs)
     swept = None if axis is None else Swept(_wandb_key(axis.key, runs[0]), axis.key, axis.log)
-    by_steps = any(t.get("max_steps") or t.get("eval_every_steps")
-                   for t in (run.config.get("trainer", {}) for run in runs))  # fmt: skip
     return {
         "name": ", ".join(groups),  # W&B refuses symbols such as "+" in a view's name
         "entity": where.get("entity"),
@@ -115,7 +113,10 @@ def view_spec(report: Report) -> dict | None:
         "seeds": SEEDS,
         "max_runs": max(len(runs), MIN_PANEL_RUNS),
         "sections": sections(
-            results, logged_keys(runs), swept, progress="step" if by_steps else "epoch"
+            results,
+            logged_keys(runs),
+            swept,
+            progress="step" if any(run.step_budget for run in runs) else "epoch",
         ),
     }
 
