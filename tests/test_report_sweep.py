@@ -209,7 +209,7 @@ def test_a_second_key_makes_panels_and_each_precision_is_judged_at_its_rate(tmp_
     assert report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"]) == 0
     text = (tmp_path / "report.md").read_text()
     table = read_table(tmp_path / "report.md", "Validation loss against optimizer.lr")
-    assert [(r["`model.qk_norm`"], r["precision"]) for r in table] == [
+    assert [(r["panel"], r["precision"]) for r in table] == [
         ("model.qk_norm=false", "fp32"), ("model.qk_norm=false", "bf16"),
         ("model.qk_norm=true", "fp32"), ("model.qk_norm=true", "bf16"),
     ]  # fmt: skip

@@ -321,7 +321,7 @@ def _sweep_section(report: Report) -> list[str]:
             "",
         ]
     headers = [
-        *([_keys(axis.panel_keys)] if axis.panel_keys else []),
+        *(["panel"] if axis.panel_keys else []),
         "precision",
         *(f"{axis.key}={axis.shown(x)}" for x in axis.values),
         *(["LR sensitivity", "best rate", f"within {tolerance:g} {unit} of the best"]
@@ -380,7 +380,9 @@ def _kept_text(axis: SweepAxis, panel: Panel, curve: Curve, tolerance: float) ->
     diverged = [p.shown for p, behind in kept.above if not math.isfinite(behind)]
     value = "+" + _value_format(spec)
     parts = []
-    if finite:
+    if len(finite) == 1:
+        parts.append(f"Δ {finite[0]:{value}} {spec.unit}")
+    elif finite:
         worst = max(finite) if sign > 0 else min(finite)
         parts.append(f"Δ {statistics.fmean(finite):{value}} {spec.unit} on average (at most "
                      f"{worst:{value}})")  # fmt: skip
