@@ -173,7 +173,8 @@ def test_lr_sensitivity_is_the_formulas_value():
 
 def test_a_curves_sensitivity_best_rate_and_range_over_seeds(tmp_path):
     rates = ["1e-3", "3e-3", "1e-2", "3e-2"]
-    seeds = {0: [2.00, 1.50, 1.51, 9.0], 1: [2.10, 1.52, 1.53, math.inf]}
+    # both seeds diverge at 3e-2: counted as the initial loss, 5.0
+    seeds = {0: [2.00, 1.50, 1.51, math.nan], 1: [2.10, 1.52, 1.53, math.inf]}
     job = 0
     for seed, losses in seeds.items():
         for lr, loss in zip(rates, losses, strict=True):
@@ -191,6 +192,12 @@ def test_a_curves_sensitivity_best_rate_and_range_over_seeds(tmp_path):
     assert found.best.shown == "3e-3" and found.best_loss == pytest.approx(1.51)
     # 1e-2's mean (1.52) is within 0.02 nats of the best; 1e-3's (2.05) is not
     assert (found.within[0].shown, found.within[1].shown) == ("3e-3", "1e-2")
+    # the figure marks the rate where every seed diverged with an x, and draws the others
+    (ax,) = plots.sweep(axis).axes
+    line, diverged = ax.get_lines()
+    assert list(line.get_xdata()) == [1e-3, 3e-3, 1e-2]
+    assert diverged.get_marker() == "x" and list(diverged.get_xdata()) == [3e-2]
+    assert diverged.get_label() == "fp32: every seed diverged"
 
 
 def test_a_second_key_makes_panels_and_each_precision_is_judged_at_its_rate(tmp_path):
