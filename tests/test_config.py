@@ -93,6 +93,7 @@ def test_groups_hold_the_documented_options():
         "gpt_precisions",
         "hparams_search",
         "imagenet_resnet50",
+        "lr_sensitivity",
         "precision_grid",
         "quickstart",
         "world4ai",

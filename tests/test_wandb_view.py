@@ -24,6 +24,7 @@ from mpexp.report.wandb_view import (
     SEEDS,
     SPEC_FILE,
     WALL_TIME,
+    Swept,
     group_by,
     logged_keys,
     result_metric,
@@ -415,3 +416,28 @@ def test_pure_bf16s_lost_updates_get_a_section_and_its_roundings_a_group_each():
 
     runs = [run("fp32", None), run("bf16_pure", "nearest"), run("bf16_pure_kahan", "kahan")]
     assert group_by(runs)[:2] == ["ran.precision", "ran.update_rounding"]
+
+
+def test_a_sweep_over_a_numeric_key_gets_its_result_against_that_key():
+    """report.md's sweep_<key>.png as a panel of the view: each run's final result (its W&B
+    summary's last value) against the key in its config, on a log axis; a step-budget sweep's
+    validation values by step."""
+    swept = Swept(wandb_key="optimizer.lr", key="optimizer.lr", log=True)
+    found = {s["name"]: s["panels"] for s in sections(["val/loss"], set(), swept, "step")}
+    assert [(p["kind"], p["x"], p["y"]) for p in found["Result"]] == [
+        ("line", "step", ["val/loss"]),
+        ("line", WALL_TIME, ["val/loss"]),
+        ("scatter", "optimizer.lr", ["val/loss.last"]),
+    ]
+    assert [p["x"] for p in found["Loss"]] == ["step", "step"]
+
+    pytest.importorskip("wandb_workspaces")
+    spec = {"name": "sweep-a", "entity": None, "project": "mpexp",
+            "runs": {"groups": ["sweep-a"], "job_type": "train"},
+            "group_by": ["ran.precision", "optimizer.lr"], "seeds": SEEDS, "max_runs": 10,
+            "sections": sections(["val/loss"], set(), swept)}  # fmt: skip
+    scatter = to_workspace(spec, "someone").sections[0].panels[2]._to_model().config
+    # the W&B run's config holds optimizer.lr nested, as the grouping reads it
+    assert scatter.x_axis == "config:optimizer.value.lr"
+    assert scatter.y_axis == "summary:val/loss.last"
+    assert scatter.x_axis_log_scale is True

@@ -4,6 +4,9 @@ runs.py      finds run directories and reads what each run wrote
 stats.py     means, differences and ratios with 95 % intervals (Student's t, Welch)
 table.py     runs grouped into configurations (all but the seed alike), each compared with its fp32
              reference: parity verdicts, speedups, time to target, timing warnings
+axes.py      the keys a sweep varied beside the precision: the x-axis, panels and curves of its
+             result, and up to which value each precision keeps fp32's result
+sensitivity.py  the LR sensitivity of Wortsman et al. (2023) of a curve over learning rates
 markdown.py  report.md
 plots.py     the PNG plots
 wandb_run.py the report as a W&B run in the sweep's group

@@ -32,7 +32,7 @@ def write_report(report: Report, draw: bool = True) -> Path:
         if report.rows and draw:
             from mpexp.report import plots  # matplotlib: only when there is something to draw
 
-            report.plots = plots.draw_all(report.configs, report.out_dir)
+            report.plots = plots.draw_all(report)
         report.path.write_text(render_markdown(report) + "\n")
     except OSError as err:
         raise UserError(

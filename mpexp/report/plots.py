@@ -12,6 +12,7 @@ steps.
 from __future__ import annotations
 
 import math
+import statistics
 from itertools import pairwise
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from mpexp.report.table import Config, Row
+from mpexp.report.axes import Curve, SweepAxis, short_labels, sweep_axis
+from mpexp.report.sensitivity import curve_sensitivity
+from mpexp.report.table import Config, Report, Row
 
 LINE_STYLES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
@@ -41,29 +44,60 @@ def _style(index: int) -> dict:
     }
 
 
-def _legend_label(config: Config) -> str:
-    return f"{config.label} (n={config.n})"
+MAX_FULL_LABELS = 8  # more lines than this, and the legend names them by the keys that differ
 
 
-def draw_all(configs: list[Config], out_dir: Path) -> dict[str, Path]:
-    """Every plot that has something to show, by name: the loss-scale plot needs a scaled run,
-    the underflow plot a run with gradient statistics. Runs that diverged are not drawn: their
-    values are not finite."""
-    configs = [c for c in configs if c.rows]
+def _legend_labels(configs: list[Config]) -> list[str]:
+    """A label per configuration: its overrides, or for a sweep of many configurations only the
+    keys that differ between them, shortened (axes.short_labels)."""
+    if len(configs) <= MAX_FULL_LABELS:
+        return [f"{c.label} (n={c.n})" for c in configs]
+    return [f"{label} (n={c.n})" for label, c in zip(short_labels(configs), configs, strict=True)]
+
+
+def _by_steps(configs: list[Config]) -> bool:
+    """Whether a run trained to a step budget (Run.step_budget): every figure then draws the
+    validation rows against the step, for all runs (one axis holds one quantity)."""
+    return any(r.run.step_budget for c in configs for r in c.rows)
+
+
+def _one_point_each(configs: list[Config]) -> bool:
+    """Whether every run validated once: a curve per run would be a point per run, which the
+    tables already hold."""
+    return all(len(r.run.epochs) <= 1 for c in configs for r in c.rows)
+
+
+def draw_all(report: Report) -> dict[str, Path]:
+    """Draw every plot (`figures`) into the report's folder; their paths by name."""
+    return {
+        name: _save(fig, report.out_dir / file) for name, (fig, file) in figures(report).items()
+    }
+
+
+def figures(report: Report) -> dict[str, tuple[Figure, str]]:
+    """Every plot that has something to show, by name, with its file name: the result's needs
+    more than one validation per run, the sweep's a numeric key swept beside the precision, the
+    loss-scale plot a scaled run, the underflow plot a run with gradient statistics. Runs that
+    diverged are not drawn: their values are not finite."""
+    configs = [c for c in report.configs if c.rows]
     if not configs:
         return {}
-    drawn = {
-        "result": result(configs, out_dir / "result.png"),
-        "loss_curves": loss_curves(configs, out_dir / "loss_curves.png"),
-        "epoch_time": epoch_time(configs, out_dir / "epoch_time.png"),
-        "peak_memory": peak_memory(configs, out_dir / "peak_memory.png"),
-    }
+    drawn = {}
+    if not _one_point_each(configs):
+        # targets only where one was asked for: the default ones would be a line per reference
+        drawn["result"] = (result(configs, report.target is not None), "result.png")
+    drawn["loss_curves"] = (loss_curves(configs), "loss_curves.png")
+    drawn["epoch_time"] = (epoch_time(configs), "epoch_time.png")
+    drawn["peak_memory"] = (peak_memory(configs), "peak_memory.png")
+    axis = sweep_axis(report.configs)
+    if axis is not None:
+        drawn["sweep"] = (sweep(axis), axis.file_name)
     scaled = [(i, r) for i, c in enumerate(configs) for r in c.rows if r.loss_scaling != "none"]
     if scaled:
-        drawn["loss_scale"] = loss_scale(scaled, out_dir / "loss_scale.png")
+        drawn["loss_scale"] = (loss_scale(scaled), "loss_scale.png")
     with_stats = [(i, r) for i, c in enumerate(configs) for r in c.rows if _underflow_keys(r)]
     if with_stats:
-        drawn["underflow"] = underflow(with_stats, out_dir / "underflow.png")
+        drawn["underflow"] = (underflow(with_stats), "underflow.png")
     return drawn
 
 
@@ -75,10 +109,11 @@ def _save(fig: Figure, path: Path) -> Path:
 def _figure_legend(fig: Figure, configs: list[Config], extra: list[tuple[Line2D, str]] = ()):
     """One legend for the figure, below its panels: an entry per configuration."""
     handles = [Line2D([], [], **_style(i)) for i in range(len(configs))]
-    labels = [_legend_label(c) for c in configs]
+    labels = _legend_labels(configs)
     handles += [h for h, _ in extra]
     labels += [label for _, label in extra]
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)))
+    columns = 3 if len(labels) <= MAX_FULL_LABELS else 4  # short labels: more to a row
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(columns, len(labels)))
 
 
 def _marks(count: int, index: int, configs: int) -> tuple[int, int]:
@@ -88,13 +123,21 @@ def _marks(count: int, index: int, configs: int) -> tuple[int, int]:
     return (index * every // max(1, configs)) % every, every
 
 
-def result(configs: list[Config], path: Path) -> Path:
-    """The result (the task's metric: val accuracy, a language model's val loss) per epoch and
-    against training time, with the targets of time to target. Configurations judged by another
-    metric than the first's are left out: one axis holds one quantity."""
+def _progress(configs: list[Config]) -> tuple[str, str]:
+    """The key of the validation rows' x-axis, and its words: the epoch, or for runs that trained
+    to a step budget the step (runs of a step budget end mid-epoch, or validate within one)."""
+    return ("step", "step") if _by_steps(configs) else ("epoch", "epoch")
+
+
+def result(configs: list[Config], targets: bool = False) -> Figure:
+    """The result (the task's metric: val accuracy, a language model's val loss) per epoch (per
+    step for step-budget runs) and against training time; with `targets`, the targets of time to
+    target. Configurations judged by another metric than the first's are left out: one axis
+    holds one quantity."""
     spec = configs[0].spec
+    key, words = _progress(configs)
     fig = Figure(figsize=(11, 4.8), layout="constrained")
-    per_epoch, per_time = fig.subplots(1, 2, sharey=True)
+    per_progress, per_time = fig.subplots(1, 2, sharey=True)
     shown = [c for c in configs if c.spec == spec]
     for i, config in enumerate(shown):
         for row in config.rows:
@@ -104,35 +147,40 @@ def result(configs: list[Config], path: Path) -> Path:
             for e in epochs:  # compilation counts towards the time it takes
                 elapsed += e["perf/epoch_time_s"] + e.get("perf/compile_s", 0.0)
                 times.append(elapsed)
-            per_epoch.plot([e["epoch"] for e in epochs], values, alpha=0.85, **_style(i))
+            per_progress.plot([e[key] for e in epochs], values, alpha=0.85, **_style(i))
             per_time.plot(times, values, alpha=0.85, **_style(i))
     extra = []
-    targets = sorted({c.target for c in shown if c.target is not None})
-    for target in targets:
-        for ax in (per_epoch, per_time):
+    levels = sorted({c.target for c in shown if c.target is not None}) if targets else []
+    for target in levels:
+        for ax in (per_progress, per_time):
             ax.axhline(
                 spec.scale * target, color="0.4", linewidth=1, linestyle=(0, (4, 3)), zorder=0
             )
-    if targets:
-        label = ", ".join(f"{spec.scale * t:.4g} {spec.shown_in}" for t in targets)
+    if levels:
+        label = ", ".join(f"{spec.scale * t:.4g} {spec.shown_in}" for t in levels)
         extra.append((Line2D([], [], color="0.4", linestyle=(0, (4, 3))), f"target: {label}"))
-    per_epoch.set(
-        xlabel="epoch", ylabel=f"{spec.name} ({spec.shown_in})", title=f"{spec.metric} per epoch"
+    per_progress.set(
+        xlabel=words, ylabel=f"{spec.name} ({spec.shown_in})", title=f"{spec.metric} per {words}"
     )
-    per_epoch.xaxis.set_major_locator(MaxNLocator(integer=True))
+    per_progress.xaxis.set_major_locator(MaxNLocator(integer=True))
     per_time.set(
         xlabel="training time (s, sum of epoch times)",
         title=f"{spec.metric} over training time",
     )
     per_time.tick_params(labelleft=True)
     _figure_legend(fig, shown, extra)
-    return _save(fig, path)
+    return fig
 
 
-def loss_curves(configs: list[Config], path: Path) -> Path:
-    """Training loss at every step and validation loss at every epoch."""
-    fig = Figure(figsize=(11, 4.8), layout="constrained")
-    per_step, per_epoch = fig.subplots(1, 2)
+def loss_curves(configs: list[Config]) -> Figure:
+    """Training loss at every step and validation loss at every epoch (at every validation,
+    against the step, for step-budget runs); the training loss alone where each run validated
+    once (a point per run: the tables hold it)."""
+    key, words = _progress(configs)
+    with_val = not _one_point_each(configs)
+    fig = Figure(figsize=(11 if with_val else 6.5, 4.8), layout="constrained")
+    axes = fig.subplots(1, 2 if with_val else 1, squeeze=False)[0]
+    per_step = axes[0]
     for i, config in enumerate(configs):
         for row in config.rows:
             steps = row.run.steps
@@ -145,19 +193,19 @@ def loss_curves(configs: list[Config], path: Path) -> Path:
                 markevery=_marks(len(steps), i, len(configs)),
                 **_style(i),
             )
-            epochs = row.run.epochs
-            per_epoch.plot(
-                [e["epoch"] for e in epochs],
-                [e["val/loss"] for e in epochs],
-                alpha=0.85,
-                **_style(i),
-            )
+            if with_val:
+                epochs = row.run.epochs
+                axes[1].plot(
+                    [e[key] for e in epochs], [e["val/loss"] for e in epochs], alpha=0.85,
+                    **_style(i),
+                )  # fmt: skip
     per_step.set(xlabel="step", ylabel="train loss", title="Training loss per step")
     per_step.xaxis.set_major_locator(MaxNLocator(integer=True))
-    per_epoch.set(xlabel="epoch", ylabel="val loss", title="Validation loss per epoch")
-    per_epoch.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if with_val:
+        axes[1].set(xlabel=words, ylabel="val loss", title=f"Validation loss per {words}")
+        axes[1].xaxis.set_major_locator(MaxNLocator(integer=True))
     _figure_legend(fig, configs)
-    return _save(fig, path)
+    return fig
 
 
 def _offsets(count: int) -> list[float]:
@@ -168,7 +216,7 @@ def _offsets(count: int) -> list[float]:
     return [-width / 2 + width * k / (count - 1) for k in range(count)]
 
 
-def epoch_time(configs: list[Config], path: Path) -> Path:
+def epoch_time(configs: list[Config]) -> Figure:
     """Every timed epoch of every run (dots), each run's median (marker) and min-max (bar),
     labelled with the configuration's speedup over its fp32 reference."""
     fig = Figure(figsize=(max(6.0, 1.4 * len(configs) + 2.5), 4.8), layout="constrained")
@@ -197,7 +245,7 @@ def epoch_time(configs: list[Config], path: Path) -> Path:
                 va="bottom",
                 fontsize="small",
             )
-    ax.set_xticks(range(len(configs)), [_legend_label(c) for c in configs], rotation=20, ha="right")
+    ax.set_xticks(range(len(configs)), _legend_labels(configs), rotation=20, ha="right")
     ax.set_xlim(-0.6, len(configs) - 0.4)
     ax.set_ylim(0, top * 1.3 if top > 0 else 1)  # from zero, so heights compare as ratios
     ax.set(
@@ -205,10 +253,10 @@ def epoch_time(configs: list[Config], path: Path) -> Path:
         title="Epoch time: each timed epoch (dots), median and min-max per run\n"
         "label: speedup over fp32 (95 % interval with 2+ seeds)",
     )
-    return _save(fig, path)
+    return fig
 
 
-def peak_memory(configs: list[Config], path: Path) -> Path:
+def peak_memory(configs: list[Config]) -> Figure:
     """Peak memory per configuration (mean over seeds), labelled with its ratio to fp32."""
     fig = Figure(figsize=(max(6.0, 1.4 * len(configs) + 2.5), 4.8), layout="constrained")
     ax = fig.subplots()
@@ -220,25 +268,74 @@ def peak_memory(configs: list[Config], path: Path) -> Path:
     )
     notes = ["" if c.mem_ratio is None else f"{c.mem_ratio:.2f}x" for c in configs]
     ax.bar_label(bars, labels=notes, fontsize="small")
-    ax.set_xticks(list(positions), [_legend_label(c) for c in configs], rotation=20, ha="right")
+    ax.set_xticks(list(positions), _legend_labels(configs), rotation=20, ha="right")
     kinds = {"cuda": "CUDA tensor memory", "rss": "process RSS (CPU)"}
     what = " / ".join(sorted({kinds[c.mem_kind] for c in configs}))
     ax.set(ylabel=f"peak MiB, {what}", title="Peak memory, mean over seeds (label: ratio to fp32)")
     ax.margins(y=0.15)  # room for the labels above the bars
-    return _save(fig, path)
+    return fig
 
 
-def _grid(fig: Figure, count: int):
+def _grid(fig: Figure, count: int, sharey: bool = False):
     """`count` panels, three to a row; the cells left over in the last row are hidden."""
     columns = min(3, count)
     rows = math.ceil(count / columns)
-    axes = fig.subplots(rows, columns, squeeze=False).flatten()
+    axes = fig.subplots(rows, columns, squeeze=False, sharey=sharey).flatten()
     for ax in axes[count:]:
         ax.set_visible(False)
     return axes[:count]
 
 
-def loss_scale(runs: list[tuple[int, Row]], path: Path) -> Path:
+def sweep(axis: SweepAxis) -> Figure:
+    """The result against the swept key: a panel per combination of the other keys that varied,
+    a line per precision through its configurations' means over seeds, with a band from the
+    lowest seed's result to the highest's; a log axis where the values span a decade. A point
+    whose every run diverged is an x at the top of its panel. Under a learning-rate sweep each
+    line's legend entry gives its LR sensitivity (sensitivity.py)."""
+    spec = axis.panels[0].curves[0].points[0].config.spec
+    lines = list(dict.fromkeys(c.precision for panel in axis.panels for c in panel.curves))
+    columns = min(3, len(axis.panels))
+    height = 3.8 * math.ceil(len(axis.panels) / columns) + 0.8
+    fig = Figure(figsize=(4.8 * columns + 0.6, height), layout="constrained")
+    for ax, panel in zip(_grid(fig, len(axis.panels), sharey=True), axis.panels, strict=True):
+        for curve in panel.curves:
+            style = _style(lines.index(curve.precision))
+            drawn = [p for p in curve.points if p.config.rows]
+            seeds = [[spec.scale * r.result for r in p.config.rows] for p in drawn]
+            xs = [p.x for p in drawn]
+            means = [statistics.fmean(v) for v in seeds]
+            ax.plot(xs, means, label=_line_label(curve, axis.is_lr), **style)
+            ax.fill_between(xs, [min(v) for v in seeds], [max(v) for v in seeds],
+                            color=style["color"], alpha=0.15, linewidth=0)  # fmt: skip
+            for point in curve.points:
+                if not point.config.rows:  # at the panel's top: its value is not finite
+                    ax.plot(point.x, 0.96, marker="x", color=style["color"], markersize=9,
+                            linestyle="none", transform=ax.get_xaxis_transform(),
+                            label=f"{curve.precision}: every seed diverged")  # fmt: skip
+        if axis.log:
+            ax.set_xscale("log")
+            ax.minorticks_off()  # the swept values are the ticks
+        ax.set_xticks(axis.values, [axis.shown(x) for x in axis.values])
+        ax.set(xlabel=axis.key, ylabel=f"{spec.name} ({spec.shown_in})", title=panel.label)
+        ax.tick_params(labelleft=True)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles, strict=True))  # one "diverged" entry per precision
+        ax.legend(unique.values(), unique.keys(), fontsize="small")
+    fig.suptitle(f"Final {spec.metric}: mean over seeds, band from the lowest seed to the highest")
+    return fig
+
+
+def _line_label(curve: Curve, lr: bool) -> str:
+    """The precision, and under a learning-rate sweep its LR sensitivity."""
+    sensitivity = curve_sensitivity(curve) if lr else None
+    if sensitivity is None:
+        return curve.precision
+    value = sensitivity.value
+    shown = f"{value.value:.3f}" + (f" ± {value.half_width:.3f}" if value.low is not None else "")
+    return f"{curve.precision} (LR sensitivity {shown})"
+
+
+def loss_scale(runs: list[tuple[int, Row]]) -> Figure:
     """The scale every step used, one panel per run with loss scaling; skipped steps marked x."""
     columns = min(3, len(runs))
     height = 3.2 * math.ceil(len(runs) / columns) + 0.8
@@ -267,7 +364,7 @@ def loss_scale(runs: list[tuple[int, Row]], path: Path) -> Path:
         ax.set(xlabel="step", ylabel="loss scale")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle("Loss scale per step (x: skipped step)")
-    return _save(fig, path)
+    return fig
 
 
 def _underflow_keys(row: Row) -> list[str]:
@@ -294,7 +391,7 @@ def _cell_edges(steps: list[int]) -> list[float]:
     ]
 
 
-def underflow(runs: list[tuple[int, Row]], path: Path) -> Path:
+def underflow(runs: list[tuple[int, Row]]) -> Figure:
     """Per layer, the share of non-zero gradient elements that fp16 loses at the step's scale
     (zero or subnormal once scaled), at every step where gradient statistics ran: one heat map
     per run, layers down, steps across, on a log colour scale; white where (next to) nothing was
@@ -334,4 +431,4 @@ def underflow(runs: list[tuple[int, Row]], path: Path) -> Path:
         label="% of non-zero gradient elements lost in fp16 (white: none, or under 0.001 %)",
     )
     fig.suptitle("fp16 gradient underflow per layer (diagnostics.grad_stats_every)")
-    return _save(fig, path)
+    return fig

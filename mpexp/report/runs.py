@@ -43,6 +43,13 @@ class Run:
     def ran(self) -> dict[str, Any]:
         return self.summary.get("ran", {})
 
+    @property
+    def step_budget(self) -> bool:
+        """Whether it trained to a step budget (`trainer.max_steps`) or validated every
+        `trainer.eval_every_steps`: its validation rows are then not one per epoch."""
+        trainer = self.config.get("trainer", {})
+        return bool(trainer.get("max_steps") or trainer.get("eval_every_steps"))
+
     def chosen(self, group: str) -> str:
         """The option picked for a config group (`precision`, `model`, ...), '?' if unknown."""
         return str(self.choices.get(group) or self.ran.get("choices", {}).get(group) or "?")

@@ -18,11 +18,14 @@ The spec:
                 varies across the runs; never the seed, so that seeds collapse into a group
     seeds       how a group is drawn: {"line": "mean", "band": "minmax"}
     max_runs    lines (groups) a panel shows at most
-    sections    [{"name", "open", "panels": [{"kind": "line" | "bar", "title", "x", "y",
-                "log_y"}]}], in the order a reader asks: result, loss (train/loss by step,
-                val/loss by epoch, the learning rate), loss scale, speed (with the data wait),
-                memory, the user's own mpexp.log values, diagnostics (closed); those but the
-                result and loss present only when logged
+    sections    [{"name", "open", "panels": [{"kind": "line" | "bar" | "scatter", "title", "x",
+                "y", "log_y" (lines), "log_x" (scatters)}]}], in the order a reader asks:
+                result (and, for a sweep over a numeric key beside the precision, each run's
+                final result against that key: report.md's sweep figure), loss (train/loss by
+                step, val/loss by epoch, the learning rate), loss scale, speed (with the data
+                wait), memory, the user's own mpexp.log values, diagnostics (closed); those but
+                the result and loss present only when logged. Validation values are drawn by
+                step rather than epoch for runs that trained to a step budget.
     url         the saved view's address, once it has been created
 """
 
@@ -31,9 +34,11 @@ from __future__ import annotations
 import contextlib
 import json
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpexp.errors import UserError
+from mpexp.report.axes import sweep_axis
 from mpexp.report.runs import Run
 from mpexp.report.table import MEMORY_KEYS, NOT_CONFIG, Report
 from mpexp.report.wandb_run import wandb_target
@@ -97,6 +102,8 @@ def view_spec(report: Report) -> dict | None:
         return None
     where = wandb_target(report)
     results = list(dict.fromkeys(map(result_metric, runs)))
+    axis = sweep_axis(report.configs)
+    swept = None if axis is None else Swept(_wandb_key(axis.key, runs[0]), axis.key, axis.log)
     return {
         "name": ", ".join(groups),  # W&B refuses symbols such as "+" in a view's name
         "entity": where.get("entity"),
@@ -105,7 +112,12 @@ def view_spec(report: Report) -> dict | None:
         "group_by": group_by(runs),
         "seeds": SEEDS,
         "max_runs": max(len(runs), MIN_PANEL_RUNS),
-        "sections": sections(results, logged_keys(runs)),
+        "sections": sections(
+            results,
+            logged_keys(runs),
+            swept,
+            progress="step" if any(run.step_budget for run in runs) else "epoch",
+        ),
     }
 
 
@@ -168,14 +180,27 @@ def logged_keys(runs: list[Run]) -> set[str]:
 UPDATES_LOST = "opt/updates_lost"
 
 
-def sections(results: list[str], logged: set[str]) -> list[dict]:
-    """The view's sections, in the order a reader asks; those with nothing to show are left out."""
+@dataclass(frozen=True)
+class Swept:
+    """The numeric key a sweep varied beside the precision (axes.sweep_axis)."""
+
+    wandb_key: str  # where the W&B run's config holds it
+    key: str  # the override's key
+    log: bool  # its values span a decade: a log axis
+
+
+def sections(
+    results: list[str], logged: set[str], swept: Swept | None = None, progress: str = "epoch"
+) -> list[dict]:
+    """The view's sections, in the order a reader asks; those with nothing to show are left out.
+    `progress`: what validation values are drawn against, `epoch` or (step budgets) `step`."""
     result = [
         panel
         for metric in results
         for panel in (
-            _line(f"{metric} by epoch", "epoch", metric),
+            _line(f"{metric} by {progress}", progress, metric),
             _line(f"{metric} by wall-clock time", WALL_TIME, metric),
+            *([_scatter(metric, swept)] if swept else []),
         )
     ]
     scale = [
@@ -186,12 +211,12 @@ def sections(results: list[str], logged: set[str]) -> list[dict]:
     ]
     loss = [
         _line("train/loss by step", "step", "train/loss"),
-        _line("val/loss by epoch", "epoch", "val/loss"),
+        _line(f"val/loss by {progress}", progress, "val/loss"),
         *([_line("learning rate", "step", "lr")] if "lr" in logged else []),
     ]
     speed = [_bar(key) for key in SPEED if key in logged]
     if "perf/data_wait_s" in logged:  # when in the run the data held the step up
-        speed.append(_line("perf/data_wait_s by epoch", "epoch", "perf/data_wait_s"))
+        speed.append(_line(f"perf/data_wait_s by {progress}", progress, "perf/data_wait_s"))
     own = [_line(k, "step", k) for k in sorted(logged) if _users(k)]
     # pure bf16's updates that rounding left out of the weights (mpexp/precision/pure_updates.py)
     lost = [_line("updates lost", "step", UPDATES_LOST)] if UPDATES_LOST in logged else []
@@ -212,6 +237,14 @@ def sections(results: list[str], logged: set[str]) -> list[dict]:
 
 def _line(title: str, x: str, y: str, log_y: bool = False) -> dict:
     return {"kind": "line", "title": title, "x": x, "y": [y], "log_y": log_y}
+
+
+def _scatter(metric: str, swept: Swept) -> dict:
+    # each run's final value (W&B's summary keeps it as `<metric>.last`, beside the min or max
+    # that the task's summaries ask for) against the swept key in its config; grouped runs are
+    # coloured by group, so the precisions and the other swept keys tell apart
+    return {"kind": "scatter", "title": f"{metric} against {swept.key}", "x": swept.wandb_key,
+            "y": [f"{metric}.last"], "log_x": swept.log}  # fmt: skip
 
 
 def _bar(metric: str) -> dict:

@@ -102,6 +102,13 @@ def _panel(wr: Any, panel: dict, seeds: dict) -> Any:
     grouped = {"groupby_aggfunc": seeds["line"], "groupby_rangefunc": seeds["band"]}
     if panel["kind"] == "bar":
         return wr.BarPlot(title=panel["title"], metrics=panel["y"], **grouped)
+    if panel["kind"] == "scatter":  # a point per run: a summary value against a config value
+        return wr.ScatterPlot(
+            title=panel["title"],
+            x=wr.Config(panel["x"]),
+            y=wr.SummaryMetric(panel["y"][0]),
+            log_x=panel["log_x"],
+        )
     return wr.LinePlot(
         title=panel["title"], x=panel["x"], y=panel["y"], log_y=panel["log_y"], **grouped
     )
