@@ -577,3 +577,22 @@ def test_a_language_model_is_judged_by_its_val_loss_lower_being_better(tmp_path,
     assert rows["precision=fp16"]["parity"].startswith("**worse by 0.1000 ± ")
     assert rows["precision=bf16"]["parity"].startswith("better by 0.1000 ± ")
     assert rows["precision=fp32"]["val loss (nats)"] == "2.0100 ± 0.0248"
+
+
+def test_a_planned_runs_peak_is_shown_beside_the_measured_one(tmp_path):
+    """A GPU run plans itself (trainer.plan): the report puts the plan's peak beside the peak
+    the allocator measured, so that a sweep shows the plan's error; an unplanned run shows n/a."""
+    make_run(tmp_path, "0", "fp32", 0, [0.9] * 3, [5.0, 2.0, 2.0], gpu_mib=[1200, 1120, 1120])
+    bf16 = make_run(tmp_path, "1", "bf16", 0, [0.9] * 3, [5.0, 1.0, 1.0], gpu_mib=[800, 740, 740])
+    summary = json.loads((bf16 / "summary.json").read_text())
+    planned = {"train_step": 700 * 2**20, "validation": 300 * 2**20}
+    summary["ran"]["plan"] = {"peak_bytes": planned, "bytes": {}}
+    (bf16 / "summary.json").write_text(json.dumps(summary))
+    report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"])
+    fp32_row, bf16_row = read_table(tmp_path / "report.md", "Speed")
+    assert bf16_row["planned peak (MiB)"] == "700.0" and bf16_row["peak memory (MiB)"] == "740.0"
+    assert fp32_row["planned peak (MiB)"] == "n/a"
+    assert (
+        "Planned peak: the larger of the step's and validation's peaks"
+        in (tmp_path / "report.md").read_text()
+    )

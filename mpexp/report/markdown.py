@@ -538,12 +538,14 @@ def _speed_section(report: Report) -> list[str]:
             _estimate(c.tflops, ".3g"),
             _estimate(c.mfu_pct, ".1f"),
             _number(c.peak_mem_mib, ".1f"),
+            _number(c.planned_peak_mib, ".1f"),
             _number(c.mem_ratio, ".2f") + ("x" if c.mem_ratio is not None else ""),
         ]
 
     headers = ["configuration", "n", "epoch time (s)", "speedup", "compile (s)",
                "time to target (s)", "speedup at target", "samples/s", "data wait (%)",
-               "TFLOP/s", "MFU (%)", "peak memory (MiB)", "memory vs fp32"]  # fmt: skip
+               "TFLOP/s", "MFU (%)", "peak memory (MiB)", "planned peak (MiB)",
+               "memory vs fp32"]  # fmt: skip
     lines = ["## Speed", "", *_table(headers, report.configs, cells), ""]
     notes = []
     if any(_emulated(c) for c in report.configs):
@@ -579,6 +581,13 @@ def _speed_section(report: Report) -> list[str]:
         notes.append(
             "Peak memory on a GPU: the largest per-epoch peak of CUDA tensor memory over the "
             "timed epochs (the first epoch's also holds cuDNN's autotuning workspaces)."
+        )
+    if any(c.planned_peak_mib is not None for c in report.configs):
+        notes.append(
+            "Planned peak: the larger of the step's and validation's peaks in the run's own plan "
+            "(`trainer.plan`, on by default on a GPU; docs/plan.md), made on fake tensors before "
+            "its first step: beside the measured peak it shows the plan's error. A CPU run's "
+            "plan counts tensors only, its measured peak the whole process."
         )
     if "rss" in kinds:
         notes.append(

@@ -111,6 +111,14 @@ class Row:
         return {k: ran[k] for k in STATE_BYTES} if all(k in ran for k in STATE_BYTES) else None
 
     @property
+    def planned_peak_mib(self) -> float | None:
+        """The larger of its plan's peaks (mpexp/plan/: a GPU run plans itself), in MiB; None for
+        a run that was not planned."""
+        peaks = (self.run.ran.get("plan") or {}).get("peak_bytes") or {}
+        known = [p for p in peaks.values() if p is not None]
+        return max(known) / 2**20 if known else None
+
+    @property
     def updates_lost(self) -> float | None:
         """The mean of its opt/updates_lost over the run; None where it was not computed."""
         values = [d["opt/updates_lost"] for d in self.run.diagnostics if "opt/updates_lost" in d]
@@ -294,6 +302,12 @@ class Config:
     def mem_kind(self) -> str:
         return self.first.mem_kind
 
+    @property
+    def planned_peak_mib(self) -> float | None:
+        """Its plan's peak (the same for every seed: a plan depends on no seed)."""
+        planned = [p for p in self._each("planned_peak_mib") if p is not None]
+        return max(planned) if planned else None
+
     def _difference(
         self, attribute: str, scale: float = 1.0, other: Config | None = None
     ) -> Estimate | None:
@@ -438,6 +452,7 @@ class Config:
             "reached_target": None if self.target is None else self.reached,
             "mem_kind": self.mem_kind,
             "peak_mem_mib": self.peak_mem_mib,
+            "planned_peak_mib": self.planned_peak_mib,
             "mem_ratio": self.mem_ratio,
             "update_rounding": self.first.rounding,
             **{k: (self.state_bytes or {}).get(k) for k in STATE_BYTES},
@@ -506,6 +521,7 @@ def run_values(row: Row, target: float | None) -> dict[str, Any]:
         "data_wait_pct": None if row.data_wait_share is None else 100 * row.data_wait_share,
         "time_to_target_s": row.time_to(target),
         "peak_mem_mib": row.peak_mem_mib,
+        "planned_peak_mib": row.planned_peak_mib,
         "skipped_steps": row.skipped_steps,
         "update_rounding": row.rounding,
         "updates_lost": row.updates_lost,
