@@ -184,7 +184,8 @@ def test_an_operator_fake_tensors_cannot_run_is_named_and_its_numbers_left_out(
 
 
 # a GPT of about 40 M parameters on byte tokens, and the same run with a tiny one: the growth of
-# the process's peak resident memory between the two is what the larger model's run took
+# the peak resident memory the run measures (mem/peak_rss_mib) between the two is what the larger
+# model's step and validation took
 GPT = [
     "dataset=text", "model=gpt", "model.block_size=32", "dataset.batch_size=2",
     "dataset.train_size=8", "dataset.val_size=2", "trainer.epochs=null", "trainer.max_steps=1",
@@ -192,16 +193,6 @@ GPT = [
 ]  # fmt: skip
 LARGE = ["model.n_layer=4", "model.n_embd=896", "model.n_head=14"]
 SMALL = ["model.n_layer=1", "model.n_embd=32"]
-PEAK_RSS = (
-    "import resource, sys\n"
-    "import mpexp.train\n"
-    "sys.argv = ['mpexp-train', *sys.argv[1:]]\n"
-    "try:\n"
-    "    mpexp.train.cli()\n"
-    "except SystemExit as e:\n"
-    "    assert not e.code, e.code\n"
-    "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
-)
 
 
 def test_the_planned_peak_of_a_40m_parameter_run_is_within_a_quarter_of_its_resident_growth(
@@ -211,15 +202,12 @@ def test_the_planned_peak_of_a_40m_parameter_run_is_within_a_quarter_of_its_resi
     text.write_text("the quick brown fox jumps over the lazy dog, naïve café. " * 2000)
     common = [*GPT, f"dataset.path={text}", f"dataset.cache_dir={tmp_path / 'cache'}"]
     runs = {
-        name: subprocess.Popen(
-            [sys.executable, "-c", PEAK_RSS, *common, *size, f"hydra.run.dir={tmp_path / name}"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
+        n: subprocess.Popen(
+            [sys.executable, "-m", "mpexp.train", *common, *size, f"hydra.run.dir={tmp_path / n}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
         )
-        for name, size in (("large", LARGE), ("small", SMALL))
-    }
+        for n, size in (("large", LARGE), ("small", SMALL))
+    }  # fmt: skip
     rows = {
         name: plan_rows([*common, *size])[0] for name, size in (("large", LARGE), ("small", SMALL))
     }
@@ -227,9 +215,12 @@ def test_the_planned_peak_of_a_40m_parameter_run_is_within_a_quarter_of_its_resi
     assert 35e6 < rows["large"]["parameters"] < 45e6
     measured = {}
     for name, run in runs.items():
-        out, err = run.communicate(timeout=300)
+        _, err = run.communicate(timeout=300)
         assert run.returncode == 0, err[-2000:]
-        measured[name] = int(out.split("PEAK")[-1])
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        # the run's own measure: the process's peak resident set over its one interval of
+        # training and validation (VmHWM, reset as the interval starts)
+        measured[name] = summary["mem/peak_rss_mib"] * 2**20
     grown = measured["large"] - measured["small"]
     plan = planned["large"] - planned["small"]
     assert abs(plan - grown) <= 0.25 * grown, (plan / 2**20, grown / 2**20)
