@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torchvision.transforms import v2
 
 from mpexp.data import image_cache, image_folder
 from mpexp.data.image_folder import ImageFolderData, decode
@@ -50,13 +49,18 @@ def builds(caplog) -> list[str]:
 
 
 def test_the_stored_images_are_the_decoded_and_resized_ones(photos, tmp_path):
+    """Validation's images resized as validation resizes them; training's kept at most at the
+    side its random resized crop needs (ceil(8 / sqrt(0.08)) = 29 px), never enlarged."""
     data = cached(photos, tmp_path / "cache", resize_size=10)
-    for split in data.splits.values():
+    for name, split in data.splits.items():
+        side, enlarge = (29, False) if name == "train" else (10, True)
         for i in range(len(split)):
-            expected = v2.functional.resize(decode(split.path(i), 10), 10)
-            assert min(expected.shape[1:]) == 10
+            decoded = decode(split.path(i), side)
+            expected = image_cache.fitted(decoded, side, enlarge)
+            assert min(expected.shape[1:]) == (side if enlarge else min(side, *decoded.shape[1:]))
             assert torch.equal(split.cache.image(i), expected)
-    assert data.record()["cache"]["kind"] == "resized" and data.record()["cache"]["side"] == 10
+    assert {s.shape[1] for s in map(data.splits["train"].cache.image, range(18))} > {29}
+    assert data.record()["cache"]["side"] == 29 and data.record()["cache"]["val_side"] == 10
     # validation (resize, centre crop) reads exactly what the decoding workers give
     plain = ImageFolderData(path=str(photos), image_size=8, resize_size=10, batch_size=4,
                             num_workers=0, mean=[0.0] * 3, std=[1.0] * 3)  # fmt: skip
@@ -92,13 +96,18 @@ def test_a_store_is_reused_and_built_again_when_the_folder_or_size_changes(
         data = cached(photos, cache)
         (rebuilt,) = builds(caplog)
         assert "Cached 17 images" in rebuilt
-        said = [r.getMessage() for r in caplog.records if "not trusted" in r.getMessage()]
-        assert len(said) == 1 and "other files (the folder changed since)" in said[0]
+        said = [r.getMessage() for r in caplog.records if "earlier image cache" in r.getMessage()]
+        assert len(said) == 1 and "stays for any run still reading it" in said[0]
         assert data.train_size == 17
         caplog.clear()
 
-        cached(photos, cache, resize_size=12)  # another size: a store of its own
-        assert len(builds(caplog)) == 2 and all("at 12 px" in m for m in builds(caplog))
+        cached(photos, cache, resize_size=12)  # validation's size: its store alone is new
+        assert len(builds(caplog)) == 1 and "resized to 12 px" in builds(caplog)[0]
+        caplog.clear()
+        cached(photos, cache, cache_side=16)  # training's size: its store alone is new
+        assert len(builds(caplog)) == 1 and "at most 16 px" in builds(caplog)[0]
+    stores = [p for p in cache.iterdir() if p.is_dir()]
+    assert len(stores) == 5  # none replaced: 2 of the first folder, 1 of the second, 2 sizes
 
 
 def test_a_store_cut_short_is_not_trusted(photos, tmp_path, caplog):
@@ -110,8 +119,7 @@ def test_a_store_cut_short_is_not_trusted(photos, tmp_path, caplog):
     assert any("cut short" in r.getMessage() and "built again" in r.getMessage()
                for r in caplog.records)  # fmt: skip
     split = data.splits["train"]
-    side = data.resize_size  # 9 for 8
-    expected = v2.functional.resize(decode(split.path(5), side), side)
+    expected = image_cache.fitted(decode(split.path(5), 29), 29, enlarge=False)
     assert torch.equal(split.cache.image(5), expected)
 
 
@@ -135,8 +143,15 @@ def test_a_folder_that_changes_during_the_build_is_built_again_or_refused(
         data = cached(photos, tmp_path / "cache")
     (said,) = [r.getMessage() for r in caplog.records if "changed while" in r.getMessage()]
     assert "it is built again from the folder as it is now" in said
-    key = json.loads(data.splits["train"].cache.key_path.read_text())["key"]
-    assert key == data.splits["train"].cache.key()  # the store matches the folder as it is
+    store = data.splits["train"].cache
+    key = json.loads((store.store / "key.json").read_text())["key"]
+    assert (
+        key
+        == store.key()
+        == image_cache.ResizedImages(  # the folder as it is now
+            store.paths, image_cache.file_stats(store.paths), 29, False, store.folder, "", decode
+        ).key()
+    )
 
     def always(path, least=None):
         return decode_and_touch(path, least, every_build=True)
@@ -144,7 +159,7 @@ def test_a_folder_that_changes_during_the_build_is_built_again_or_refused(
     monkeypatch.setattr(image_folder, "decode", always)
     with pytest.raises(DataError, match=r"changed again while .* was built a second time"):
         cached(photos, tmp_path / "other_cache")
-    assert not list((tmp_path / "other_cache").glob("*train*"))  # no store left half-trusted
+    assert not [p for p in (tmp_path / "other_cache").glob("*train*") if p.is_dir()]  # no part
 
 
 def test_a_cache_folder_that_cannot_be_written_trains_without_it_loudly(photos, tmp_path, caplog):
@@ -179,7 +194,7 @@ def test_a_full_cache_folder_leaves_no_partial_store(photos, tmp_path, monkeypat
     with caplog.at_level(logging.WARNING, logger="mpexp"):
         data = cached(photos, tmp_path / "cache")
     assert "No space left on device" in data.record()["cache"]["why"]
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".lock"]  # no part of a store
     assert all(split.cache is None for split in data.splits.values())
     assert len(epoch(data)) == 4
 
@@ -192,8 +207,8 @@ def test_an_unknown_cache_kind_is_refused():
 def test_a_store_is_read_through_a_memory_map_never_whole(photos, tmp_path):
     """A folder larger than memory trains: an image's read copies its own pixels only, and a
     worker started by pickling (spawn) gets the store's paths, not its pixels."""
-    data = cached(photos, tmp_path / "cache", resize_size=64)
-    store = data.splits["train"].cache
+    data = cached(photos, tmp_path / "cache", resize_size=96)
+    store = data.splits["val"].cache
     image = store.image(3)
     assert isinstance(store._pixels, np.memmap)
     assert image.untyped_storage().nbytes() == image.numel()  # its own pixels, no more

@@ -61,6 +61,7 @@ from mpexp.data.augment import CropFlip, mixed_seed
 from mpexp.data.base import Batch, TrainingData
 from mpexp.data.image_cache import KINDS, CacheUnavailable, ResizedImages, store_name
 from mpexp.data.workers import WorkerLoader
+from mpexp.distributed import rank_zero_first
 from mpexp.errors import ConfigError, DataError
 from mpexp.tasks.classification import Classification
 
@@ -76,6 +77,7 @@ LAYOUT = (
     "dataset.val_fraction"
 )
 VAL_FOLDERS = ("val", "valid", "validation")  # the names people give the validation split
+SPLIT_FOLDERS = (*VAL_FOLDERS, "test", "train")  # never a class that holds folders of its own
 # read errors that a network or overloaded file system gives and takes back: a read that fails so
 # is tried again (READ_TRIES in all, RETRY_WAIT_S doubling in between), not taken as a damaged file
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE})
@@ -122,14 +124,6 @@ def _decode(path: str, least: int | None) -> torch.Tensor:
         return v2.functional.pil_to_tensor(image.convert("RGB"))
 
 
-def file_size(path: bytes) -> int:
-    """The file's size in bytes, -1 where it cannot be read (gone, no permission)."""
-    try:
-        return retrying(lambda: os.stat(path).st_size)
-    except OSError:
-        return -1
-
-
 def undecodable_reason(path: str) -> str | None:
     """Why `path` cannot be decoded, or None when it can."""
     try:
@@ -143,12 +137,15 @@ class Split(Dataset):
     """One split as the DataLoader's workers read it: files relative to `root`, their labels, and
     what each image becomes. A key is (index, seed, epoch); seed None: validation's view."""
 
-    def __init__(self, root: Path, files: list[str], labels: list[int], views: dict, size: int):
+    def __init__(self, root: Path, files: list[tuple], labels: list[int], views: dict, size: int):
+        """`files`: (path relative to `root`, size, mtime in ns) of each, as the scan found them."""
         self.root = str(root)
         # bytes in NumPy arrays, not a list of str: a forked worker that reads a Python object
         # touches its reference count and so copies its memory page, list by list. os.fsencode:
         # a name that is not UTF-8 (an old archive's Latin-1) comes back as the same bytes
-        self.files = np.array([os.fsencode(f) for f in files], dtype=np.bytes_)
+        self.files = np.array([os.fsencode(f[0]) for f in files], dtype=np.bytes_)
+        # (size, mtime) of each file when the run started: its cache's and its resume's key
+        self.stats = np.array([f[1:] for f in files], dtype=np.int64).reshape(-1, 2)
         self.labels = np.array(labels, dtype=np.int64)
         self.views = views  # "train" and "val": (transform, the shorter side it needs)
         self.size = size  # of the square a transform gives
@@ -168,15 +165,18 @@ class Split(Dataset):
         return range(int(where[0]), int(where[-1]) + 1) if len(where) else range(0)
 
     def digest(self, label: int) -> str:
-        """A class's files, their number, total size and a digest of their names and sizes (-1:
-        a file gone since the scan)."""
-        members, root = self.of_class(label), os.fsencode(self.root)
-        digest, total = hashlib.sha256(), 0
-        for name in self.files[members.start : members.stop]:
-            size = file_size(os.path.join(root, name))
-            digest.update(name + b"\0" + str(size).encode() + b"\0")
-            total += max(size, 0)
-        return f"{len(members)} files, {total:,} bytes, {digest.hexdigest()[:12]}"
+        """A class's files as the run started: their number, total size, the newest one's time
+        and a digest of their names, sizes and modification times (-1: a link to nothing)."""
+        members = self.of_class(label)
+        digest = hashlib.sha256()
+        stats = self.stats[members.start : members.stop]
+        for name, (size, mtime) in zip(self.files[members.start : members.stop], stats.tolist(),
+                                       strict=True):  # fmt: skip
+            digest.update(name + f"\0{size}\0{mtime}\0".encode())
+        total, newest = int(stats[:, 0].clip(min=0).sum()), int(stats[:, 1].max(initial=0))
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(newest // 10**9))
+        files = f"{len(members)} files, {total:,} bytes"
+        return f"{files}, newest {when} UTC, {digest.hexdigest()[:12]}"
 
     def read(self, index: int, least: int | None) -> torch.Tensor:
         """Image `index`, from the cache where there is one, else decoded from its file."""
@@ -246,6 +246,7 @@ class ImageFolderData(TrainingData):
         num_workers: int = 4,
         cache: str = "none",
         cache_dir: str = "~/.cache/mpexp/data/images",
+        cache_side: int | None = None,
         decode: str = "cpu",
     ):
         super().__init__(batch_size, drop_last)
@@ -269,6 +270,7 @@ class ImageFolderData(TrainingData):
         self.augment = CropFlip(**augment)  # on the device, as for the in-memory sets
         self.num_workers = num_workers
         self.cache, self.cache_dir = cache, Path(cache_dir).expanduser()
+        self.cache_side = cache_side  # training's stored size; None: what its crop needs
         self.cache_ran: dict = {"kind": "none"}  # what was read: ran.data.cache
         self.decode, self.decode_on = decode, "cpu"  # asked, and what ran: ran.data.decode
         self.classes: list[str] = []
@@ -306,7 +308,8 @@ class ImageFolderData(TrainingData):
         else:
             whole = train if train.is_dir() else root
             self.layout = f"{'train/' if whole == train else 'class folders'} split by val_fraction"
-            train_files, val_files = self._split(scan_classes(root, whole, ignored))
+            self._refuse_split_folders(root, whole)
+            train_files, val_files = self._split(scan_classes(root, whole, ignored), whole, root)
             splits = {"train": train_files, "val": val_files}
         if train.is_dir() and (root / "test").is_dir():
             self.layout += ", test/"
@@ -343,18 +346,39 @@ class ImageFolderData(TrainingData):
             )
         return found[0] if found else None
 
-    def _split(self, classes: dict[str, list[str]]) -> tuple[dict, dict]:
-        """`val_fraction` of each class's images for validation (at least one left to train on),
-        drawn from (`split_seed`, the class's name)."""
+    def _refuse_split_folders(self, root: Path, whole: Path) -> None:
+        """A folder named as a split (val/, test/, ...) among the class folders to split, holding
+        folders of its own, is a split put in the wrong place: trained as one more class, it would
+        swallow the images meant to validate or test. Refused, showing the layout to use."""
+        for folder in sorted(p for p in whole.iterdir() if p.is_dir()):
+            if folder.name.lower() not in SPLIT_FOLDERS:
+                continue
+            inner = next((p for p in sorted(folder.iterdir()) if p.is_dir() and
+                          not p.name.startswith(".")), None)  # fmt: skip
+            if inner is None:
+                continue
+            where = "" if whole == root else f"{whole.name}/"
+            raise DataError(
+                f"dataset.path={self.path} holds {where}{folder.name}/ among its class folders, "
+                f"and {where}{folder.name}/ holds folders of its own ({inner.name}/, ...): it "
+                f"would be trained as a class named {folder.name}. Lay the folder out as "
+                f"{root}/train/<class>/ and {root}/{folder.name.lower()}/<class>/ (move the class "
+                f"folders into train/), or rename {folder.name}/ if it is a class."
+            )
+
+    def _split(self, classes: dict[str, list[tuple]], whole: Path, root: Path) -> tuple[dict, dict]:
+        """Each file of `whole`'s classes to validation where its place (`split_place`) is below
+        `val_fraction`, to training otherwise; a class whose every file would validate keeps
+        its last-placed one to train on."""
+        under = len(str(whole.relative_to(root)).strip(".")) + 1 if whole != root else 0
         train, val = {}, {}
         for name, files in classes.items():
-            # each class drawn from its own name: a file added to or removed from one class
-            # moves no other class's images between the splits
-            generator = torch.Generator().manual_seed(class_seed(self.split_seed, name))
-            order = torch.randperm(len(files), generator=generator).tolist()
-            held = min(int(len(files) * self.val_fraction + 0.5), len(files) - 1)
-            val[name] = sorted(files[i] for i in order[:held])
-            train[name] = sorted(files[i] for i in order[held:])
+            places = [split_place(self.split_seed, f[0][under:]) for f in files]
+            held = [p < self.val_fraction for p in places]
+            if all(held):
+                held[places.index(max(places))] = False
+            val[name] = [f for f, h in zip(files, held, strict=True) if h]
+            train[name] = [f for f, h in zip(files, held, strict=True) if not h]
         if not any(val.values()):
             total = sum(map(len, classes.values()))
             raise DataError(
@@ -371,14 +395,7 @@ class ImageFolderData(TrainingData):
     ) -> Classification:
         """Find the images and their classes, compute the normalisation where it is not given,
         and make the DataLoaders (their workers start with the first epoch)."""
-        root = self._root()
-        scanned = self._scan(root)
-        self.classes = sorted(scanned["train"])
-        views = self._views()
-        for name, split in scanned.items():
-            files = [f for c in self.classes for f in split[c]]
-            labels = [i for i, c in enumerate(self.classes) for _ in split[c]]
-            self.splits[name] = Split(root, files, labels, views, self.image_size)
+        root = self._find_splits()
         if self.cache == "resized":
             self._open_cache(root)
         else:
@@ -409,16 +426,36 @@ class ImageFolderData(TrainingData):
         self.task = Classification(channels=3, height=s, width=s, num_classes=len(self.classes))
         return self.task
 
-    def _open_cache(self, root: Path) -> None:
-        """Each split's store of resized images (mpexp/data/image_cache.py), built where it is
-        missing or stale; a cache folder that cannot be written costs the cache, not the run."""
-        stores = {}
+    def _find_splits(self) -> Path:
+        """Walk the folder (once) into its splits; the folder's root."""
+        root = self._root()
+        scanned = self._scan(root)
+        self.classes = sorted(scanned["train"])
+        views = self._views()
+        for name, split in scanned.items():
+            files = [f for c in self.classes for f in split[c]]
+            labels = [i for i, c in enumerate(self.classes) for _ in split[c]]
+            self.splits[name] = Split(root, files, labels, views, self.image_size)
+        return root
+
+    def build_cache(self) -> list[Path]:
+        """Each split's store of resized images, built where missing, as a run with
+        dataset.cache=resized would (`python -m mpexp.data.cache`); the stores. Raises DataError
+        where the cache folder cannot hold them."""
         try:
-            for name, split in self.splits.items():
-                paths = [split.path(i) for i in range(len(split))]
-                stem = store_name(root, name, self.resize_size)
-                stores[name] = ResizedImages(paths, self.resize_size, self.cache_dir, stem, decode)
-                stores[name].open(self.num_workers)
+            stores = self._open_stores(self._find_splits())
+        except CacheUnavailable as why:
+            raise DataError(
+                f"{why}. Point dataset.cache_dir (or MPEXP_DATA_DIR) at a writable folder with "
+                "room for the images."
+            ) from None
+        return [store.store for store in stores.values()]
+
+    def _open_cache(self, root: Path) -> None:
+        """Read every split from its store of resized images, built where missing; a cache
+        folder that cannot be written costs the cache, not the run."""
+        try:
+            stores = self._open_stores(root)
         except CacheUnavailable as why:
             log.warning(
                 "dataset.cache=resized is NOT used: %s. This run decodes every image in its "
@@ -430,8 +467,37 @@ class ImageFolderData(TrainingData):
             return
         for name, store in stores.items():
             self.splits[name].cache = store
-        self.cache_ran = {"kind": "resized", "side": self.resize_size,
-                          "files": [str(s.pixels_path) for s in stores.values()]}  # fmt: skip
+        self.cache_ran = {"kind": "resized", "side": self.cache_sides()[True][0],
+                          "val_side": self.resize_size,
+                          "stores": [str(s.store) for s in stores.values()]}  # fmt: skip
+
+    def _open_stores(self, root: Path) -> dict[str, ResizedImages]:
+        """Each split's store (mpexp/data/image_cache.py), built where it is missing: by one
+        process of those asking together, by rank 0 under torchrun. Raises CacheUnavailable."""
+        stores = {}
+        with rank_zero_first():  # one build for all ranks: rank 0's, which the others then read
+            for name, split in self.splits.items():
+                paths = [split.path(i) for i in range(len(split))]
+                side, enlarge = self.cache_sides()[name == "train"]
+                stem = store_name(root, name, side)
+                stores[name] = ResizedImages(
+                    paths, split.stats, side, enlarge, self.cache_dir, stem, decode
+                ).open(self.num_workers)
+                split.stats = stores[name].stats  # as the store found them, if they changed
+        return stores
+
+    def cache_sides(self) -> dict[bool, tuple[int, bool]]:
+        """{training?: (the stored shorter side, whether smaller images are enlarged to it)}.
+        Validation's and test's images are stored as validation resizes them. Training's are
+        stored at most at `cache_side`, by default the side its random resized crop needs for
+        its smallest crop to keep every pixel (what the decoding workers decode at), and never
+        enlarged; without a random crop, as validation's."""
+        val = (self.resize_size, True)
+        if self.cache_side is not None:
+            return {True: (self.cache_side, False), False: val}
+        if self.crop_scale is None:
+            return {True: val, False: val}
+        return {True: (self.views_least(), False), False: val}
 
     def _views(self) -> dict[str, tuple]:
         """Training's and validation's transform of a decoded image, each with the shorter side
@@ -441,13 +507,16 @@ class ImageFolderData(TrainingData):
         val = v2.Compose([v2.Resize(self.resize_size), v2.CenterCrop(size)]), self.resize_size
         if self.crop_scale is None:
             return {"train": val, "val": val}
-        # the smallest crop is the share crop_scale[0] of the area: the image is needed at a
-        # size where that crop is still about image_size pixels across
-        least = math.ceil(self.image_size / math.sqrt(self.crop_scale[0]))
         return {
-            "train": (v2.RandomResizedCrop(size, scale=tuple(self.crop_scale)), least),
+            "train": (v2.RandomResizedCrop(size, scale=tuple(self.crop_scale)), self.views_least()),
             "val": val,
         }
+
+    def views_least(self) -> int:
+        """The shorter side a training image is needed at for its random resized crop: the
+        smallest crop is the share crop_scale[0] of the area, still image_size pixels across
+        (792 for 224 at 0.08)."""
+        return math.ceil(self.image_size / math.sqrt(self.crop_scale[0]))
 
     def _loader(
         self, split: str, keys: Keys, drop_last: bool, persistent: bool = True
@@ -668,6 +737,11 @@ class ImageFolderData(TrainingData):
                 key[f"{split}/{name}"] = self.splits[split].digest(label)
         return {**key, "mean": list(self.mean), "std": list(self.std)}
 
+    def run_files(self) -> dict[str, bytes]:
+        """val_files.txt: the validation images, one path (relative to dataset.path) a line, in
+        label order: which images a run's val/acc measured."""
+        return {"val_files.txt": b"".join(bytes(f) + b"\n" for f in self.splits["val"].files)}
+
     def describe(self) -> str:
         shown = ", ".join(self.classes[:8]) + (", ..." if len(self.classes) > 8 else "")
         return f"{self.train_size:,} training images, {len(self.classes)} classes: {shown}"
@@ -689,9 +763,10 @@ class ImageFolderData(TrainingData):
         }
 
 
-def scan_classes(root: Path, folder: Path, ignored: list[str]) -> dict[str, list[str]]:
-    """{class: its image files, relative to `root`} for the class folders in `folder` (sorted, at
-    any depth below them, hidden files and folders left out); other files go to `ignored`."""
+def scan_classes(root: Path, folder: Path, ignored: list[str]) -> dict[str, list[tuple]]:
+    """{class: its image files (path relative to `root`, size, mtime in ns)} for the class
+    folders in `folder` (sorted, at any depth below them, hidden files and folders left out);
+    other files go to `ignored`."""
     entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
     folders = [p for p in entries if p.is_dir()]
     loose = [p for p in entries if not p.is_dir()]
@@ -724,10 +799,11 @@ def scan_classes(root: Path, folder: Path, ignored: list[str]) -> dict[str, list
 def walk_class(
     root: Path, real_root: str, folder: str, chain: tuple[str, ...], images: list, others: list
 ) -> None:
-    """The files below `folder` into `images` and `others`, relative to `root`: each folder's
-    own files (sorted) before its subfolders'. `chain`: the real paths of the folders walked
-    into, the last `folder`'s. A symbolic link is followed where it stays inside `root`; one that
-    leads out of it, or into a folder of `chain` (a loop), is refused."""
+    """The files below `folder` into `images` (path, size, mtime in ns) and `others` (paths),
+    relative to `root`: each folder's own files (sorted) before its subfolders'. `chain`: the
+    real paths of the folders walked into, the last `folder`'s. A symbolic link is followed
+    where it stays inside `root`; one that leads out of it, or into a folder of `chain` (a
+    loop), is refused."""
     with os.scandir(folder) as listing:
         entries = sorted((e for e in listing if not e.name.startswith(".")), key=lambda e: e.name)
     subfolders = []
@@ -746,7 +822,14 @@ def walk_class(
             subfolders.append((entry.path, real))
             continue
         rel = os.path.relpath(entry.path, root)
-        (images if entry.name.lower().endswith(IMAGE_EXTENSIONS) else others).append(rel)
+        if not entry.name.lower().endswith(IMAGE_EXTENSIONS):
+            others.append(rel)
+            continue
+        try:  # the walk's one stat of the file: the split, the cache and the resume key use it
+            stat = entry.stat()
+            images.append((rel, stat.st_size, stat.st_mtime_ns))
+        except OSError:  # a link to nothing: named as undecodable when read
+            images.append((rel, -1, -1))
     for path, real in subfolders:
         walk_class(root, real_root, path, (*chain, real), images, others)
 
@@ -784,7 +867,9 @@ def check_same_classes(train: dict, other: dict, root: Path, name: str) -> None:
         )
 
 
-def class_seed(split_seed: int, name: str) -> int:
-    """The seed of one class's split: from `split_seed` and the class's name alone."""
-    digest = hashlib.sha256(f"{split_seed}/".encode() + os.fsencode(name)).digest()
-    return int.from_bytes(digest[:8], "little")
+def split_place(split_seed: int, path: str) -> float:
+    """A file's place in [0, 1) for the split by val_fraction, from `split_seed` and its path
+    within the folder split (its class folder and name) alone: the same in every run and every
+    Python (hashlib, not hash()), and unmoved by any other file added or removed."""
+    digest = hashlib.sha256(f"{split_seed}/".encode() + os.fsencode(path)).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64
