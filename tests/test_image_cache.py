@@ -8,7 +8,11 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import multiprocessing as mp
+import os
 import pickle
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +24,8 @@ from mpexp.data.image_folder import ImageFolderData, decode
 from mpexp.errors import ConfigError, DataError
 from mpexp.run.runner import train
 from mpexp.tracking.tracker import RunContext
-from tests.conftest import make_cfg
+from tests.conftest import make_cfg, run_cli
+from tests.test_distributed import TORCHRUN, only_run_dir
 from tests.test_image_folder import epoch, write_images
 
 CPU = torch.device("cpu")
@@ -225,3 +230,116 @@ def test_building_a_store_draws_nothing_from_the_runs_generator(photos, tmp_path
         cached(photos, tmp_path / "cache")
         draws.append(torch.rand(4))
     assert torch.equal(*draws)
+
+
+# --- many processes on one cache -------------------------------------------------------------
+
+
+def slow_decoding(monkeypatch_or_none, counter, wait_s: float):
+    """image_folder.decode counting into `counter` (shared between processes) and taking
+    `wait_s` per image: builds that overlap in time, and a count of the images decoded."""
+    real = image_folder.decode
+
+    def slow(path, least=None):
+        with counter.get_lock():
+            counter.value += 1
+        time.sleep(wait_s)
+        return real(path, least)
+
+    if monkeypatch_or_none is None:
+        image_folder.decode = slow  # in a forked child: its own module, changed for good
+    else:
+        monkeypatch_or_none.setattr(image_folder, "decode", slow)
+
+
+def test_two_runs_started_together_on_one_cache_build_one_store(photos, tmp_path):
+    """Two jobs of a sweep start together on a new cache: one builds each store, the other waits
+    on its lock and reads it (before: both built, every image decoded twice)."""
+    forked = mp.get_context("fork")  # as the DataLoader's workers are; no torch thread used
+    decoded, start = forked.Value("i", 0), forked.Barrier(2)
+
+    def job() -> None:
+        torch.set_num_threads(1)
+        slow_decoding(None, decoded, 0.02)
+        start.wait()
+        data = cached(photos, tmp_path / "cache")
+        os._exit(0 if data.record()["cache"]["kind"] == "resized" else 1)
+
+    jobs = [forked.Process(target=job) for _ in range(2)]
+    for process in jobs:
+        process.start()
+    for process in jobs:
+        process.join(60)
+    assert [p.exitcode for p in jobs] == [0, 0]
+    assert decoded.value == 24  # 18 training and 6 validation images, each decoded once
+    cache = tmp_path / "cache"
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 2  # one store per split
+    for lock in cache.glob("*.lock"):  # each names its one build
+        assert len(lock.read_text().splitlines()) == 1
+
+
+def test_a_killed_builds_partial_store_is_removed_by_the_next(photos, tmp_path, caplog):
+    """A builder killed mid-build (SIGKILL: no cleanup runs) leaves its partial store; the next
+    build of that store removes it, said (before: it stayed, as large as the images cached)."""
+    forked = mp.get_context("fork")
+    decoded = forked.Value("i", 0)
+
+    def job() -> None:
+        torch.set_num_threads(1)
+        slow_decoding(None, decoded, 0.5)
+        cached(photos, tmp_path / "cache")
+
+    builder = forked.Process(target=job)
+    builder.start()
+    cache = tmp_path / "cache"
+    for _ in range(200):
+        if decoded.value >= 2:
+            break
+        time.sleep(0.05)
+    os.kill(builder.pid, signal.SIGKILL)
+    builder.join(10)
+    (left,) = cache.glob("*.partial")
+    assert (left / "pixels.bin").exists()
+    with caplog.at_level(logging.INFO, logger="mpexp"):
+        data = cached(photos, cache)
+    assert not list(cache.glob("*.partial"))
+    (said,) = [r.getMessage() for r in caplog.records if "Removed" in r.getMessage()]
+    assert str(left) in said and "stopped before it finished" in said
+    assert len(epoch(data)) == 4
+
+
+@pytest.mark.slow  # torchrun with two ranks: about 20 s on 2 cores
+def test_two_ranks_under_torchrun_build_a_new_cache_once(photos, tmp_path):
+    """Rank 0 builds each store while rank 1 waits, then rank 1 reads it: one build, rank 0's."""
+    cache, cwd = tmp_path / "cache", tmp_path / "ddp"
+    cwd.mkdir()
+    result = run_cli(*TORCHRUN, "-m", "mpexp.train", "trainer.strategy=ddp", "dataset=image_folder",
+                     f"dataset.path={photos}", "dataset.image_size=8", "dataset.batch_size=2",
+                     "dataset.num_workers=0", "dataset.cache=resized", f"dataset.cache_dir={cache}",
+                     "model=simplecnn_small", "trainer.epochs=1", "trainer.progress=false",
+                     "wandb.mode=disabled", cwd=cwd)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((only_run_dir(cwd) / "summary.json").read_text())
+    assert summary["ran"]["data"]["cache"]["kind"] == "resized"
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 2 and not list(
+        cache.glob("*.partial")
+    )
+    for lock in cache.glob("*.lock"):
+        (build,) = lock.read_text().splitlines()
+        assert "rank 0" in build
+
+
+def test_the_cache_command_builds_the_stores_a_run_then_reads(photos, tmp_path, capsys, caplog):
+    from mpexp.data import cache as command
+
+    cache = tmp_path / "cache"
+    overrides = [f"dataset.path={photos}", "dataset.image_size=8", f"dataset.cache_dir={cache}",
+                 "dataset.num_workers=0"]  # fmt: skip
+    assert command.main(overrides) == 0
+    printed = capsys.readouterr().out.split()
+    assert sorted(printed) == sorted(str(p) for p in cache.iterdir() if p.is_dir())
+    with caplog.at_level(logging.INFO, logger="mpexp"):
+        data = cached(photos, cache)
+    assert builds(caplog) == [] and sorted(data.record()["cache"]["stores"]) == sorted(printed)
+    assert command.main([*overrides, "dataset.path=nowhere"]) == 2
+    assert "dataset.path=nowhere does not exist" in capsys.readouterr().err

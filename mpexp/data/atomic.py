@@ -139,11 +139,12 @@ def exclusive(lock: Path, waiting: str) -> Iterator[None]:
 
 
 def note_holder(lock: Path, what: str) -> None:
-    """Add a line saying who holds `lock` for what (host, pid, time): a process waiting on it
-    names it, and the file lists every build of its store."""
+    """Add a line saying who holds `lock` for what (time, host, pid, rank): a process waiting
+    on it names it, and the file lists every build of its store."""
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    rank = f" rank {os.environ['RANK']}" if "RANK" in os.environ else ""  # under torchrun
     with lock.open("a") as out:
-        out.write(f"{stamp} {socket.gethostname()} pid {os.getpid()}: {what}\n")
+        out.write(f"{stamp} {socket.gethostname()} pid {os.getpid()}{rank}: {what}\n")
 
 
 def _claim(path: Path, folder: bool) -> tuple[Path, int]:
