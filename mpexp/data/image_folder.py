@@ -407,6 +407,7 @@ class ImageFolderData(TrainingData):
         self._device = device
         self._pin = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._decoder = gpu_decode.Decoder(device) if self.decode_on == "gpu" else None
         self._keys = {name: Keys() for name in self.splits}
         self._loaders = {
             # the test split's workers end with its one evaluation
@@ -548,7 +549,7 @@ class ImageFolderData(TrainingData):
         keys.keys = [(i, None, 0) for i in sorted(sample)]
         sums = torch.zeros(2, 3, dtype=torch.float64)
         loader = self._loader("train", keys, drop_last=False, persistent=False)
-        for images, _, _ in self._on_gpu("train", self._checked("train", loader), self._device):
+        for images, _, _ in self._on_gpu("train", self._checked("train", loader)):
             pixels = images.double().div_(255).transpose(0, 1).flatten(1)
             sums += torch.stack((pixels.sum(1), pixels.square().sum(1))).cpu()  # set-up: no step
         count = len(sample) * self.image_size**2
@@ -580,7 +581,8 @@ class ImageFolderData(TrainingData):
         self._keys["train"].keys = [(i, seed, epoch) for i in order.tolist()]
         n = self.train_size
         draws = self.augment.draws(n, seed, epoch, device) if self.augment.active else None
-        batches = self._on_gpu("train", self._checked("train", self._loaders["train"]), device)
+        batches = self._on_gpu("train", self._checked("train", self._loaders["train"]),
+                               self._copy_stream)  # fmt: skip
         yield from self._on_device(batches, device, static, draws)
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
@@ -593,19 +595,21 @@ class ImageFolderData(TrainingData):
 
     def _evaluated(self, split: str, device: torch.device) -> Iterator[Batch]:
         self._keys[split].keys = [(i, None, 0) for i in range(len(self.splits[split]))]
-        batches = self._on_gpu(split, self._checked(split, self._loaders[split]), device)
+        batches = self._on_gpu(split, self._checked(split, self._loaders[split]), self._copy_stream)
         return self._on_device(batches, device)
 
-    def _on_gpu(self, split: str, batches: Iterable, device: torch.device) -> Iterable:
-        """With dataset.decode=gpu, the batches' JPEGs decoded, cropped and resized on `device`
-        (mpexp/data/gpu_decode.py); the batches as they are otherwise."""
-        if self.decode_on != "gpu":
+    def _on_gpu(self, split: str, batches: Iterable, reader=None) -> Iterable:
+        """With dataset.decode=gpu, the batches' JPEGs decoded, cropped and resized on the device
+        (mpexp/data/gpu_decode.py), for the stream `reader` to read (the copy stream, which the
+        step's waits on; None: the current one); the batches as they are otherwise."""
+        if self._decoder is None:
             yield from batches
             return
         for images, labels, index in batches:
             paths = [self.splits[split].path(i) for i in index.tolist()]  # a host tensor
             size, resize = self.image_size, self.resize_size
-            yield gpu_decode.on_device(images, paths, device, size, resize), labels, index
+            stream = reader or torch.cuda.current_stream(self._device)
+            yield self._decoder.batch(images, paths, size, resize, stream), labels, index
 
     def _checked(self, split: str, loader: Iterable) -> Iterator[tuple[torch.Tensor, ...]]:
         """The loader's host batches as (images, labels, indices), after noting the images that
