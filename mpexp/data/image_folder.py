@@ -4,16 +4,22 @@ set of any size trains; only the list of files is held in memory.
 
 `path/train/<class>/` and `path/val/<class>/` are the two splits (`valid/` or `validation/` in
 place of `val/`). A folder of class folders alone (`path/<class>/`, or `path/train/<class>/`
-without a validation folder) is split per class, `val_fraction` of each class's images validating,
-drawn from (`split_seed`, the class's name): the same split for every run, whatever its
-`trainer.seed`, so that seeds and precisions are compared on the same images, and a file added to
-or removed from one class moves no other class's images. A `path/test/<class>/` beside `train/` is
+without a validation folder) is split file by file: a file validates where a hash of
+(`split_seed`, its path below the folder split) falls below `val_fraction`, so about that share of
+each class validates. The split is the same for every run, whatever its `trainer.seed`, so that
+seeds and precisions are compared on the same images, and a file added or removed moves no other
+file between the splits. The run directory lists the validation files (`val_files.txt`). A folder
+named as a split (`val/`, `test/`, ...) that holds folders of its own among the class folders to
+split is refused: it would be trained as one more class. A `path/test/<class>/` beside `train/` is
 evaluated once, when training ends, and reported apart (`test/acc`, `test/loss`).
 
-A checkpoint keeps the folder's resume key (each class's files with their sizes, per split, and
-the normalisation); a resume on a folder that has changed since is refused, naming what changed:
-an image moved between the splits would be validated on after it was trained on. Symbolic links
-are followed within the folder; one that leads out of it, or round in a loop, is refused.
+A start walks the folder once, taking each file's size and modification time as it goes: the
+split, the cache's key and the resume key are made from that walk. A checkpoint keeps the
+folder's resume key (each class's files with their sizes and modification times, per split, and
+the normalisation); a resume on a folder that has changed since (a file rewritten at the same
+size too) is refused, naming what changed: an image moved between the splits would be validated
+on after it was trained on. Symbolic links are followed within the folder; one that leads out of
+it, or round in a loop, is refused.
 
 An epoch's order is a seeded permutation of the training images, sharded across ranks as the
 in-memory sets shard it (mpexp/data/base.py); a resumed run asks for the images from its batch on,
@@ -26,9 +32,10 @@ memory format, cropped and flipped as the in-memory sets are (mpexp/data/augment
 On CUDA the next batch is copied on a stream of its own while the current step runs.
 
 Where decoding cannot keep up with the step, two other ways in: `dataset.cache=resized` reads every
-image from a one-time store of resized pixels (mpexp/data/image_cache.py), `dataset.decode=gpu`
-has the workers read the JPEGs' bytes and decodes them on the GPU (mpexp/data/gpu_decode.py). Both
-hook in at `Split.read`; `ran.data.cache` and `ran.data.decode` record which ran.
+image from a store of resized pixels built once and shared by every process that asks
+(mpexp/data/image_cache.py), `dataset.decode=gpu` has the workers read the JPEGs' bytes and
+decodes them on the GPU (mpexp/data/gpu_decode.py). Both hook in at `Split.read`; `ran.data.cache`
+and `ran.data.decode` record which ran.
 
 Images are decoded upright (their EXIF orientation applied). An image that cannot be decoded is
 replaced by the next image of its split that can, counted, named in a warning once and recorded in
@@ -731,9 +738,10 @@ class ImageFolderData(TrainingData):
     # --- what the run records ------------------------------------------------------------------
 
     def resume_key(self) -> dict:
-        """Each class's training and validation files (names and sizes) and the normalisation: a
-        file added, removed or replaced since a checkpoint, a class added or removed, moves images
-        between the splits or the labels, and a resume would validate on images it trained on.
+        """Each class's training and validation files (names, sizes and modification times, as
+        the start's walk found them) and the normalisation: a file added, removed or rewritten
+        since a checkpoint, a class added or removed, moves images between the splits or the
+        labels, and a resume would validate on images it trained on.
         (The test split is evaluated once, at the end: what it holds then is what it reports.)"""
         key: dict = {"classes": len(self.classes)}
         for split in ("train", "val"):
