@@ -377,7 +377,7 @@ class ImageFolderData(TrainingData):
         """Each file of `whole`'s classes to validation where its place (`split_place`) is below
         `val_fraction`, to training otherwise; a class whose every file would validate keeps
         its last-placed one to train on."""
-        under = len(str(whole.relative_to(root)).strip(".")) + 1 if whole != root else 0
+        under = 0 if whole == root else len(whole.name) + 1  # the paths below train/
         train, val = {}, {}
         for name, files in classes.items():
             places = [split_place(self.split_seed, f[0][under:]) for f in files]
