@@ -86,7 +86,7 @@ def test_an_epoch_from_the_cache_decodes_nothing_and_workers_agree(photos, tmp_p
 
 
 def test_a_store_is_reused_and_built_again_when_the_folder_or_size_changes(
-    photos, tmp_path, caplog
+    photos, tmp_path, caplog, monkeypatch
 ):
     cache = tmp_path / "cache"
     with caplog.at_level(logging.INFO, logger="mpexp"):
@@ -95,6 +95,9 @@ def test_a_store_is_reused_and_built_again_when_the_folder_or_size_changes(
         caplog.clear()
         cached(photos, cache)
         assert builds(caplog) == []  # reused, nothing decoded
+        monkeypatch.chdir(photos.parent)
+        cached(Path(photos.name), cache)
+        assert builds(caplog) == []  # the same folder by a relative path: the same store
         caplog.clear()
 
         (photos / "train" / "cat" / "000.png").unlink()

@@ -483,9 +483,11 @@ class ImageFolderData(TrainingData):
         """Each split's store (mpexp/data/image_cache.py), built where it is missing: by one
         process of those asking together, by rank 0 under torchrun. Raises CacheUnavailable."""
         stores = {}
+        # the files by their full paths: the same key whichever folder a run starts from
+        real = root.resolve()
         with rank_zero_first():  # one build for all ranks: rank 0's, which the others then read
             for name, split in self.splits.items():
-                paths = [split.path(i) for i in range(len(split))]
+                paths = [os.path.join(real, os.fsdecode(f)) for f in split.files]
                 side, enlarge = self.cache_sides()[name == "train"]
                 stem = store_name(root, name, side)
                 stores[name] = ResizedImages(
