@@ -475,7 +475,7 @@ class ImageFolderData(TrainingData):
             return
         for name, store in stores.items():
             self.splits[name].cache = store
-        self.cache_ran = {"kind": "resized", "side": self.cache_sides()[True][0],
+        self.cache_ran = {"kind": "resized", "side": self.cache_side_of("train")[0],
                           "val_side": self.resize_size,
                           "stores": [str(s.store) for s in stores.values()]}  # fmt: skip
 
@@ -488,7 +488,7 @@ class ImageFolderData(TrainingData):
         with rank_zero_first():  # one build for all ranks: rank 0's, which the others then read
             for name, split in self.splits.items():
                 paths = [os.path.join(real, os.fsdecode(f)) for f in split.files]
-                side, enlarge = self.cache_sides()[name == "train"]
+                side, enlarge = self.cache_side_of(name)
                 stem = store_name(root, name, side)
                 stores[name] = ResizedImages(
                     paths, split.stats, side, enlarge, self.cache_dir, stem, decode
@@ -496,18 +496,15 @@ class ImageFolderData(TrainingData):
                 split.stats = stores[name].stats  # as the store found them, if they changed
         return stores
 
-    def cache_sides(self) -> dict[bool, tuple[int, bool]]:
-        """{training?: (the stored shorter side, whether smaller images are enlarged to it)}.
+    def cache_side_of(self, split: str) -> tuple[int, bool]:
+        """A split's stored shorter side, and whether smaller images are enlarged to it.
         Validation's and test's images are stored as validation resizes them. Training's are
         stored at most at `cache_side`, by default the side its random resized crop needs for
         its smallest crop to keep every pixel (what the decoding workers decode at), and never
         enlarged; without a random crop, as validation's."""
-        val = (self.resize_size, True)
-        if self.cache_side is not None:
-            return {True: (self.cache_side, False), False: val}
-        if self.crop_scale is None:
-            return {True: val, False: val}
-        return {True: (self.views_least(), False), False: val}
+        if split != "train" or (self.crop_scale is None and self.cache_side is None):
+            return self.resize_size, True
+        return self.cache_side or self.views_least(), False
 
     def _views(self) -> dict[str, tuple]:
         """Training's and validation's transform of a decoded image, each with the shorter side
