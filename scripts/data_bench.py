@@ -9,11 +9,12 @@ folder of images read by each of its paths (docs/benchmarks.md, "Data").
     python scripts/data_bench.py start --files 100000        # what a start costs per file
 
 `paths` times the training images per second of each way the image folder can be read: decoded
-by 1 and 2 DataLoader workers, from the resized cache (dataset.cache=resized; its one-time build
-timed apart), decoded on the GPU (dataset.decode=gpu, where CUDA is), taken in turn --repeats
-times; then, with --step, the training step's own images per second for torchvision's model at the
-same size (fp32 here; on CUDA, bf16 autocast too). A path that reads fewer images per second than
-the step takes leaves the step waiting: the run's perf/data_wait_share says by how much.
+by 1 and 2 DataLoader workers, from the resized cache (dataset.cache=resized, at its default size
+and at cache_side=256; its one-time build timed apart), decoded on the GPU (dataset.decode=gpu,
+where CUDA is), taken in turn --repeats times; then, with --step, the training step's own images
+per second for torchvision's model at the same size (fp32 here; on CUDA, bf16 autocast too). A
+path that reads fewer images per second than the step takes leaves the step waiting: the run's
+perf/data_wait_share says by how much.
 
 `start` times what an image folder's start costs before any image is decoded, on --files empty
 JPEG files in 100 class folders: the one walk (each file's directory entry and stat), the split,
@@ -107,6 +108,9 @@ def read_paths(root: Path, size: int, workers: list[int], repeats: int) -> None:
     paths = {f"decoded by {n} worker(s)": (n, CPU, {}) for n in workers}
     paths |= {f"resized cache, {n} worker(s)": (n, CPU, {"cache": "resized",
               "cache_dir": str(cache_dir)}) for n in workers}  # fmt: skip
+    # training's images at 256 px: the smaller store, its small crops enlarged from fewer pixels
+    paths |= {f"resized cache at cache_side=256, {n} worker(s)": (n, CPU, {"cache": "resized",
+              "cache_dir": str(cache_dir), "cache_side": 256}) for n in workers}  # fmt: skip
     if torch.cuda.is_available():
         cuda = torch.device("cuda")
         paths |= {f"decoded on the GPU, {n} worker(s) reading": (n, cuda, {"decode": "gpu"})
