@@ -274,8 +274,9 @@ class ImageFolderDatasetConfig:
     batch_size: int = 256
     drop_last: bool = True
     num_workers: int = 4
-    cache: str = "none"  # resized: every image stored once at resize_size, read without decoding
+    cache: str = "none"  # resized: every image stored once, resized, and read without decoding
     cache_dir: str = "${oc.env:MPEXP_DATA_DIR,'~/.cache/mpexp/data'}/images"  # where it is kept
+    cache_side: Optional[int] = None  # training's stored shorter side; null: what its crop needs
     decode: str = "cpu"  # gpu: JPEGs decoded on the CUDA device; auto: gpu for JPEGs on CUDA
 
 

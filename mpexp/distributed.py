@@ -15,6 +15,7 @@ slowest / largest rank's.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import logging
 import os
@@ -216,6 +217,29 @@ def start_world(strategy: str, device: torch.device) -> Iterator[World]:
         if world.distributed and dist.is_initialized():
             dist.destroy_process_group()
         del last  # freed here, by this thread, with the GIL
+
+
+# how long the other ranks wait for rank 0's work in `rank_zero_first`: building an image
+# cache takes hours on ImageNet, far past a process group's own timeout
+RANK_ZERO_FIRST_TIMEOUT = datetime.timedelta(days=2)
+
+
+@contextlib.contextmanager
+def rank_zero_first() -> Iterator[None]:
+    """Rank 0 runs the block while the other ranks wait; then they run it (a cache that rank 0
+    builds and the others find built). Outside a process group the block just runs. The wait is
+    a barrier of a gloo group of its own, with a timeout long enough for a build."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        yield
+        return
+    patient = dist.new_group(backend="gloo", timeout=RANK_ZERO_FIRST_TIMEOUT)
+    if dist.get_rank() != 0:
+        dist.barrier(group=patient)
+    try:
+        yield
+    finally:
+        if dist.get_rank() == 0:  # the others go on, whether rank 0's block ended well or not
+            dist.barrier(group=patient)
 
 
 def _join(strategy: str, device: torch.device) -> World:

@@ -6,13 +6,20 @@ folder of images read by each of its paths (docs/benchmarks.md, "Data").
     python scripts/data_bench.py folder --tiny --workers 0 1 2   # 32x32 PNGs at 32 px
     python scripts/data_bench.py paths --workers 1 2 --step resnet18   # each path beside a step
     python scripts/data_bench.py large                       # a 12-megapixel JPEG, draft mode
+    python scripts/data_bench.py start --files 100000        # what a start costs per file
 
 `paths` times the training images per second of each way the image folder can be read: decoded
-by 1 and 2 DataLoader workers, from the resized cache (dataset.cache=resized; its one-time build
-timed apart), decoded on the GPU (dataset.decode=gpu, where CUDA is), taken in turn --repeats
-times; then, with --step, the training step's own images per second for torchvision's model at the
-same size (fp32 here; on CUDA, bf16 autocast too). A path that reads fewer images per second than
-the step takes leaves the step waiting: the run's perf/data_wait_share says by how much.
+by 1 and 2 DataLoader workers, from the resized cache (dataset.cache=resized, at its default size
+and at cache_side=256; its one-time build timed apart), decoded on the GPU (dataset.decode=gpu,
+where CUDA is), taken in turn --repeats times; then, with --step, the training step's own images
+per second for torchvision's model at the same size (fp32 here; on CUDA, bf16 autocast too). A
+path that reads fewer images per second than the step takes leaves the step waiting: the run's
+perf/data_wait_share says by how much.
+
+`start` times what an image folder's start costs before any image is decoded, on --files empty
+JPEG files in 100 class folders: the one walk (each file's directory entry and stat), the split,
+the resume key and the cache's keys; and, beside it, one more pass of stats over the same files,
+which the start made before it walked once (a second and third stat of every file).
 
 The main process runs on one thread, as it would beside a training step; `folder` and `paths`
 write their images once into --dir (a temporary folder by default).
@@ -101,6 +108,9 @@ def read_paths(root: Path, size: int, workers: list[int], repeats: int) -> None:
     paths = {f"decoded by {n} worker(s)": (n, CPU, {}) for n in workers}
     paths |= {f"resized cache, {n} worker(s)": (n, CPU, {"cache": "resized",
               "cache_dir": str(cache_dir)}) for n in workers}  # fmt: skip
+    # training's images at 256 px: the smaller store, its small crops enlarged from fewer pixels
+    paths |= {f"resized cache at cache_side=256, {n} worker(s)": (n, CPU, {"cache": "resized",
+              "cache_dir": str(cache_dir), "cache_side": 256}) for n in workers}  # fmt: skip
     if torch.cuda.is_available():
         cuda = torch.device("cuda")
         paths |= {f"decoded on the GPU, {n} worker(s) reading": (n, cuda, {"decode": "gpu"})
@@ -179,9 +189,40 @@ def large_jpeg(root: Path, repeats: int) -> None:
         print(f"needed at {least or 'full size'}: decoded to {shape} in {seconds * 1e3:.0f} ms")
 
 
+def start_cost(root: Path, files: int, repeats: int) -> None:
+    """A start's walk, split and keys on `files` empty files, against one more stat pass."""
+    from mpexp.data.image_cache import ResizedImages, file_stats
+
+    if not root.is_dir() or sum(1 for _ in root.rglob("*.jpg")) != files:
+        for i in range(files):
+            folder = root / f"class{i % 100:03d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{i:07d}.jpg").touch()
+    walks, passes = [], []
+    for _ in range(repeats):  # interleaved: the machine's load falls on both alike
+        began = time.perf_counter()
+        data = ImageFolderData(path=str(root), image_size=224, mean=[0.5] * 3, std=[0.5] * 3)
+        data._find_splits()
+        data.resume_key()
+        for split in data.splits.values():
+            paths = [split.path(i) for i in range(len(split))]
+            ResizedImages(paths, split.stats, 792, False, root, "x", decode).key()
+        walks.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        file_stats(paths + [s.path(i) for s in data.splits.values() for i in range(len(s))])
+        passes.append(time.perf_counter() - began)
+    walk, extra = statistics.median(walks), statistics.median(passes)
+    print(
+        f"{files:,} files: a start's walk, split and keys {walk:.2f} s (median of {repeats}; "
+        f"{walk / files * 1e6:.1f} us a file, {walk / files * 1e6:.0f} s a million files)"
+    )
+    print(f"one more stat of every file: {extra:.2f} s ({extra / files * 1e6:.1f} us a file)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["augment", "folder", "paths", "large"])
+    parser.add_argument("what", choices=["augment", "folder", "paths", "large", "start"])
+    parser.add_argument("--files", type=int, default=100_000, help="start: empty files")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="32x32 PNGs at 32 px")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
@@ -198,6 +239,9 @@ def main() -> None:
         root = args.dir or Path(scratch)
         if args.what == "large":
             large_jpeg(root, args.repeats)
+            return
+        if args.what == "start":
+            start_cost(root, args.files, args.repeats)
             return
         if not (root / "train").is_dir():
             write_folder(root, args.tiny)

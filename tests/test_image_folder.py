@@ -159,8 +159,8 @@ def test_one_folder_of_classes_is_split_per_class_by_the_split_seed(tmp_path):
 
     data, held = split()
     assert data.record()["layout"] == "class folders split by val_fraction"
-    assert data.train_size == 45 and len(held) == 15
-    assert [c for c, _ in held] == [0] * 5 + [1] * 5 + [2] * 5  # a quarter of each class
+    assert data.train_size + len(held) == 60 and 8 <= len(held) <= 22  # about a quarter
+    assert sorted({c for c, _ in held}) == [0, 1, 2] and held == sorted(held)  # in label order
     trained = {i for x, _ in epoch(data) for i in ids(x)}
     assert not trained & set(held)
     assert split()[1] == held and split(split_seed=1)[1] != held
@@ -389,12 +389,17 @@ def test_a_resume_on_a_changed_folder_is_refused_naming_what_changed(photos, tmp
         return str(err.value)
 
     removed = root / "train" / "cat" / "003.jpg"
-    kept = removed.read_bytes()
+    kept, stat = removed.read_bytes(), removed.stat()
     removed.unlink()
     message = refused()
     assert "train/cat 16 files, " in message and "then, 15 files, " in message
     assert "train/dog" not in message and len(message.splitlines()) == 1
-    removed.write_bytes(kept)
+    removed.write_bytes(kept[:-1] + b"\xd9")  # rewritten at the same size: another photo
+    os.utime(removed, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    message = refused()  # the same count and bytes, another time
+    assert "train/cat 16 files, " in message and "then, 16 files, " in message
+    removed.write_bytes(kept)  # put back as it was (as cp -p would)
+    os.utime(removed, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
     write_images(tmp_path / "owls", 2)
     for split in ("train", "val"):
@@ -420,7 +425,7 @@ def split_of(root: Path) -> dict[str, list[str]]:
 def test_a_class_keeps_its_split_when_another_class_changes(tmp_path):
     write_images(tmp_path, 10)
     held = split_of(tmp_path)
-    assert [len(files) for files in held.values()] == [3, 3, 3]
+    assert all(held.values())
     (tmp_path / "cat" / "004.png").unlink()  # a damaged file removed, as the warning asks
     changed = split_of(tmp_path)
     assert changed["dog"] == held["dog"] and changed["fox"] == held["fox"]
@@ -428,6 +433,25 @@ def test_a_class_keeps_its_split_when_another_class_changes(tmp_path):
     shutil.copy(tmp_path / "fox" / "002.png", tmp_path / "cat" / "more.png")
     added = split_of(tmp_path)
     assert added["dog"] == held["dog"] and added["fox"] == held["fox"]
+
+
+def test_an_image_added_to_a_class_moves_no_other_image_between_the_splits(tmp_path):
+    """Each file validates or trains by its own path's place (split_place): a photo added to a
+    class leaves every other one where it was (before, none of the class's 10 validation images
+    stayed in validation)."""
+    write_images(tmp_path, 34, numbered=True)
+
+    def splits() -> tuple[set, set]:
+        data = open_folder(tmp_path, val_fraction=0.3)
+        train, val = (set(data.splits[s].files.tolist()) for s in ("train", "val"))
+        return train, val
+
+    train, val = splits()
+    assert len(val) >= 10
+    shutil.copy(tmp_path / "cat" / "000.png", tmp_path / "cat" / "new.png")
+    train_after, val_after = splits()
+    assert train <= train_after and val <= val_after
+    assert (train_after | val_after) - (train | val) == {b"cat/new.png"}
 
 
 # --- folders as people have them -------------------------------------------------------------
@@ -462,6 +486,26 @@ def test_a_test_folder_is_evaluated_once_at_the_end_and_reported_apart(photos, t
     assert summary["test/loss"] > 0 and "test/acc" not in rows[-2]
     on_disk = json.loads((run / "summary.json").read_text())
     assert on_disk["test/acc"] == summary["test/acc"]
+    validated = (run / "val_files.txt").read_text().splitlines()  # which images val/acc measured
+    assert validated == sorted(str(p.relative_to(root)) for p in (root / "val").rglob("*.*"))
+
+
+@pytest.mark.parametrize("name", ["val", "test"])
+def test_a_split_folder_among_the_class_folders_is_refused_showing_the_layout(tmp_path, name):
+    """cat/, dog/ and fox/ beside val/<class>/ (or test/<class>/) and no train/: the split's
+    folder would be trained as one more class, swallowing its images (before: silently)."""
+    write_images(tmp_path, 2)
+    write_images(tmp_path / name, 1)
+    with pytest.raises(DataError) as err:
+        open_folder(tmp_path)
+    message = str(err.value)
+    assert f"holds {name}/ among its class folders, and {name}/ holds folders of its" in message
+    assert f"out as {tmp_path}/train/<class>/ and {tmp_path}/{name}/<class>/" in message
+    assert len(message.splitlines()) == 1
+    (tmp_path / "train").mkdir()
+    for folder in ("cat", "dog", "fox"):
+        (tmp_path / folder).rename(tmp_path / "train" / folder)
+    assert open_folder(tmp_path).record()["layout"].startswith("train/")
 
 
 def test_a_photo_turned_by_its_exif_orientation_comes_out_upright(tmp_path):

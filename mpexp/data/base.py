@@ -157,6 +157,11 @@ class TrainingData(ABC):
         folder's classes; asked before training and again at its end."""
         return {}
 
+    def run_files(self) -> dict[str, bytes]:
+        """Files the run directory keeps about the data, by name (an image folder's validation
+        files): what is too long for `ran.data`."""
+        return {}
+
     def resume_key(self) -> dict | None:
         """What must be as it was for a resume to continue on the same samples, beyond the
         config (a checkpoint keeps it; a resume whose data gives another is refused). None

@@ -1,27 +1,38 @@
-"""`dataset.cache=resized`: each split of an image folder stored once as raw pixels, every image
-resized so that its shorter side is validation's resize (`dataset.resize_size`: 256 for 224), and
-read back without decoding. An epoch then costs a copy and a crop per image, not a JPEG decode.
+"""`dataset.cache=resized`: each split of an image folder stored once as raw pixels, and read back
+without decoding. An epoch then costs a copy and a crop per image, not a JPEG decode.
 
-The store is three files under `dataset.cache_dir` (by default `$MPEXP_DATA_DIR/images`, beside the
-text corpus's tokens), named after the folder, the split and the size:
+Training's images are stored with their shorter side at most `dataset.cache_side` (by default what
+the random resized crop needs for its smallest crop to keep its pixels: 792 for 224 px at
+`crop_scale` 0.08, the size the decoding workers decode at too) and never enlarged; validation's
+and test's are stored as validation resizes them (`dataset.resize_size`, 256 for 224), so that
+its centre crop gives exactly the decoding workers' images.
 
-    <name>.bin         uint8 pixels, image after image, each 3 x H x W; read through a memory map,
-                       so that a folder larger than memory trains (only the images asked for are
-                       read, by whichever worker asks)
-    <name>.index.npy   int64 (offset, H, W) of each image; H = 0: it could not be decoded
-    <name>.json        the key: the folder's digest (every file's path, size and modification
-                       time), the size, the image count, the undecodable files
+A store is a folder under `dataset.cache_dir` (by default `$MPEXP_DATA_DIR/images`) named after
+the image folder, the split, the size and its content key (a digest of every file's path, size
+and modification time):
 
-A store whose key does not match the folder as it is now (a file added, removed or rewritten; a
-store cut short) is not trusted: it is built again, and a log line says why. A folder that changes
-while its store is built is found by taking its digest again afterwards: the store is built once
-more, and refused (DataError) if the folder changed again. A cache folder that cannot be written
-(read-only, full) costs the cache, not the run: CacheUnavailable, which the image folder turns into
-a loud warning and a run that decodes as usual (`ran.data.cache` says which ran).
+    <name>-<key>/pixels.bin   uint8 pixels, image after image, each 3 x H x W; read through a
+                              memory map (only the images asked for are read, by whichever
+                              worker asks), so that a folder larger than memory trains
+    <name>-<key>/index.npy    int64 (offset, H, W) of each image; H = 0: it could not be decoded
+    <name>-<key>/key.json     the key, the pixels' length, the undecodable files
+    <name>-<key>.lock         taken by the one process that builds the store; the others wait
 
-Training's random resized crop is taken from the stored image: a small crop is enlarged from fewer
-pixels than the decoded original would give it (the trade FFCV makes too); validation's resize and
-centre crop give exactly the worker path's images.
+Many processes share it. A store is built once: a process that finds it missing takes its lock
+(an flock) and builds it while every other (a sweep's jobs, started together) waits on the lock
+and then reads what was built; under torchrun rank 0 builds while the other ranks wait for it
+(`mpexp.distributed.rank_zero_first`). A store is written into a partial folder, synced, and
+renamed into place whole: the index and the pixels appear together, and a name once in place is
+never written again. A folder of images that changes gets a store of another name (the old one
+stays for the runs that still read it, said in a log line); a folder that changes while its store
+is built is found by taking its key again before the store is put in place: it is built once more
+from the folder as it is then, and refused (DataError) if it changed again. A builder that is
+killed leaves its partial folder; the next build of that store removes it (mpexp/data/atomic.py).
+
+A cache folder that cannot be written (read-only, full) costs the cache, not the run:
+CacheUnavailable, which the image folder turns into a loud warning and a run that decodes as
+usual (`ran.data.cache` says which ran). `python -m mpexp.data.cache <dataset overrides>` builds
+the stores outside a training job (mpexp/data/cache.py).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,168 +52,234 @@ from torch.utils.data import Dataset
 from torchvision.transforms import v2
 from tqdm import tqdm
 
+from mpexp.data import atomic
 from mpexp.data.workers import WorkerLoader
 from mpexp.errors import DataError
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: a folder per store, named by its key; training's images never enlarged
 KINDS = ("none", "resized")
+FILES = ("pixels.bin", "index.npy", "key.json")
 
 
 class CacheUnavailable(Exception):
     """The store cannot be written (a read-only or full cache folder); the message says why."""
 
 
+class _Changed(Exception):
+    """The folder's files changed while their store was built."""
+
+
 Decoder = Callable[[str, int], torch.Tensor]  # (path, the shorter side needed) -> 3 x H x W uint8
 
 
-class _Resizing(Dataset):
-    """The build's items: each file decoded and resized, as validation resizes it, in a
-    DataLoader worker; (3, 0, 0) where the file cannot be decoded."""
+def fitted(image: torch.Tensor, side: int, enlarge: bool) -> torch.Tensor:
+    """`image` resized so that its shorter side is `side` (as validation's resize does), or, with
+    `enlarge` false, only where it is longer than that: a store keeps no more pixels than it needs
+    and invents none."""
+    if not enlarge and min(image.shape[1:]) <= side:
+        return image
+    return v2.functional.resize(image, side)
 
-    def __init__(self, paths: list[str], side: int, decode: Decoder):
-        self.paths, self.side, self.decode = paths, side, decode
+
+class _Resizing(Dataset):
+    """The build's items: each file decoded and fitted in a DataLoader worker; (3, 0, 0) where it
+    cannot be decoded."""
+
+    def __init__(self, paths: list[str], side: int, enlarge: bool, decode: Decoder):
+        self.paths, self.side, self.enlarge, self.decode = paths, side, enlarge, decode
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> torch.Tensor:
         try:
-            return v2.functional.resize(self.decode(self.paths[index], self.side), self.side)
+            return fitted(self.decode(self.paths[index], self.side), self.side, self.enlarge)
         except Exception:  # Pillow raises many kinds; the image folder names the file when read
             return torch.zeros(3, 0, 0, dtype=torch.uint8)
 
 
-class ResizedImages:
-    """One split's store: built or checked by `open`, then read by index in any process."""
+def file_stats(paths: list[str]) -> np.ndarray:
+    """(size, mtime in ns) of each file, as a (n, 2) int64 array; (-1, -1) for one that is gone."""
+    stats = np.full((len(paths), 2), -1, dtype=np.int64)
+    for i, path in enumerate(paths):
+        with contextlib.suppress(OSError):
+            stat = os.stat(path)
+            stats[i] = stat.st_size, stat.st_mtime_ns
+    return stats
 
-    def __init__(self, paths: list[str], side: int, folder: Path, name: str, decode: Decoder):
-        """`paths`: the split's files in label order; `name`: the store's file names' stem;
-        `decode`: the image folder's own (mpexp/data/image_folder.py)."""
-        self.paths, self.side, self.decode = paths, side, decode
-        self.pixels_path = folder / f"{name}.bin"
-        self.index_path = folder / f"{name}.index.npy"
-        self.key_path = folder / f"{name}.json"
+
+class ResizedImages:
+    """One split's store: opened (built where missing) by `open`, then read by index in any
+    process."""
+
+    def __init__(
+        self,
+        paths: list[str],
+        stats: np.ndarray,
+        side: int,
+        enlarge: bool,
+        folder: Path,
+        name: str,
+        decode: Decoder,
+    ):
+        """`paths`: the split's files in label order, `stats` their (size, mtime) as the folder's
+        scan found them (no second walk); `side`, `enlarge`: see `fitted`; `name`: the stores'
+        names' stem, the key follows; `decode`: the image folder's own."""
+        self.paths, self.stats = paths, stats
+        self.side, self.enlarge, self.decode = side, enlarge, decode
+        self.folder, self.name = folder, name
+        self.store = folder / name  # set by open(): the store's folder, named by its key
         self._pixels: np.memmap | None = None
         self._index: np.ndarray | None = None
 
     def __getstate__(self) -> dict:
-        # a worker maps the files itself: a pickled memory map would copy every pixel
-        return {**self.__dict__, "_pixels": None, "_index": None}
+        # a worker maps the files itself: a pickled memory map would copy every pixel; the
+        # stats are the scan's business, not a reader's
+        return {**self.__dict__, "_pixels": None, "_index": None, "stats": None}
+
+    @property
+    def pixels_path(self) -> Path:
+        return self.store / FILES[0]
 
     def key(self) -> dict:
-        """What the store must have been built from: each file's path, size and mtime."""
+        """What the store is built from: each file's path, size and mtime, and the size."""
         digest = hashlib.sha256()
-        for path in self.paths:
-            stat = os.stat(path)
-            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-        return {"version": CACHE_VERSION, "side": self.side, "count": len(self.paths),
-                "digest": digest.hexdigest()}  # fmt: skip
+        for path, (size, mtime) in zip(self.paths, self.stats.tolist(), strict=True):
+            digest.update(f"{path}\0{size}\0{mtime}\n".encode())
+        return {"version": CACHE_VERSION, "side": self.side, "enlarge": self.enlarge,
+                "count": len(self.paths), "digest": digest.hexdigest()}  # fmt: skip
 
     def open(self, workers: int = 0) -> ResizedImages:
-        """Check the store against the folder, building it where it is missing or does not
-        match; raises CacheUnavailable when it cannot be written, DataError when the folder
-        keeps changing while it is built."""
-        key = self.key()
-        problem = self._problem(key)
-        if problem is None:
-            log.info("Reading %d images resized to %d px from %s.", len(self.paths), self.side,
-                     self.pixels_path)  # fmt: skip
-            return self
-        if problem != "missing":
-            log.warning("Image cache %s %s: not trusted, built again.", self.pixels_path, problem)
+        """The store for the files as scanned, built where there is none (once, whichever of the
+        processes asking at the same time takes its lock); raises CacheUnavailable when it
+        cannot be written, DataError when the folder keeps changing while it is built."""
         for attempt in range(2):
-            self._build(key, workers)
-            now = self.key()
-            if now == key:
-                return self
-            self._remove()
-            if attempt == 0:
-                log.warning(
-                    "The images changed while %s was built (a file was added, removed or "
-                    "rewritten): it is built again from the folder as it is now.",
-                    self.pixels_path,
-                )
-            key = now
-        raise DataError(
-            f"The image folder changed again while {self.pixels_path} was built a second time: "
-            "something is writing to it. Let it finish (or stop it) before training, or train "
-            "without the cache (dataset.cache=none)."
-        )
+            key = self.key()
+            self.store = self.folder / f"{self.name}-{key_name(key)}"
+            if self._problem(key) is None:
+                break
+            lock = self.store.with_name(self.store.name + ".lock")
+            try:
+                with atomic.exclusive(lock, f"Waiting for another process building {self.store}"):
+                    if self._problem(key) is None:  # built while this process waited
+                        break
+                    self._build(key, lock, workers)
+                    break
+            except _Changed:
+                if attempt == 0:
+                    log.warning(
+                        "The images changed while %s was built (a file was added, removed or "
+                        "rewritten): it is built again from the folder as it is now.",
+                        self.store,
+                    )
+            except OSError as err:
+                raise CacheUnavailable(
+                    f"{self.folder} cannot hold the image cache ({err.strerror or err})"
+                ) from None
+        else:
+            raise DataError(
+                f"The image folder changed again while {self.store} was built a second time: "
+                "something is writing to it. Let it finish (or stop it) before training, or train "
+                "without the cache (dataset.cache=none)."
+            )
+        log.info("Reading %d images (%s) from %s.", len(self.paths), self._fit(), self.store)
+        return self
+
+    def _fit(self) -> str:
+        return f"{'resized to' if self.enlarge else 'at most'} {self.side} px"
 
     def _problem(self, key: dict) -> str | None:
-        """Why the store cannot be used as it is, or None when it can."""
-        if not all(p.is_file() for p in (self.key_path, self.index_path, self.pixels_path)):
+        """Why the store cannot be read as it is, or None when it can."""
+        if not self.store.exists():
             return "missing"
+        if not (self.store / FILES[2]).is_file():
+            return "has no key"
         try:
-            saved = json.loads(self.key_path.read_text())
+            saved = json.loads((self.store / FILES[2]).read_text())
         except (OSError, ValueError):
             return "has an unreadable key"
         if not isinstance(saved, dict) or saved.get("key") != key:
-            side = saved.get("key", {}).get("side") if isinstance(saved, dict) else None
-            if side is not None and side != self.side:
-                return f"was built at {side} px, not {self.side}"
-            return "was built from other files (the folder changed since)"
-        size = self.pixels_path.stat().st_size
+            return "was built from other files"
+        size = self.pixels_path.stat().st_size if self.pixels_path.is_file() else 0
         if size != saved.get("bytes"):
             return f"holds {size:,} of its {saved.get('bytes')} bytes (cut short)"
         return None
 
-    def _build(self, key: dict, workers: int) -> None:
-        """Resize every image (in `workers` DataLoader workers) into the store's files, each
-        written under a temporary name and renamed when whole: a failed build leaves no part."""
-        folder = self.pixels_path.parent
-        partial = [p.with_name(f"{p.name}.{os.getpid()}.partial")
-                   for p in (self.pixels_path, self.index_path, self.key_path)]  # fmt: skip
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            index = np.zeros((len(self.paths), 3), dtype=np.int64)
-            undecodable = []
-            # a generator of its own: the loader's start draws a seed, which must not shift the
-            # run's (a run that builds the store trains as one that reads it)
-            loader = WorkerLoader(
-                _Resizing(self.paths, self.side, self.decode),
-                batch_size=None,
-                num_workers=workers,
-                generator=torch.Generator(),
-            )
-            bar = tqdm(loader, total=len(self.paths), unit="img", leave=False,
-                       desc=f"Caching images at {self.side} px")  # fmt: skip
-            with partial[0].open("wb") as out:
-                for i, image in enumerate(bar):
-                    if image.numel() == 0:
-                        undecodable.append(self.paths[i])
-                    index[i] = out.tell(), image.shape[1], image.shape[2]
-                    out.write(image.numpy().tobytes())
-                written = out.tell()
-            with partial[1].open("wb") as out:
-                np.save(out, index)
+    def _build(self, key: dict, lock: Path, workers: int) -> None:
+        """Build the store (under its lock): decode and fit every image (in `workers`
+        DataLoader workers) into a partial folder, check that the files did not change
+        meanwhile (_Changed), and put it in place whole."""
+        problem = self._problem(key)
+        if problem != "missing":  # damaged in place (a file cut short by hand, a disk error)
+            log.warning("Image cache %s %s: not trusted, built again.", self.store, problem)
+            if self.store.is_dir():
+                shutil.rmtree(self.store)
+            else:
+                self.store.unlink()
+        else:
+            self._said_older()
+        atomic.note_holder(lock, f"building {len(self.paths)} images ({self._fit()})")
+        with atomic.whole_folder(self.store) as partial:
+            written, undecodable = self._write(partial, workers)
+            now = file_stats(self.paths)
+            if not np.array_equal(now, self.stats):
+                self.stats = now
+                raise _Changed
             record = {"key": key, "bytes": written, "undecodable": undecodable}
-            partial[2].write_text(json.dumps(record))
-            for done, final in zip(partial, (self.pixels_path, self.index_path, self.key_path),
-                                   strict=True):  # fmt: skip
-                os.replace(done, final)
-        except OSError as err:
-            _discard(partial)
-            raise CacheUnavailable(
-                f"{folder} cannot hold the image cache ({err.strerror or err})"
-            ) from None
-        except BaseException:
-            _discard(partial)
-            raise
+            (partial / FILES[2]).write_text(json.dumps(record))
+            for name in FILES:
+                atomic.sync_file(partial / name)
         self._pixels = self._index = None
-        log.info("Cached %d images at %d px in %s (%.1f MB).", len(self.paths), self.side,
-                 self.pixels_path, written / 1e6)  # fmt: skip
+        log.info("Cached %d images (%s) in %s (%.1f MB).", len(self.paths), self._fit(),
+                 self.store, written / 1e6)  # fmt: skip
 
-    def _remove(self) -> None:
-        _discard([self.key_path, self.index_path, self.pixels_path])  # the key first
+    def _write(self, partial: Path, workers: int) -> tuple[int, list[str]]:
+        """The pixels and the index into `partial`; the pixels' length, the undecodable files."""
+        index = np.zeros((len(self.paths), 3), dtype=np.int64)
+        undecodable = []
+        # a generator of its own: the loader's start draws a seed, which must not shift the run's
+        # (a run that builds the store trains as one that reads it)
+        loader = WorkerLoader(
+            _Resizing(self.paths, self.side, self.enlarge, self.decode),
+            batch_size=None,
+            num_workers=workers,
+            generator=torch.Generator(),
+        )
+        bar = tqdm(loader, total=len(self.paths), unit="img", leave=False,
+                   desc=f"Caching images ({self._fit()})")  # fmt: skip
+        with (partial / FILES[0]).open("wb") as out:
+            for i, image in enumerate(bar):
+                if image.numel() == 0:
+                    undecodable.append(self.paths[i])
+                index[i] = out.tell(), image.shape[1], image.shape[2]
+                out.write(image.numpy().tobytes())
+            written = out.tell()
+        with (partial / FILES[1]).open("wb") as out:
+            np.save(out, index)
+        return written, undecodable
+
+    def _said_older(self) -> None:
+        """Name the stores of earlier versions of the same files, which this run will not read:
+        they stay for the runs that may still read them."""
+        older = [p for p in self.folder.glob(f"{self.name}-*") if p.is_dir() and
+                 not p.name.endswith(atomic.SUFFIX)]  # fmt: skip
+        if older:
+            size = sum(f.stat().st_size for p in older for f in p.iterdir() if f.is_file())
+            log.warning(
+                "The images differ from those of the earlier image cache %s (a file added, "
+                "removed or rewritten since): a new store is built. The earlier one (%.1f MB in "
+                "all) stays for any run still reading it: remove it when none is.",
+                ", ".join(str(p) for p in older),
+                size / 1e6,
+            )
 
     def image(self, index: int) -> torch.Tensor:
         """Image `index` as a 3 x H x W uint8 tensor (a copy of its pixels, nothing else read);
         raises ValueError for one that could not be decoded when the store was built."""
         if self._index is None:
-            self._index = np.load(self.index_path)
+            self._index = np.load(self.store / FILES[1])
             size = self.pixels_path.stat().st_size
             # numpy cannot map an empty file (a split of undecodable images only)
             self._pixels = np.memmap(self.pixels_path, dtype=np.uint8, mode="r") if size else None
@@ -212,15 +290,13 @@ class ResizedImages:
         return torch.from_numpy(pixels).view(3, h, w)
 
 
-def _discard(paths: list[Path]) -> None:
-    """Remove what there is of `paths`; a folder that cannot be written keeps what it has."""
-    for path in paths:
-        with contextlib.suppress(OSError):
-            path.unlink(missing_ok=True)
+def key_name(key: dict) -> str:
+    """A store's name from its key: the same key, the same name, in every process."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def store_name(root: Path, split: str, side: int) -> str:
-    """The stem of a split's store: the folder's name, the split, the size and a hash of the
+    """The stem of a split's stores: the folder's name, the split, the size and a hash of the
     folder's full path (two folders of the same name keep stores of their own)."""
     where = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
     return f"{root.name or 'images'}-{split}-{side}px-{where}"

@@ -4,16 +4,22 @@ set of any size trains; only the list of files is held in memory.
 
 `path/train/<class>/` and `path/val/<class>/` are the two splits (`valid/` or `validation/` in
 place of `val/`). A folder of class folders alone (`path/<class>/`, or `path/train/<class>/`
-without a validation folder) is split per class, `val_fraction` of each class's images validating,
-drawn from (`split_seed`, the class's name): the same split for every run, whatever its
-`trainer.seed`, so that seeds and precisions are compared on the same images, and a file added to
-or removed from one class moves no other class's images. A `path/test/<class>/` beside `train/` is
+without a validation folder) is split file by file: a file validates where a hash of
+(`split_seed`, its path below the folder split) falls below `val_fraction`, so about that share of
+each class validates. The split is the same for every run, whatever its `trainer.seed`, so that
+seeds and precisions are compared on the same images, and a file added or removed moves no other
+file between the splits. The run directory lists the validation files (`val_files.txt`). A folder
+named as a split (`val/`, `test/`, ...) that holds folders of its own among the class folders to
+split is refused: it would be trained as one more class. A `path/test/<class>/` beside `train/` is
 evaluated once, when training ends, and reported apart (`test/acc`, `test/loss`).
 
-A checkpoint keeps the folder's resume key (each class's files with their sizes, per split, and
-the normalisation); a resume on a folder that has changed since is refused, naming what changed:
-an image moved between the splits would be validated on after it was trained on. Symbolic links
-are followed within the folder; one that leads out of it, or round in a loop, is refused.
+A start walks the folder once, taking each file's size and modification time as it goes: the
+split, the cache's key and the resume key are made from that walk. A checkpoint keeps the
+folder's resume key (each class's files with their sizes and modification times, per split, and
+the normalisation); a resume on a folder that has changed since (a file rewritten at the same
+size too) is refused, naming what changed: an image moved between the splits would be validated
+on after it was trained on. Symbolic links are followed within the folder; one that leads out of
+it, or round in a loop, is refused.
 
 An epoch's order is a seeded permutation of the training images, sharded across ranks as the
 in-memory sets shard it (mpexp/data/base.py); a resumed run asks for the images from its batch on,
@@ -26,9 +32,10 @@ memory format, cropped and flipped as the in-memory sets are (mpexp/data/augment
 On CUDA the next batch is copied on a stream of its own while the current step runs.
 
 Where decoding cannot keep up with the step, two other ways in: `dataset.cache=resized` reads every
-image from a one-time store of resized pixels (mpexp/data/image_cache.py), `dataset.decode=gpu`
-has the workers read the JPEGs' bytes and decodes them on the GPU (mpexp/data/gpu_decode.py). Both
-hook in at `Split.read`; `ran.data.cache` and `ran.data.decode` record which ran.
+image from a store of resized pixels built once and shared by every process that asks
+(mpexp/data/image_cache.py), `dataset.decode=gpu` has the workers read the JPEGs' bytes and
+decodes them on the GPU (mpexp/data/gpu_decode.py). Both hook in at `Split.read`; `ran.data.cache`
+and `ran.data.decode` record which ran.
 
 Images are decoded upright (their EXIF orientation applied). An image that cannot be decoded is
 replaced by the next image of its split that can, counted, named in a warning once and recorded in
@@ -61,6 +68,7 @@ from mpexp.data.augment import CropFlip, mixed_seed
 from mpexp.data.base import Batch, TrainingData
 from mpexp.data.image_cache import KINDS, CacheUnavailable, ResizedImages, store_name
 from mpexp.data.workers import WorkerLoader
+from mpexp.distributed import rank_zero_first
 from mpexp.errors import ConfigError, DataError
 from mpexp.tasks.classification import Classification
 
@@ -76,6 +84,7 @@ LAYOUT = (
     "dataset.val_fraction"
 )
 VAL_FOLDERS = ("val", "valid", "validation")  # the names people give the validation split
+SPLIT_FOLDERS = (*VAL_FOLDERS, "test", "train")  # never a class that holds folders of its own
 # read errors that a network or overloaded file system gives and takes back: a read that fails so
 # is tried again (READ_TRIES in all, RETRY_WAIT_S doubling in between), not taken as a damaged file
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE})
@@ -122,14 +131,6 @@ def _decode(path: str, least: int | None) -> torch.Tensor:
         return v2.functional.pil_to_tensor(image.convert("RGB"))
 
 
-def file_size(path: bytes) -> int:
-    """The file's size in bytes, -1 where it cannot be read (gone, no permission)."""
-    try:
-        return retrying(lambda: os.stat(path).st_size)
-    except OSError:
-        return -1
-
-
 def undecodable_reason(path: str) -> str | None:
     """Why `path` cannot be decoded, or None when it can."""
     try:
@@ -143,12 +144,15 @@ class Split(Dataset):
     """One split as the DataLoader's workers read it: files relative to `root`, their labels, and
     what each image becomes. A key is (index, seed, epoch); seed None: validation's view."""
 
-    def __init__(self, root: Path, files: list[str], labels: list[int], views: dict, size: int):
+    def __init__(self, root: Path, files: list[tuple], labels: list[int], views: dict, size: int):
+        """`files`: (path relative to `root`, size, mtime in ns) of each, as the scan found them."""
         self.root = str(root)
         # bytes in NumPy arrays, not a list of str: a forked worker that reads a Python object
         # touches its reference count and so copies its memory page, list by list. os.fsencode:
         # a name that is not UTF-8 (an old archive's Latin-1) comes back as the same bytes
-        self.files = np.array([os.fsencode(f) for f in files], dtype=np.bytes_)
+        self.files = np.array([os.fsencode(f[0]) for f in files], dtype=np.bytes_)
+        # (size, mtime) of each file when the run started: its cache's and its resume's key
+        self.stats = np.array([f[1:] for f in files], dtype=np.int64).reshape(-1, 2)
         self.labels = np.array(labels, dtype=np.int64)
         self.views = views  # "train" and "val": (transform, the shorter side it needs)
         self.size = size  # of the square a transform gives
@@ -168,15 +172,18 @@ class Split(Dataset):
         return range(int(where[0]), int(where[-1]) + 1) if len(where) else range(0)
 
     def digest(self, label: int) -> str:
-        """A class's files, their number, total size and a digest of their names and sizes (-1:
-        a file gone since the scan)."""
-        members, root = self.of_class(label), os.fsencode(self.root)
-        digest, total = hashlib.sha256(), 0
-        for name in self.files[members.start : members.stop]:
-            size = file_size(os.path.join(root, name))
-            digest.update(name + b"\0" + str(size).encode() + b"\0")
-            total += max(size, 0)
-        return f"{len(members)} files, {total:,} bytes, {digest.hexdigest()[:12]}"
+        """A class's files as the run started: their number, total size, the newest one's time
+        and a digest of their names, sizes and modification times (-1: a link to nothing)."""
+        members = self.of_class(label)
+        digest = hashlib.sha256()
+        stats = self.stats[members.start : members.stop]
+        for name, (size, mtime) in zip(self.files[members.start : members.stop], stats.tolist(),
+                                       strict=True):  # fmt: skip
+            digest.update(name + f"\0{size}\0{mtime}\0".encode())
+        total, newest = int(stats[:, 0].clip(min=0).sum()), int(stats[:, 1].max(initial=0))
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(newest // 10**9))
+        files = f"{len(members)} files, {total:,} bytes"
+        return f"{files}, newest {when} UTC, {digest.hexdigest()[:12]}"
 
     def read(self, index: int, least: int | None) -> torch.Tensor:
         """Image `index`, from the cache where there is one, else decoded from its file."""
@@ -246,6 +253,7 @@ class ImageFolderData(TrainingData):
         num_workers: int = 4,
         cache: str = "none",
         cache_dir: str = "~/.cache/mpexp/data/images",
+        cache_side: int | None = None,
         decode: str = "cpu",
     ):
         super().__init__(batch_size, drop_last)
@@ -269,6 +277,7 @@ class ImageFolderData(TrainingData):
         self.augment = CropFlip(**augment)  # on the device, as for the in-memory sets
         self.num_workers = num_workers
         self.cache, self.cache_dir = cache, Path(cache_dir).expanduser()
+        self.cache_side = cache_side  # training's stored size; None: what its crop needs
         self.cache_ran: dict = {"kind": "none"}  # what was read: ran.data.cache
         self.decode, self.decode_on = decode, "cpu"  # asked, and what ran: ran.data.decode
         self.classes: list[str] = []
@@ -314,7 +323,8 @@ class ImageFolderData(TrainingData):
         else:
             whole = train if train.is_dir() else root
             self.layout = f"{'train/' if whole == train else 'class folders'} split by val_fraction"
-            train_files, val_files = self._split(scan_classes(root, whole, ignored))
+            self._refuse_split_folders(root, whole)
+            train_files, val_files = self._split(scan_classes(root, whole, ignored), whole, root)
             splits = {"train": train_files, "val": val_files}
         if train.is_dir() and (root / "test").is_dir():
             self.layout += ", test/"
@@ -351,18 +361,39 @@ class ImageFolderData(TrainingData):
             )
         return found[0] if found else None
 
-    def _split(self, classes: dict[str, list[str]]) -> tuple[dict, dict]:
-        """`val_fraction` of each class's images for validation (at least one left to train on),
-        drawn from (`split_seed`, the class's name)."""
+    def _refuse_split_folders(self, root: Path, whole: Path) -> None:
+        """A folder named as a split (val/, test/, ...) among the class folders to split, holding
+        folders of its own, is a split put in the wrong place: trained as one more class, it would
+        swallow the images meant to validate or test. Refused, showing the layout to use."""
+        for folder in sorted(p for p in whole.iterdir() if p.is_dir()):
+            if folder.name.lower() not in SPLIT_FOLDERS:
+                continue
+            inner = next((p for p in sorted(folder.iterdir()) if p.is_dir() and
+                          not p.name.startswith(".")), None)  # fmt: skip
+            if inner is None:
+                continue
+            where = "" if whole == root else f"{whole.name}/"
+            raise DataError(
+                f"dataset.path={self.path} holds {where}{folder.name}/ among its class folders, "
+                f"and {where}{folder.name}/ holds folders of its own ({inner.name}/, ...): it "
+                f"would be trained as a class named {folder.name}. Lay the folder out as "
+                f"{root}/train/<class>/ and {root}/{folder.name.lower()}/<class>/ (move the class "
+                f"folders into train/), or rename {folder.name}/ if it is a class."
+            )
+
+    def _split(self, classes: dict[str, list[tuple]], whole: Path, root: Path) -> tuple[dict, dict]:
+        """Each file of `whole`'s classes to validation where its place (`split_place`) is below
+        `val_fraction`, to training otherwise; a class whose every file would validate keeps
+        its last-placed one to train on."""
+        under = 0 if whole == root else len(whole.name) + 1  # the paths below train/
         train, val = {}, {}
         for name, files in classes.items():
-            # each class drawn from its own name: a file added to or removed from one class
-            # moves no other class's images between the splits
-            generator = torch.Generator().manual_seed(class_seed(self.split_seed, name))
-            order = torch.randperm(len(files), generator=generator).tolist()
-            held = min(int(len(files) * self.val_fraction + 0.5), len(files) - 1)
-            val[name] = sorted(files[i] for i in order[:held])
-            train[name] = sorted(files[i] for i in order[held:])
+            places = [split_place(self.split_seed, f[0][under:]) for f in files]
+            held = [p < self.val_fraction for p in places]
+            if all(held):
+                held[places.index(max(places))] = False
+            val[name] = [f for f, h in zip(files, held, strict=True) if h]
+            train[name] = [f for f, h in zip(files, held, strict=True) if not h]
         if not any(val.values()):
             total = sum(map(len, classes.values()))
             raise DataError(
@@ -379,14 +410,7 @@ class ImageFolderData(TrainingData):
     ) -> Classification:
         """Find the images and their classes, compute the normalisation where it is not given,
         and make the DataLoaders (their workers start with the first epoch)."""
-        root = self._root()
-        scanned = self._scan(root)
-        self.classes = sorted(scanned["train"])
-        views = self._views()
-        for name, split in scanned.items():
-            files = [f for c in self.classes for f in split[c]]
-            labels = [i for i, c in enumerate(self.classes) for _ in split[c]]
-            self.splits[name] = Split(root, files, labels, views, self.image_size)
+        root = self._find_splits()
         if self.cache == "resized":
             self._open_cache(root)
         else:
@@ -398,6 +422,7 @@ class ImageFolderData(TrainingData):
         self._device = device
         self._pin = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._decoder = gpu_decode.Decoder(device) if self.decode_on == "gpu" else None
         self._keys = {name: Keys() for name in self.splits}
         self._loaders = {
             # the test split's workers end with its one evaluation
@@ -417,16 +442,36 @@ class ImageFolderData(TrainingData):
         self.task = Classification(channels=3, height=s, width=s, num_classes=len(self.classes))
         return self.task
 
-    def _open_cache(self, root: Path) -> None:
-        """Each split's store of resized images (mpexp/data/image_cache.py), built where it is
-        missing or stale; a cache folder that cannot be written costs the cache, not the run."""
-        stores = {}
+    def _find_splits(self) -> Path:
+        """Walk the folder (once) into its splits; the folder's root."""
+        root = self._root()
+        scanned = self._scan(root)
+        self.classes = sorted(scanned["train"])
+        views = self._views()
+        for name, split in scanned.items():
+            files = [f for c in self.classes for f in split[c]]
+            labels = [i for i, c in enumerate(self.classes) for _ in split[c]]
+            self.splits[name] = Split(root, files, labels, views, self.image_size)
+        return root
+
+    def build_cache(self) -> list[Path]:
+        """Each split's store of resized images, built where missing, as a run with
+        dataset.cache=resized would (`python -m mpexp.data.cache`); the stores. Raises DataError
+        where the cache folder cannot hold them."""
         try:
-            for name, split in self.splits.items():
-                paths = [split.path(i) for i in range(len(split))]
-                stem = store_name(root, name, self.resize_size)
-                stores[name] = ResizedImages(paths, self.resize_size, self.cache_dir, stem, decode)
-                stores[name].open(self.num_workers)
+            stores = self._open_stores(self._find_splits())
+        except CacheUnavailable as why:
+            raise DataError(
+                f"{why}. Point dataset.cache_dir (or MPEXP_DATA_DIR) at a writable folder with "
+                "room for the images."
+            ) from None
+        return [store.store for store in stores.values()]
+
+    def _open_cache(self, root: Path) -> None:
+        """Read every split from its store of resized images, built where missing; a cache
+        folder that cannot be written costs the cache, not the run."""
+        try:
+            stores = self._open_stores(root)
         except CacheUnavailable as why:
             log.warning(
                 "dataset.cache=resized is NOT used: %s. This run decodes every image in its "
@@ -438,8 +483,36 @@ class ImageFolderData(TrainingData):
             return
         for name, store in stores.items():
             self.splits[name].cache = store
-        self.cache_ran = {"kind": "resized", "side": self.resize_size,
-                          "files": [str(s.pixels_path) for s in stores.values()]}  # fmt: skip
+        self.cache_ran = {"kind": "resized", "side": self.cache_side_of("train")[0],
+                          "val_side": self.resize_size,
+                          "stores": [str(s.store) for s in stores.values()]}  # fmt: skip
+
+    def _open_stores(self, root: Path) -> dict[str, ResizedImages]:
+        """Each split's store (mpexp/data/image_cache.py), built where it is missing: by one
+        process of those asking together, by rank 0 under torchrun. Raises CacheUnavailable."""
+        stores = {}
+        # the files by their full paths: the same key whichever folder a run starts from
+        real = root.resolve()
+        with rank_zero_first():  # one build for all ranks: rank 0's, which the others then read
+            for name, split in self.splits.items():
+                paths = [os.path.join(real, os.fsdecode(f)) for f in split.files]
+                side, enlarge = self.cache_side_of(name)
+                stem = store_name(root, name, side)
+                stores[name] = ResizedImages(
+                    paths, split.stats, side, enlarge, self.cache_dir, stem, decode
+                ).open(self.num_workers)
+                split.stats = stores[name].stats  # as the store found them, if they changed
+        return stores
+
+    def cache_side_of(self, split: str) -> tuple[int, bool]:
+        """A split's stored shorter side, and whether smaller images are enlarged to it.
+        Validation's and test's images are stored as validation resizes them. Training's are
+        stored at most at `cache_side`, by default the side its random resized crop needs for
+        its smallest crop to keep every pixel (what the decoding workers decode at), and never
+        enlarged; without a random crop, as validation's."""
+        if split != "train" or (self.crop_scale is None and self.cache_side is None):
+            return self.resize_size, True
+        return self.cache_side or self.views_least(), False
 
     def _views(self) -> dict[str, tuple]:
         """Training's and validation's transform of a decoded image, each with the shorter side
@@ -449,13 +522,16 @@ class ImageFolderData(TrainingData):
         val = v2.Compose([v2.Resize(self.resize_size), v2.CenterCrop(size)]), self.resize_size
         if self.crop_scale is None:
             return {"train": val, "val": val}
-        # the smallest crop is the share crop_scale[0] of the area: the image is needed at a
-        # size where that crop is still about image_size pixels across
-        least = math.ceil(self.image_size / math.sqrt(self.crop_scale[0]))
         return {
-            "train": (v2.RandomResizedCrop(size, scale=tuple(self.crop_scale)), least),
+            "train": (v2.RandomResizedCrop(size, scale=tuple(self.crop_scale)), self.views_least()),
             "val": val,
         }
+
+    def views_least(self) -> int:
+        """The shorter side a training image is needed at for its random resized crop: the
+        smallest crop is the share crop_scale[0] of the area, still image_size pixels across
+        (792 for 224 at 0.08)."""
+        return math.ceil(self.image_size / math.sqrt(self.crop_scale[0]))
 
     def _loader(
         self, split: str, keys: Keys, drop_last: bool, persistent: bool = True
@@ -487,7 +563,7 @@ class ImageFolderData(TrainingData):
         keys.keys = [(i, None, 0) for i in sorted(sample)]
         sums = torch.zeros(2, 3, dtype=torch.float64)
         loader = self._loader("train", keys, drop_last=False, persistent=False)
-        for images, _, _ in self._on_gpu("train", self._checked("train", loader), self._device):
+        for images, _, _ in self._on_gpu("train", self._checked("train", loader)):
             pixels = images.double().div_(255).transpose(0, 1).flatten(1)
             sums += torch.stack((pixels.sum(1), pixels.square().sum(1))).cpu()  # set-up: no step
         count = len(sample) * self.image_size**2
@@ -519,7 +595,8 @@ class ImageFolderData(TrainingData):
         self._keys["train"].keys = [(i, seed, epoch) for i in order.tolist()]
         n = self.train_size
         draws = self.augment.draws(n, seed, epoch, device) if self.augment.active else None
-        batches = self._on_gpu("train", self._checked("train", self._loaders["train"]), device)
+        batches = self._on_gpu("train", self._checked("train", self._loaders["train"]),
+                               self._copy_stream)  # fmt: skip
         yield from self._on_device(batches, device, static, draws)
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
@@ -532,19 +609,21 @@ class ImageFolderData(TrainingData):
 
     def _evaluated(self, split: str, device: torch.device) -> Iterator[Batch]:
         self._keys[split].keys = [(i, None, 0) for i in range(len(self.splits[split]))]
-        batches = self._on_gpu(split, self._checked(split, self._loaders[split]), device)
+        batches = self._on_gpu(split, self._checked(split, self._loaders[split]), self._copy_stream)
         return self._on_device(batches, device)
 
-    def _on_gpu(self, split: str, batches: Iterable, device: torch.device) -> Iterable:
-        """With dataset.decode=gpu, the batches' JPEGs decoded, cropped and resized on `device`
-        (mpexp/data/gpu_decode.py); the batches as they are otherwise."""
-        if self.decode_on != "gpu":
+    def _on_gpu(self, split: str, batches: Iterable, reader=None) -> Iterable:
+        """With dataset.decode=gpu, the batches' JPEGs decoded, cropped and resized on the device
+        (mpexp/data/gpu_decode.py), for the stream `reader` to read (the copy stream, which the
+        step's waits on; None: the current one); the batches as they are otherwise."""
+        if self._decoder is None:
             yield from batches
             return
         for images, labels, index in batches:
             paths = [self.splits[split].path(i) for i in index.tolist()]  # a host tensor
             size, resize = self.image_size, self.resize_size
-            yield gpu_decode.on_device(images, paths, device, size, resize), labels, index
+            stream = reader or torch.cuda.current_stream(self._device)
+            yield self._decoder.batch(images, paths, size, resize, stream), labels, index
 
     def _checked(self, split: str, loader: Iterable) -> Iterator[tuple[torch.Tensor, ...]]:
         """The loader's host batches as (images, labels, indices), after noting the images that
@@ -676,15 +755,21 @@ class ImageFolderData(TrainingData):
     # --- what the run records ------------------------------------------------------------------
 
     def resume_key(self) -> dict:
-        """Each class's training and validation files (names and sizes) and the normalisation: a
-        file added, removed or replaced since a checkpoint, a class added or removed, moves images
-        between the splits or the labels, and a resume would validate on images it trained on.
+        """Each class's training and validation files (names, sizes and modification times, as
+        the start's walk found them) and the normalisation: a file added, removed or rewritten
+        since a checkpoint, a class added or removed, moves images between the splits or the
+        labels, and a resume would validate on images it trained on.
         (The test split is evaluated once, at the end: what it holds then is what it reports.)"""
         key: dict = {"classes": len(self.classes)}
         for split in ("train", "val"):
             for label, name in enumerate(self.classes):
                 key[f"{split}/{name}"] = self.splits[split].digest(label)
         return {**key, "mean": list(self.mean), "std": list(self.std)}
+
+    def run_files(self) -> dict[str, bytes]:
+        """val_files.txt: the validation images, one path (relative to dataset.path) a line, in
+        label order: which images a run's val/acc measured."""
+        return {"val_files.txt": b"".join(bytes(f) + b"\n" for f in self.splits["val"].files)}
 
     def describe(self) -> str:
         shown = ", ".join(self.classes[:8]) + (", ..." if len(self.classes) > 8 else "")
@@ -707,9 +792,10 @@ class ImageFolderData(TrainingData):
         }
 
 
-def scan_classes(root: Path, folder: Path, ignored: list[str]) -> dict[str, list[str]]:
-    """{class: its image files, relative to `root`} for the class folders in `folder` (sorted, at
-    any depth below them, hidden files and folders left out); other files go to `ignored`."""
+def scan_classes(root: Path, folder: Path, ignored: list[str]) -> dict[str, list[tuple]]:
+    """{class: its image files (path relative to `root`, size, mtime in ns)} for the class
+    folders in `folder` (sorted, at any depth below them, hidden files and folders left out);
+    other files go to `ignored`."""
     entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
     folders = [p for p in entries if p.is_dir()]
     loose = [p for p in entries if not p.is_dir()]
@@ -742,20 +828,26 @@ def scan_classes(root: Path, folder: Path, ignored: list[str]) -> dict[str, list
 def walk_class(
     root: Path, real_root: str, folder: str, chain: tuple[str, ...], images: list, others: list
 ) -> None:
-    """The files below `folder` into `images` and `others`, relative to `root`: each folder's
-    own files (sorted) before its subfolders'. `chain`: the real paths of the folders walked
-    into, the last `folder`'s. A symbolic link is followed where it stays inside `root`; one that
-    leads out of it, or into a folder of `chain` (a loop), is refused."""
+    """The files below `folder` into `images` (path, size, mtime in ns) and `others` (paths),
+    relative to `root`: each folder's own files (sorted) before its subfolders'. `chain`: the
+    real paths of the folders walked into, the last `folder`'s. A symbolic link is followed
+    where it stays inside `root`; one that leads out of it, or into a folder of `chain` (a
+    loop), is refused."""
     with os.scandir(folder) as listing:
         entries = sorted((e for e in listing if not e.name.startswith(".")), key=lambda e: e.name)
     subfolders = []
+    # every path walked starts with root's own (links are followed, not resolved; pathlib writes
+    # no "./" before the children of "."): a cut costs a fraction of os.path.relpath, which was
+    # half the walk's time
+    cut = 0 if str(root) == "." else len(os.path.join(root, ""))
     for entry in entries:
-        real = os.path.join(chain[-1], entry.name)
+        real = None
         if entry.is_symlink():
             real = os.path.realpath(entry.path)
             if not is_inside(real, real_root):
                 refuse_link_out(Path(entry.path), real, root)
         if entry.is_dir():  # a link to a folder too
+            real = real or os.path.join(chain[-1], entry.name)
             if real in chain:
                 raise DataError(
                     f"{entry.path} is a symbolic link to {real}, a folder that holds it: "
@@ -763,8 +855,15 @@ def walk_class(
                 )
             subfolders.append((entry.path, real))
             continue
-        rel = os.path.relpath(entry.path, root)
-        (images if entry.name.lower().endswith(IMAGE_EXTENSIONS) else others).append(rel)
+        rel = entry.path[cut:]
+        if not entry.name.lower().endswith(IMAGE_EXTENSIONS):
+            others.append(rel)
+            continue
+        try:  # the walk's one stat of the file: the split, the cache and the resume key use it
+            stat = entry.stat()
+            images.append((rel, stat.st_size, stat.st_mtime_ns))
+        except OSError:  # a link to nothing: named as undecodable when read
+            images.append((rel, -1, -1))
     for path, real in subfolders:
         walk_class(root, real_root, path, (*chain, real), images, others)
 
@@ -802,7 +901,9 @@ def check_same_classes(train: dict, other: dict, root: Path, name: str) -> None:
         )
 
 
-def class_seed(split_seed: int, name: str) -> int:
-    """The seed of one class's split: from `split_seed` and the class's name alone."""
-    digest = hashlib.sha256(f"{split_seed}/".encode() + os.fsencode(name)).digest()
-    return int.from_bytes(digest[:8], "little")
+def split_place(split_seed: int, path: str) -> float:
+    """A file's place in [0, 1) for the split by val_fraction, from `split_seed` and its path
+    within the folder split (its class folder and name) alone: the same in every run and every
+    Python (hashlib, not hash()), and unmoved by any other file added or removed."""
+    digest = hashlib.sha256(f"{split_seed}/".encode() + os.fsencode(path)).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mpexp.data import atomic
 from mpexp.data.tokenizer import Encoded, encode
 from mpexp.data.windows import TokenWindows
 from mpexp.errors import ConfigError, DataError
@@ -144,25 +145,17 @@ class TokenCache:
         is one file. A build that fails leaves no partial file behind."""
         folder = self.tokens_path.parent
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            partial = self.tokens_path.with_suffix(f".bin.{os.getpid()}.partial")
             skipped: dict[Path, str] = {}  # file: why it was left out
-            try:
-                with partial.open("wb") as out:
-                    for path in self.source.files:
-                        if (why := _copy_text(path, out)) is not None:
-                            skipped[path] = why
-                    tokens = out.tell()
+            # written whole or not at all; a killed build's partial file is removed by the next
+            with atomic.whole_file(self.tokens_path) as out:  # the tokens first, then the key
+                for path in self.source.files:
+                    if (why := _copy_text(path, out)) is not None:
+                        skipped[path] = why
+                tokens = out.tell()
                 if skipped and self.source.files == (self.source.root,):
                     raise DataError(f"{self.source.root} {skipped[self.source.root]}.")
-                os.replace(partial, self.tokens_path)  # the tokens first, then the key
-            except BaseException:
-                partial.unlink(missing_ok=True)  # a corpus-sized file per failed attempt
-                raise
             record = {"source": key, "tokens": tokens, "skipped": [str(p) for p in skipped]}
-            written = self.key_path.with_suffix(f".json.{os.getpid()}.partial")
-            written.write_text(json.dumps(record))
-            os.replace(written, self.key_path)
+            atomic.write_whole(self.key_path, json.dumps(record).encode())
         except OSError as err:
             raise DataError(
                 f"The token cache cannot be written in {folder} ({err.strerror or err}). Point "

@@ -16,13 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from mpexp.data import atomic
 from mpexp.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -162,10 +162,9 @@ def _encode_into(tokenizer, data: np.ndarray, split: int, path: Path, dtype) -> 
     """Write the training part's tokens, then the validation part's, to `path`; their counts."""
     log.info("Encoding %s bytes with %s", f"{len(data):,}", path.name)
     counts = {}
-    partial = path.with_suffix(f".bin.{os.getpid()}.partial")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with partial.open("wb") as out:
+        # written whole or not at all; a killed encoding's partial file is removed by the next
+        with atomic.whole_file(path) as out:
             for part, (start, stop) in (("train", (0, split)), ("val", (split, len(data)))):
                 before = out.tell()
                 batch = []
@@ -177,14 +176,11 @@ def _encode_into(tokenizer, data: np.ndarray, split: int, path: Path, dtype) -> 
                             out.write(np.asarray(encoding.ids, dtype=dtype).tobytes())
                         batch = []
                 counts[part] = (out.tell() - before) // np.dtype(dtype).itemsize
-        os.replace(partial, path)
     except OSError as err:
         raise DataError(
             f"The encoded corpus cannot be written in {path.parent} ({err.strerror or err}). "
             "Point dataset.cache_dir at a writable folder with room for it."
         ) from None
-    finally:
-        partial.unlink(missing_ok=True)
     return counts
 
 
@@ -202,13 +198,9 @@ def file_digest(path: Path) -> str:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_bytes(data)
-        os.replace(partial, path)
+        atomic.write_whole(path, data)
     except OSError as err:
-        partial.unlink(missing_ok=True)
         raise DataError(
             f"{path.name} cannot be written in {path.parent} ({err.strerror or err}). Point "
             "dataset.cache_dir at a writable folder."

@@ -121,6 +121,9 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
             performance.describe_step(built.speed),
         )
         tracker.record_ran(ran)
+        if world.is_main:  # e.g. an image folder's validation files, beside the summary
+            for name, content in data.run_files().items():
+                (run.run_dir / name).write_bytes(content)
         stop_if_asked(stop, world, run, "while the data loaded and the model was built")
         saver = Checkpointer(
             cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule, data_key

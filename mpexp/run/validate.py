@@ -126,6 +126,8 @@ def _validate_image_folder(data: Mapping[str, Any]) -> None:
     size = _integer(data["image_size"], "dataset.image_size", 1)
     if data["resize_size"] is not None:
         _integer(data["resize_size"], "dataset.resize_size", size)
+    if data.get("cache_side") is not None:
+        _integer(data["cache_side"], "dataset.cache_side", size)
     _integer(data["stats_images"], "dataset.stats_images", 1)
     given = [key for key in ("mean", "std") if data[key] is not None]
     if len(given) == 1:
