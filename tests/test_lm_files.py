@@ -42,7 +42,9 @@ def test_llama3_shards_of_llm_c_train_through_the_command(tmp_path, in_process):
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["ran"]["task"]["vocab_size"] == VOCAB
-    assert "5,000 training tokens" in result.stdout + result.stderr + (run / "train.log").read_text()
+    assert (
+        "5,000 training tokens" in result.stdout + result.stderr + (run / "train.log").read_text()
+    )
 
 
 def test_a_shard_with_an_unknown_magic_is_refused_naming_the_magics_known(tmp_path, in_process):
@@ -129,3 +131,46 @@ def test_an_id_outside_the_sampled_stretches_is_found(tmp_path):
     del ids
     with pytest.raises(DataError, match=rf"train.bin holds token id 300 at position {at:,}"):
         tokens_data(folder).setup(CPU)
+
+
+def gpt2_like_tokenizer(path: Path, text: str) -> Path:
+    """A byte-level BPE with GPT-2's end-of-text token, as a user's tokenizer.json has it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([text], trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+def test_dataset_text_puts_the_end_of_text_token_between_its_files(tmp_path):
+    from tokenizers import Tokenizer
+
+    from tests.test_language_model import text_data
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    texts = [f"Document {k}: " + "the quick brown fox jumps over the lazy dog. " * 40
+             for k in range(3)]  # fmt: skip
+    for k, text in enumerate(texts):
+        (folder / f"{k}.txt").write_text(text)
+    tokenizer_file = gpt2_like_tokenizer(tmp_path / "tokenizer.json", "".join(texts))
+    data = text_data(folder, tmp_path, tokenizer=str(tokenizer_file), val_fraction=0.2)
+    data.setup(CPU)
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    ids = [*data.train_tokens.tolist(), *data.val_tokens.tolist()]
+    assert ids.count(eot) == 2  # between the files, not after the last
+    documents, start = [], 0
+    for at in [i for i, t in enumerate(ids) if t == eot] + [len(ids)]:
+        documents.append(tokenizer.decode(ids[start:at]))
+        start = at + 1
+    assert documents == texts  # each file whole (the one the split cuts decodes back to itself)
