@@ -170,10 +170,15 @@ class TokenFiles(TokenWindows):
             if chunk.max() < self.vocab:
                 continue
             at = int(np.flatnonzero(chunk >= self.vocab)[0])
-            where = "meta.pkl's" if self.meta is not None else "dataset.vocab_size="
+            if self.meta is not None:
+                where = f"meta.pkl's vocab_size {self.vocab:,}"
+            elif self.vocab_size is None:
+                where = f"GPT-2's {self.vocab:,}, as dataset.vocab_size is unset"
+            else:
+                where = f"dataset.vocab_size={self.vocab:,}"
             raise DataError(
                 f"{path} holds token id {int(chunk[at]):,} at position {first + at:,}, at or "
-                f"above the vocabulary ({where}{self.vocab:,}). Set dataset.vocab_size to the "
+                f"above the vocabulary ({where}). Set dataset.vocab_size to the "
                 "tokenizer's vocabulary (50257 for GPT-2's), or dataset.dtype if the file is not "
                 f"{tokens.dtype.name}."
             )
