@@ -122,7 +122,7 @@ class Codec:
 
         if self.tokenizer is not None and (eot := end_of_text(self.tokenizer)) is not None:
             return [eot], "end-of-text"
-        if self.ids_only:
+        if self.ids_only or (self.meta is not None and "\n" not in self.meta.stoi):
             return [0], "token 0"
         return self.encode("\n"), "a newline"
 

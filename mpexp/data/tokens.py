@@ -13,9 +13,10 @@ Both train unchanged. nanoGPT's ids are uint16 where the vocabulary fits in 16 b
 files carry no header to tell; an llm.c header says it itself. The vocabulary is
 `dataset.vocab_size`, else the `vocab_size` of nanoGPT's meta.pkl beside the files (its
 character-level scripts write one; mpexp/data/meta_pkl.py reads it without running code), else
-GPT-2's 50,257. Every id in the files is checked against it once, at setup (a memory-mapped pass,
-about a second per GB). Windows, validation and resume follow mpexp/data/windows.py. A folder with
-`train.bin` alone validates on its tail (`dataset.val_fraction`), as dataset=text does, and says so.
+GPT-2's 50,257. Every id in the files is checked against it once, at setup (a memory-mapped pass:
+0.1 s per GB in the page cache, a cold file at the disk's speed). Windows, validation and resume
+follow mpexp/data/windows.py. A folder with `train.bin` alone validates on its tail
+(`dataset.val_fraction`), as dataset=text does, and says so.
 
 `val/bpb` needs the bytes of text per token, which token files do not record: give
 `dataset.bytes_per_token` (the text's bytes over its token count) to have it; without it the run
