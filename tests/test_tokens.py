@@ -236,7 +236,7 @@ def test_bpe_bits_per_byte_are_of_the_original_text(tmp_path):
     assert per_token > 2
     assert summary["val/bpb"] == pytest.approx(summary["val/loss"] / math.log(2) / per_token)
     assert summary["ran"]["data"]["tokenizer"] == "bpe"
-    text, _ = sample(tmp_path / "run", 20, "It is a", 0.8, 0, "cpu")  # its own tokenizer
+    (text,), _ = sample(tmp_path / "run", Draw(tokens=20), "It is a")  # its own tokenizer
     assert text.startswith("It is a") and len(text) > len("It is a") + 20
 
 
