@@ -174,3 +174,8 @@ def test_dataset_text_puts_the_end_of_text_token_between_its_files(tmp_path):
         documents.append(tokenizer.decode(ids[start:at]))
         start = at + 1
     assert documents == texts  # each file whole (the one the split cuts decodes back to itself)
+
+
+def test_without_vocab_size_or_meta_pkl_the_vocabulary_is_gpt2s(tmp_path):
+    data = tokens_data(bin_pair(tmp_path / "data", train=1000, val=200), vocab_size=None)
+    assert data.setup(CPU).vocab_size == 50257 and data.train_tokens.dtype == np.uint16

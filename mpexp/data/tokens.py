@@ -179,9 +179,9 @@ class TokenFiles(TokenWindows):
                 where = f"dataset.vocab_size={self.vocab:,}"
             raise DataError(
                 f"{path} holds token id {int(chunk[at]):,} at position {first + at:,}, at or "
-                f"above the vocabulary ({where}). Set dataset.vocab_size to the "
-                "tokenizer's vocabulary (50257 for GPT-2's), or dataset.dtype if the file is not "
-                f"{tokens.dtype.name}."
+                f"above the vocabulary ({where}). Set dataset.vocab_size to the tokenizer's "
+                "vocabulary (50257 for GPT-2's, 128256 for LLaMA-3's), or dataset.dtype if the "
+                f"file is not {tokens.dtype.name}."
             )
 
     def resume_key(self) -> dict:
