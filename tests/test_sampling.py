@@ -5,6 +5,8 @@ line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from mpexp.tracking.tracker import RunContext
 from tests.conftest import make_cfg
 from tests.test_language_model import TINY_LM, tiny_lm
 from tests.test_lm_files import char_args, gpt2_like_tokenizer, shakespeare_char
+from tests.test_resume import crashed_and_resumed
 from tests.test_tokens import VOCAB, bin_pair, tokens_args
 
 
@@ -51,18 +54,31 @@ def test_top_k_draws_only_among_the_k_likeliest():
     assert drawn != greedy  # without the cut, a hot softmax draws others
 
 
-def test_a_run_keeps_its_best_checkpoint_beside_the_newest_and_samples_from_it(tmp_path, capsys):
-    # trained on "a" alone, validated on "b": the validation loss rises from the first validation
+def worsening_run(tmp_path: Path) -> list[str]:
+    """A run trained on "a" alone and validated on "b": its validation loss rises from the first
+    validation (step 4) to the last (step 12)."""
     corpus = tmp_path / "ab.txt"
     corpus.write_text("a" * 9000 + "b" * 1000)
-    run = tmp_path / "run"
-    args = [*TINY_LM, f"dataset.path={corpus}", f"dataset.cache_dir={tmp_path / 'cache'}",
+    return [*TINY_LM, f"dataset.path={corpus}", f"dataset.cache_dir={tmp_path / 'cache'}",
             "trainer.epochs=3", "dataset.train_size=64", "trainer.keep_checkpoints=1"]  # fmt: skip
-    train(make_cfg(*args), RunContext(run))
-    assert [p.name for p in checkpoint_files(run)] == ["step-00000004.pt", "step-00000012.pt"]
+
+
+BEST_AND_NEWEST = ["step-00000004.pt", "step-00000012.pt"]
+
+
+def test_a_run_keeps_its_best_checkpoint_beside_the_newest_and_samples_from_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    train(make_cfg(*worsening_run(tmp_path)), RunContext(run))
+    assert [p.name for p in checkpoint_files(run)] == BEST_AND_NEWEST
     assert sample_main([str(run), "--tokens", "5"]) == 0
     out = capsys.readouterr()
     assert "step-00000004.pt, the best kept by val/loss" in out.err
+
+
+def test_a_resumed_run_keeps_the_best_of_before_its_crash(tmp_path, monkeypatch, caplog):
+    whole, crashed = crashed_and_resumed(worsening_run(tmp_path), tmp_path, monkeypatch, caplog)
+    assert [p.name for p in checkpoint_files(crashed)] == BEST_AND_NEWEST
+    assert [p.name for p in checkpoint_files(whole)] == BEST_AND_NEWEST
 
 
 def test_several_samples_from_a_file_prompt(tmp_path, capsys):
