@@ -319,7 +319,7 @@ class TokensDatasetConfig:
 
     _target_: str = MISSING
     path: Optional[str] = None  # the folder of train.bin and val.bin
-    vocab_size: int = 50257  # GPT-2's, as nanoGPT's prepare.py scripts write
+    vocab_size: Optional[int] = None  # null: nanoGPT's meta.pkl's, else GPT-2's 50257
     dtype: Optional[str] = None  # uint16 or uint32; null: uint16 up to 65,536 tokens, else uint32
     bytes_per_token: Optional[float] = None  # of the text the tokens encode; null: no val/bpb
     block_size: Optional[int] = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -125,6 +126,32 @@ def put_back_replaced(run_dir: str | Path) -> None:
 def checkpoint_step(path: Path) -> int:
     """The step a checkpoint was written after, read from its name."""
     return int(CHECKPOINT_NAME.fullmatch(path.name)[1])
+
+
+def validated_losses(run_dir: str | Path) -> dict[int, float]:
+    """The finite val/loss at each step a run validated, from its metrics.jsonl ({} without it);
+    a last line that a crash cut off is left out."""
+    losses = {}
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return losses
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        loss = row.get("val/loss")
+        if isinstance(loss, int | float) and math.isfinite(loss):
+            losses[row["step"]] = loss
+    return losses
+
+
+def best_validated(files: list[Path], losses: dict[int, float]) -> Path | None:
+    """Of `files` (checkpoints), the one whose step has the lowest of `losses`; None when none
+    was validated."""
+    validated = [p for p in files if checkpoint_step(p) in losses]
+    return min(validated, key=lambda p: losses[checkpoint_step(p)], default=None)
 
 
 def run_dir_of(checkpoint: str | Path) -> Path:

@@ -18,8 +18,8 @@ from mpexp.data.text import TextData
 from mpexp.data.tokens import TokenFiles
 from mpexp.errors import ConfigError, DataError
 from mpexp.run.runner import train
+from mpexp.sample import Draw, sample
 from mpexp.sample import main as sample_main
-from mpexp.sample import sample
 from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import CPU, TINY, make_cfg, run_cli
@@ -74,7 +74,7 @@ def test_a_uint16_bin_pair_trains_well_below_the_unigram_entropy(tmp_path):
     assert ran["task"]["vocab_size"] == VOCAB
     assert ran["parameters"] == _gpt_parameters(320)  # the embedding padded to 5 x 64
     assert "val/bpb" not in summary  # token files do not say how many bytes a token is
-    text, _ = sample(tmp_path / "run", 12, "5 7", 0.8, 0, "cpu")  # no tokenizer: ids in and out
+    (text,), _ = sample(tmp_path / "run", Draw(tokens=12), "5 7")  # no tokenizer: ids in and out
     ids = [int(i) for i in text.split()]
     assert len(ids) == 2 + 12 and all(0 <= i < VOCAB for i in ids)  # never a padding id
 
@@ -236,7 +236,7 @@ def test_bpe_bits_per_byte_are_of_the_original_text(tmp_path):
     assert per_token > 2
     assert summary["val/bpb"] == pytest.approx(summary["val/loss"] / math.log(2) / per_token)
     assert summary["ran"]["data"]["tokenizer"] == "bpe"
-    text, _ = sample(tmp_path / "run", 20, "It is a", 0.8, 0, "cpu")  # its own tokenizer
+    (text,), _ = sample(tmp_path / "run", Draw(tokens=20), "It is a")  # its own tokenizer
     assert text.startswith("It is a") and len(text) > len("It is a") + 20
 
 
@@ -300,7 +300,7 @@ def test_mpexp_sample_prints_text_from_a_finished_run(tmp_path):
     assert text.startswith("It is a") and len(text.encode()) >= len("It is a") + 30
     assert "step-00000016.pt, the best kept by val/loss" in printed.stderr
     assert "bf16 (autocast bfloat16)" in printed.stderr  # in the run's precision
-    assert sample(run, 40, "It is a", 0.8, 3, "cpu")[0] == text  # the seed decides the draws
+    assert sample(run, Draw(tokens=40, seed=3), "It is a")[0] == [text]  # the seed decides
 
 
 def test_mpexp_sample_refuses_a_run_it_cannot_sample_with_one_line(tmp_path, capsys):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import re
@@ -37,6 +38,7 @@ from mpexp.launch import is_rank_zero
 from mpexp.rundir import (
     AUTO,
     SUBDIR,
+    best_validated,
     check_not_locked,
     checkpoint_files,
     checkpoint_step,
@@ -44,6 +46,7 @@ from mpexp.rundir import (
     put_back_replaced,
     resume_command,
     run_dir_of,
+    validated_losses,
 )
 from mpexp.stopping import Preempted
 from mpexp.targets import rewrite_targets, spans_run
@@ -221,7 +224,8 @@ def restore_rng(state: dict, device: torch.device) -> None:
 
 
 class Checkpointer:
-    """Saves one run's training state into `<run dir>/checkpoints`, keeping the newest few.
+    """Saves one run's training state into `<run dir>/checkpoints`, keeping the newest few and
+    the one with the lowest val/loss (what mpexp-sample samples from) beside them.
 
     A replicated run (one process, DDP) writes one file from rank 0; an FSDP run, whose ranks each
     hold a shard of the state, writes a folder from every rank (mpexp/checkpoints/sharded.py).
@@ -251,6 +255,8 @@ class Checkpointer:
         self.model, self.optimizer = model, optimizer
         self.scaler, self.tracker, self.schedule = scaler, tracker, schedule
         self.data_key = data_key  # the data's resume_key(), checked by Resume.check_data
+        self.best: tuple[float, Path] | None = None  # the lowest val/loss kept, and its file
+        self.best_known = False  # whether `best` has read a resumed run's earlier validations
 
     def due(self, step: int) -> bool:
         """True when `trainer.checkpoint_every_steps` asks for a checkpoint after this step."""
@@ -300,11 +306,30 @@ class Checkpointer:
             raise OutputError(self._failure(path, err)) from err
         if not self.world.is_main:
             return path
+        best = self._best(path, position.step, log_state)
         for old in checkpoint_files(self.run_dir)[: -self.keep]:
-            remove_checkpoint(old)
+            if old != best:
+                remove_checkpoint(old)
         if self.upload and not self.sharded:
             self.tracker.log_checkpoint(path, position.step)
         return path
+
+    def _best(self, path: Path, step: int, log_state: dict) -> Path | None:
+        """The checkpoint with the lowest val/loss so far, `path` included when the row logged
+        just before it validated at its step. A resumed run's earlier ones are read once from
+        metrics.jsonl, among the checkpoints still there."""
+        if not self.best_known:
+            self.best_known = True
+            files = [p for p in checkpoint_files(self.run_dir) if p != path]
+            losses = validated_losses(self.run_dir)
+            if (found := best_validated(files, losses)) is not None:
+                self.best = losses[checkpoint_step(found)], found
+        row = log_state.get("epoch_row") or {}
+        loss = row.get("val/loss")
+        validated = row.get("step") == step and loss is not None and math.isfinite(loss)
+        if validated and (self.best is None or loss < self.best[0]):
+            self.best = loss, path
+        return None if self.best is None else self.best[1]
 
     def _failure(self, path: Path, err: Exception) -> str:
         reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[-1]

@@ -124,6 +124,16 @@ class TokenCache:
             return np.zeros(0, dtype=np.uint8)  # numpy cannot map an empty file
         return np.memmap(self.tokens_path, dtype=np.uint8, mode="r", shape=(count,))
 
+    def file_ends(self) -> list[int]:
+        """Where each file's bytes end in the token file, in order (the cache matches its key,
+        which holds their sizes; the files left out as not text take no bytes)."""
+        saved = json.loads(self.key_path.read_text())
+        skipped = set(saved.get("skipped", []))
+        sizes = [size for _, size, _ in saved["source"]["files"]]
+        kept = [size for f, size in zip(self.source.files, sizes, strict=True)
+                if str(f) not in skipped]  # fmt: skip
+        return np.cumsum(kept).tolist()
+
     def _problem(self, key: dict) -> str | None:
         """Why the cache cannot be used as it is, or None when it can."""
         if not self.key_path.is_file() or not self.tokens_path.is_file():
@@ -301,7 +311,7 @@ class TextData(TokenWindows):
         else:
             self.encoded = encode(
                 self.tokens, self.split, self.cache_dir, cache.stem, self.source.key(),
-                self.tokenizer, self.vocab_size or 0,
+                self.tokenizer, self.vocab_size or 0, cache.file_ends(),
             )  # fmt: skip
             self.train_tokens, self.val_tokens = self.encoded.train, self.encoded.val
             vocab = self.vocab_size or self.encoded.tokenizer_vocab

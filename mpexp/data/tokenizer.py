@@ -4,7 +4,10 @@ tokenizer.json the user has (GPT-2's, Llama's), through Hugging Face `tokenizers
 The corpus's bytes (mpexp/data/text.py's token cache) are split first, the training part from the
 validation part at a character boundary, and each part is encoded on its own, so no token spans
 the split and the validation text's bytes per token are known exactly: `val/bpb` stays bits per
-byte of the original text, comparable between tokenizers. The learned tokenizer
+byte of the original text, comparable between tokenizers. Where the corpus is several files and
+the tokenizer has an end-of-text token (GPT-2's `<|endoftext|>`, LLaMA-3's `<|end_of_text|>`,
+`</s>`), one stands between each file and the next, as nanoGPT's prepare.py scripts end each
+document; no token spans two files either. A learned BPE has none. The learned tokenizer
 (`<stem>-bpe<N>.tokenizer.json`) and the encoded tokens (`<stem>-<tokenizer>.bin`, uint16 or uint32,
 training tokens then validation tokens) are cached beside the byte tokens, with a key
 (`<stem>-<tokenizer>.json`) that records the source, the split and the tokenizer's digest: a
@@ -27,10 +30,13 @@ from mpexp.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when the encoded file's layout changes: older caches are rebuilt
+CACHE_VERSION = 2  # bump when the encoded file's layout changes: older caches are rebuilt
+# (2: an end-of-text token between files)
 PIECE = 1 << 16  # bytes of text encoded at a time, cut at a line's end
 BATCH = 64  # pieces handed to the (multi-threaded) encoder at once
 BYTE_ALPHABET = 256  # a byte-level BPE starts from every byte: its vocabulary is never smaller
+# the end-of-text tokens of the tokenizers people have: GPT-2's, LLaMA-3's, sentencepiece models'
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>")
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,14 @@ def load(path: Path):
             "Give the tokenizer.json file itself, dataset.tokenizer=bpe to learn one from the "
             "corpus, or dataset.tokenizer=byte."
         ) from None
+
+
+def end_of_text(tokenizer) -> int | None:
+    """The id of the tokenizer's end-of-text token, or None where it has none."""
+    for token in END_OF_TEXT:
+        if (found := tokenizer.token_to_id(token)) is not None:
+            return found
+    return None
 
 
 def char_boundary(data: np.ndarray, at: int) -> int:
@@ -109,10 +123,19 @@ def learn_bpe(data: np.ndarray, split: int, vocab_size: int, path: Path):
 
 
 def encode(
-    data: np.ndarray, split: int, cache: Path, stem: str, source_key: dict, spec: str, vocab: int
+    data: np.ndarray,
+    split: int,
+    cache: Path,
+    stem: str,
+    source_key: dict,
+    spec: str,
+    vocab: int,
+    ends: list[int] = (),
 ) -> Encoded:
     """The corpus's bytes (`data`, the training part before `split`) as the tokens of `spec`
-    (`bpe` with `vocab` tokens, or a tokenizer.json's path), from the cache or built into it."""
+    (`bpe` with `vocab` tokens, or a tokenizer.json's path), from the cache or built into it.
+    `ends` are where the corpus's files end in `data`: the end-of-text token goes after each
+    but the last, where the tokenizer has one."""
     split = char_boundary(data, split)
     if spec == "bpe":
         if vocab < BYTE_ALPHABET:
@@ -141,6 +164,8 @@ def encode(
     digest = file_digest(tokenizer_path)
     tokenizer = load(tokenizer_path)
     size = tokenizer.get_vocab_size()
+    eot = end_of_text(tokenizer)
+    cuts = [e for e in ends if e < len(data)] if eot is not None else []
     dtype = np.uint16 if size <= 1 << 16 else np.uint32
     expected = None if saved is None else saved["train"] + saved["val"]
     if not (
@@ -149,7 +174,7 @@ def encode(
         and tokens_path.is_file()
         and tokens_path.stat().st_size == (expected or 0) * np.dtype(dtype).itemsize
     ):
-        saved = _encode_into(tokenizer, data, split, tokens_path, dtype)
+        saved = _encode_into(tokenizer, data, (split, cuts, eot), tokens_path, dtype)
         saved.update(key=key, digest=digest)
         _write_atomically(key_path, json.dumps(saved).encode())
     tokens = np.memmap(tokens_path, dtype=dtype, mode="r")
@@ -158,8 +183,10 @@ def encode(
     return Encoded(train, val, tokenizer_path, digest, size, val_bytes / max(1, len(val)))
 
 
-def _encode_into(tokenizer, data: np.ndarray, split: int, path: Path, dtype) -> dict:
-    """Write the training part's tokens, then the validation part's, to `path`; their counts."""
+def _encode_into(tokenizer, data: np.ndarray, cuts: tuple, path: Path, dtype) -> dict:
+    """Write the training part's tokens, then the validation part's, to `path`; their counts.
+    `cuts` is (the split, where files end, the end-of-text id written after each)."""
+    split, ends, eot = cuts
     log.info("Encoding %s bytes with %s", f"{len(data):,}", path.name)
     counts = {}
     try:
@@ -168,13 +195,15 @@ def _encode_into(tokenizer, data: np.ndarray, split: int, path: Path, dtype) -> 
             for part, (start, stop) in (("train", (0, split)), ("val", (split, len(data)))):
                 before = out.tell()
                 batch = []
-                for piece in [*pieces(data, start, stop), None]:
-                    if piece is not None:
+                for piece in [*_texts(data, start, stop, ends), None]:
+                    if isinstance(piece, str):
                         batch.append(piece)
-                    if batch and (piece is None or len(batch) == BATCH):
+                    if batch and (not isinstance(piece, str) or len(batch) == BATCH):
                         for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
                             out.write(np.asarray(encoding.ids, dtype=dtype).tobytes())
                         batch = []
+                    if piece is FILE_END:
+                        out.write(np.asarray([eot], dtype=dtype).tobytes())
                 counts[part] = (out.tell() - before) // np.dtype(dtype).itemsize
     except OSError as err:
         raise DataError(
@@ -182,6 +211,19 @@ def _encode_into(tokenizer, data: np.ndarray, split: int, path: Path, dtype) -> 
             "Point dataset.cache_dir at a writable folder with room for it."
         ) from None
     return counts
+
+
+FILE_END = object()  # where _texts puts the end of one file and the start of the next
+
+
+def _texts(data: np.ndarray, start: int, stop: int, ends: list[int]) -> Iterator[str | object]:
+    """The text of data[start:stop] in pieces, and FILE_END at each of `ends` in (start, stop]:
+    no piece spans two files."""
+    for end in [*(e for e in ends if start < e <= stop), None]:
+        yield from pieces(data, start, stop if end is None else end)
+        if end is not None:
+            yield FILE_END
+            start = end
 
 
 def _read_key(path: Path) -> dict | None:

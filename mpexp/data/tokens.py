@@ -4,14 +4,19 @@ any size trains, and only the windows a batch needs come off the disk):
 - nanoGPT's layout: a folder with `train.bin` and `val.bin`, each a flat array of token ids with
   no header (its prepare.py scripts write GPT-2's tokens as uint16);
 - llm.c's: shards named `<name>_train_<k>.bin` and `<name>_val_<k>.bin` (or `<name>_train.bin`),
-  each behind a header of 256 int32 (magic 20240520, version 1 for uint16 ids or 2 for uint32,
-  the token count). A split's shards are read in name order as one stream.
+  each behind a header of 256 int32: a magic, a version, the token count. GPT-2's shards are
+  magic 20240520 version 1 (uint16 ids), LLaMA-3's magic 20240801 version 7 (uint32 ids). A
+  split's shards are read in name order as one stream.
 
 Both train unchanged. nanoGPT's ids are uint16 where the vocabulary fits in 16 bits
 (`dataset.vocab_size` <= 65,536) and uint32 above it, unless `dataset.dtype` says otherwise: its
-files carry no header to tell; an llm.c header says it itself. Windows,
-validation and resume follow mpexp/data/windows.py. A folder with `train.bin` alone validates on
-its tail (`dataset.val_fraction`), as dataset=text does, and says so.
+files carry no header to tell; an llm.c header says it itself. The vocabulary is
+`dataset.vocab_size`, else the `vocab_size` of nanoGPT's meta.pkl beside the files (its
+character-level scripts write one; mpexp/data/meta_pkl.py reads it without running code), else
+GPT-2's 50,257. Every id in the files is checked against it once, at setup (a memory-mapped pass:
+0.1 s per GB in the page cache, a cold file at the disk's speed). Windows, validation and resume
+follow mpexp/data/windows.py. A folder with `train.bin` alone validates on its tail
+(`dataset.val_fraction`), as dataset=text does, and says so.
 
 `val/bpb` needs the bytes of text per token, which token files do not record: give
 `dataset.bytes_per_token` (the text's bytes over its token count) to have it; without it the run
@@ -26,16 +31,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mpexp.data.windows import TokenWindows, sample_stretches
+from mpexp.data.meta_pkl import NAME as META_NAME
+from mpexp.data.meta_pkl import Meta, read_meta
+from mpexp.data.windows import TokenWindows
 from mpexp.errors import ConfigError, DataError
 from mpexp.tasks.language_model import LanguageModelling
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-LLMC_MAGIC = 20240520  # the first int32 of an llm.c token shard
-LLMC_HEADER = 256 * 4  # its header's bytes: 256 int32
-LLMC_VERSIONS = {1: np.uint16, 2: np.uint32}  # the header's version: the ids' type
+GPT2_VOCAB = 50257  # the vocabulary when neither dataset.vocab_size nor a meta.pkl gives one
+LLMC_HEADER = 256 * 4  # an llm.c shard's header's bytes: 256 int32
+# the header's first two int32, (magic, version): the ids' type. GPT-2's shards; uint32 ids behind
+# GPT-2's magic; LLaMA-3's shards
+LLMC_FORMATS = {(20240520, 1): np.uint16, (20240520, 2): np.uint32, (20240801, 7): np.uint32}
+LLMC_MAGICS = sorted({magic for magic, _ in LLMC_FORMATS})
+SCAN = 1 << 24  # ids read at a time by the check of every id: 32 MB of uint16
 
 
 class TokenFiles(TokenWindows):
@@ -44,7 +55,7 @@ class TokenFiles(TokenWindows):
     def __init__(
         self,
         path: str | None = None,
-        vocab_size: int = 50257,
+        vocab_size: int | None = None,
         dtype: str | None = None,
         bytes_per_token: float | None = None,
         block_size: int | None = None,
@@ -56,10 +67,12 @@ class TokenFiles(TokenWindows):
     ):
         super().__init__(block_size, train_size, val_size, val_fraction, batch_size, drop_last)
         self.path = path
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size  # as given; `vocab` is what the run uses
+        self.vocab = vocab_size or GPT2_VOCAB
         self.dtype = dtype
         self.bytes_per_token = bytes_per_token
         self.folder: Path | None = None
+        self.meta: Meta | None = None  # nanoGPT's meta.pkl, where the folder has one
         self.split_from_train = False  # no val.bin: the training file's tail validates
         self.names: tuple[str, str | None] = ("train.bin", "val.bin")  # the first files' names
 
@@ -76,9 +89,8 @@ class TokenFiles(TokenWindows):
                 "dataset=tokens needs the folder of its token files: dataset.path=<folder with "
                 "train.bin and val.bin> (nanoGPT's data/<name>/ after its prepare.py)."
             )
-        if self.vocab_size < 1:
+        if self.vocab_size is not None and self.vocab_size < 1:
             raise ConfigError(f"dataset.vocab_size={self.vocab_size} must be at least 1.")
-        dtype = np.dtype(self._dtype())
         self.folder = Path(self.path).expanduser().resolve()
         train_files, val_files = split_files(self.folder)
         if not train_files:
@@ -87,11 +99,15 @@ class TokenFiles(TokenWindows):
                 "and no llm.c shards (<name>_train_<k>.bin, <name>_val_<k>.bin). Give the folder "
                 "that holds them."
             )
+        self.vocab = self._vocabulary()
+        dtype = np.dtype(self._dtype())
         self.names = (train_files[0].name, val_files[0].name if val_files else None)
-        train = _stream([_open(f, dtype) for f in train_files])
+        shards = train_files[0].name != "train.bin"  # llm.c's: each file behind its header
+        opened = {f: _open(f, dtype, shards) for f in [*train_files, *val_files]}
+        train = _stream([opened[f] for f in train_files])
         if val_files:
             self.train_tokens = train
-            self.val_tokens = _stream([_open(f, dtype) for f in val_files])
+            self.val_tokens = _stream([opened[f] for f in val_files])
         elif isinstance(train, Shards):
             raise DataError(
                 f"{self.folder} holds {len(train_files)} training shards and no validation "
@@ -108,9 +124,10 @@ class TokenFiles(TokenWindows):
             )
         what = f" with dataset.val_fraction={self.val_fraction}" if self.split_from_train else ""
         self.check_windows(f"The token files in {self.folder}", what)
-        self._check_ids(dtype)
+        for path, tokens in opened.items():
+            self._check_ids(path, tokens)
         self.task = LanguageModelling(
-            vocab_size=self.vocab_size,
+            vocab_size=self.vocab,
             block_size=self.block_size,
             bytes_per_token=self.bytes_per_token,
         )
@@ -121,40 +138,55 @@ class TokenFiles(TokenWindows):
             )
         return self.task
 
+    def _vocabulary(self) -> int:
+        """dataset.vocab_size, else meta.pkl's, else GPT-2's; the two given must agree."""
+        if (self.folder / META_NAME).is_file():
+            self.meta = read_meta(self.folder / META_NAME)
+        if self.meta is None:
+            return self.vocab_size or GPT2_VOCAB
+        if self.vocab_size is not None and self.vocab_size != self.meta.vocab_size:
+            raise ConfigError(
+                f"dataset.vocab_size={self.vocab_size:,} disagrees with the vocab_size "
+                f"{self.meta.vocab_size:,} of {self.meta.path}: leave dataset.vocab_size unset "
+                "(null) to take meta.pkl's, or fix the one that is wrong."
+            )
+        return self.meta.vocab_size
+
     def _dtype(self) -> type:
         if self.dtype is None:
-            return np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
+            return np.uint16 if self.vocab <= 1 << 16 else np.uint32
         if self.dtype not in DTYPES:
             raise ConfigError(
                 f"dataset.dtype={self.dtype} is not a token type: give uint16 or uint32, or null "
                 "for uint16 up to a vocabulary of 65,536 and uint32 above it."
             )
-        if self.dtype == "uint16" and self.vocab_size > 1 << 16:
+        if self.dtype == "uint16" and self.vocab > 1 << 16:
             raise ConfigError(
-                f"dataset.vocab_size={self.vocab_size:,} does not fit in uint16 token ids "
+                f"The vocabulary of {self.vocab:,} tokens does not fit in uint16 token ids "
                 "(65,536 at most): the files must be uint32, dataset.dtype=uint32."
             )
         return DTYPES[self.dtype]
 
-    def _check_ids(self, dtype: np.dtype) -> None:
-        """Refuse ids at or above the vocabulary, looked for in evenly spread samples of both
-        files (a whole pass over a corpus of billions of tokens would cost minutes at setup)."""
-        train_name, val_name = self.names
-        names = (train_name, train_name if self.split_from_train else val_name)
-        offset = (0, len(self.train_tokens) if self.split_from_train else 0)
-        for name, first_id, tokens in zip(
-            names, offset, (self.train_tokens, self.val_tokens), strict=True
-        ):
-            for first, stretch in sample_stretches(tokens):
-                bad = np.flatnonzero(stretch >= self.vocab_size)
-                if len(bad):
-                    at = first_id + first + int(bad[0])
-                    raise DataError(
-                        f"{self.folder / name} holds token id {int(stretch[bad[0]]):,} at "
-                        f"position {at:,}, at or above dataset.vocab_size={self.vocab_size:,}. "
-                        "Set dataset.vocab_size to the tokenizer's vocabulary (50257 for GPT-2's), "
-                        f"or dataset.dtype if the files are not {dtype.name}."
-                    )
+    def _check_ids(self, path: Path, tokens: np.ndarray) -> None:
+        """Refuse a file holding an id at or above the vocabulary, wherever it is: the embedding
+        would fail on it mid-run. One pass over the file, `SCAN` ids at a time."""
+        for first in range(0, len(tokens), SCAN):
+            chunk = np.asarray(tokens[first : first + SCAN])
+            if chunk.max() < self.vocab:
+                continue
+            at = int(np.flatnonzero(chunk >= self.vocab)[0])
+            if self.meta is not None:
+                where = f"meta.pkl's vocab_size {self.vocab:,}"
+            elif self.vocab_size is None:
+                where = f"GPT-2's {self.vocab:,}, as dataset.vocab_size is unset"
+            else:
+                where = f"dataset.vocab_size={self.vocab:,}"
+            raise DataError(
+                f"{path} holds token id {int(chunk[at]):,} at position {first + at:,}, at or "
+                f"above the vocabulary ({where}). Set dataset.vocab_size to the tokenizer's "
+                "vocabulary (50257 for GPT-2's, 128256 for LLaMA-3's), or dataset.dtype if the "
+                f"file is not {tokens.dtype.name}."
+            )
 
     def resume_key(self) -> dict:
         """Both parts' lengths and a digest of samples of them: files replaced or re-tokenized
@@ -166,7 +198,11 @@ class TokenFiles(TokenWindows):
         }
 
     def record(self) -> dict:
-        return {"tokenizer": None}  # the files do not say which made them
+        """No tokenizer (the files do not say which made them); nanoGPT's meta.pkl, which maps
+        a character-level run's ids to characters, where there is one."""
+        if self.meta is None:
+            return {"tokenizer": None}
+        return {"tokenizer": None, "meta": str(self.meta.path)}
 
     def describe(self) -> str:
         train, val = self.names
@@ -225,24 +261,36 @@ def _stream(parts: list[np.ndarray]) -> np.ndarray | Shards:
     return Shards(parts)
 
 
-def _llmc_header(path: Path) -> tuple[np.dtype, int] | None:
-    """An llm.c shard's id type and token count, from its header; None for a headerless file."""
+def _llmc_header(path: Path, required: bool) -> tuple[np.dtype, int] | None:
+    """An llm.c shard's id type and token count, from its header; None for a headerless file (a
+    nanoGPT .bin, which has no header to require)."""
     with path.open("rb") as f:
         head = np.frombuffer(f.read(LLMC_HEADER), dtype="<i4")
-    if len(head) < 3 or head[0] != LLMC_MAGIC:
-        return None
-    if int(head[1]) not in LLMC_VERSIONS:
+    magic, version = (int(head[0]), int(head[1])) if len(head) >= 3 else (None, None)
+    if magic not in LLMC_MAGICS:
+        if not required:
+            return None
         raise DataError(
-            f"{path} is an llm.c token shard of version {int(head[1])}; mpexp reads versions 1 "
-            "(uint16 ids) and 2 (uint32 ids)."
+            f"{path} has no llm.c token header: its first int32 is {magic}, where llm.c's shards "
+            f"begin with one of the magics {', '.join(map(str, LLMC_MAGICS))} (GPT-2's, "
+            "LLaMA-3's). Write it with llm.c's data scripts, or name headerless nanoGPT files "
+            "train.bin and val.bin."
         )
-    return np.dtype(LLMC_VERSIONS[int(head[1])]), int(head[2])
+    if (magic, version) not in LLMC_FORMATS:
+        known = ", ".join(
+            f"{v} (magic {m}, {np.dtype(t).name})" for (m, v), t in LLMC_FORMATS.items()
+        )
+        raise DataError(
+            f"{path} is an llm.c token shard of version {version} (magic {magic}); mpexp reads "
+            f"versions {known}."
+        )
+    return np.dtype(LLMC_FORMATS[magic, version]), int(head[2])
 
 
-def _open(path: Path, dtype: np.dtype) -> np.ndarray:
+def _open(path: Path, dtype: np.dtype, shard: bool) -> np.ndarray:
     """A token file through a memory map; its size must be a whole number of tokens (an llm.c
-    shard's: its header's count, whose type the header gives too)."""
-    header = _llmc_header(path)
+    shard's, whose header `shard` requires: its header's count, whose type the header gives)."""
+    header = _llmc_header(path, required=shard)
     if header is not None:
         dtype, count = header
         expected = LLMC_HEADER + count * dtype.itemsize

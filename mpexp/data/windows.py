@@ -28,7 +28,7 @@ from mpexp.data.base import Batch, TrainingData, epoch_seed
 from mpexp.errors import DataError
 from mpexp.tasks.language_model import LanguageModelling
 
-SAMPLES = 64  # evenly spread stretches of the tokens that a digest or a check reads
+SAMPLES = 64  # evenly spread stretches of the tokens that a digest reads
 SAMPLE_TOKENS = 4096  # tokens per stretch
 
 

@@ -20,6 +20,10 @@ Each attention layer can measure its largest attention logit (|q.k| / sqrt(head 
 extra forward pass of its own and reads `logit_absmax`). That measures the logits' growth, which
 unchecked collapses attention onto single positions; it is no fp16 overflow site, since fused
 attention kernels accumulate q.k in float32.
+
+Sampling (mpexp/sample.py) passes a `KVCache`: each attention layer keeps the keys and values of
+the tokens it has seen, so that each new token costs one position's forward pass instead of the
+whole context's.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class CausalSelfAttention(nn.Module):
         self.measure_logits = False  # set by the diagnostics for the steps they inspect
         self.logit_absmax: torch.Tensor | None = None  # that step's largest |logit|, on device
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         n, length, width = x.shape
         # (n, length, 3 * width) -> q, k, v, each (n, heads, length, width / heads)
         qkv = self.qkv(x).view(n, length, 3, self.n_head, width // self.n_head)
@@ -61,10 +65,58 @@ class CausalSelfAttention(nn.Module):
             value = causal_logit_absmax(q, k)
             before = self.logit_absmax
             self.logit_absmax = value if before is None else torch.maximum(before, value)
+        mask = None
+        if cache is not None:
+            k, v = cache.extend(k, v)
+            # the new positions see every cached one, and each other causally
+            if length < k.shape[-2]:
+                mask = torch.ones(length, k.shape[-2], dtype=torch.bool, device=q.device)
+                mask = mask.tril(k.shape[-2] - length)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None,
         )
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(n, length, width)))
+
+
+class LayerCache:
+    """One attention layer's keys and values of the positions seen so far, in buffers of the
+    model's context length, allocated at the first call in the keys' dtype and device."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.length = 0
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions' keys and values; all of them so far."""
+        if self.keys is None:
+            shape = (*k.shape[:2], self.block_size, k.shape[-1])
+            self.keys = k.new_empty(shape)
+            self.values = v.new_empty(shape)
+        end = self.length + k.shape[-2]
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """The keys and values of every attention layer of a GPT for the positions it has seen: pass
+    it to `GPT.decode` with the tokens that follow them."""
+
+    def __init__(self, model: GPT):
+        self.layers = [LayerCache(model.block_size) for _ in model.blocks]
+
+    @property
+    def length(self) -> int:
+        """The positions seen so far."""
+        return self.layers[0].length
 
 
 def causal_logit_absmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -98,8 +150,8 @@ class Block(nn.Module):
             nn.Dropout(dropout),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -173,3 +225,15 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return F.linear(self.ln_f(x), self.wte.weight)  # tied: the embedding's weights
+
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The next-token logits (n, vocab_size) after `tokens` (n, length), which continue the
+        positions `cache` holds; the cache takes theirs. What sampling calls: the forward pass
+        of the new positions alone, the earlier ones' keys and values read from the cache."""
+        start, end = cache.length, cache.length + tokens.shape[1]
+        if end > self.block_size:
+            raise ValueError(f"{end} positions are more than model.block_size={self.block_size}")
+        x = self.wte(tokens) + self.wpe(torch.arange(start, end, device=tokens.device))
+        for block, layer in zip(self.blocks, cache.layers, strict=True):
+            x = block(x, layer)
+        return F.linear(self.ln_f(x[:, -1]), self.wte.weight)

@@ -168,12 +168,12 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
 def samples_of(run_dir, count: int, device: torch.device) -> list[tuple[str, str]]:
     """`count` texts sampled from the run's best checkpoint, as `mpexp-sample` samples them (seeds
     0, 1, ...); a sampling that fails is said in a warning, never ending a finished run."""
-    from mpexp.sample import sample
+    from mpexp.sample import Draw, sample
 
     samples = []
     for seed in range(count):
         try:
-            text, how = sample(run_dir, 200, "", 1.0, seed, str(device))
+            (text,), how = sample(run_dir, Draw(temperature=1.0, seed=seed), "", str(device))
         except Exception as err:  # the run is done: nothing here may fail it
             log.warning("No samples for W&B: sampling the run failed (%s).", reason(err))
             break
