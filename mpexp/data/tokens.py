@@ -77,8 +77,13 @@ class TokenFiles(TokenWindows):
         self.names: tuple[str, str | None] = ("train.bin", "val.bin")  # the first files' names
 
     def planned_task(self) -> LanguageModelling:
+        """The vocabulary as a run finds it (meta.pkl beside the files, where the folder is
+        there), without opening the token files."""
         self.require_block_size("dataset=tokens")
-        return LanguageModelling(self.vocab_size, self.block_size, self.bytes_per_token)
+        if self.path is not None:
+            self.folder = Path(self.path).expanduser().resolve()
+            self.vocab = self._vocabulary()
+        return LanguageModelling(self.vocab, self.block_size, self.bytes_per_token)
 
     def setup(
         self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format
