@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The GPU proof in one device call, for a CUDA machine (an H100 or H200), in the order of what it
-# is worth (issue 40):
+# is worth (issues 40 and 50):
+#   shipped experiment=gpt2_small as it ships (491,520 tokens a step in 40 micro-batches), 30
+#           steps validated every 10, in bf16, fp16, fp8 and bf16_pure_kahan: each run plans
+#           itself first (trainer.plan), so its summary holds the planned peak beside the measured
+#           one (mem/plan_error) with tokens/s and MFU; the sweep's report tabulates them;
 #   bench   DeepCNN on 60,000 MNIST-format samples per epoch, batch 256: the defaults a user's
 #           command gets on a GPU (compiled, channels_last, the whole step as one CUDA graph:
 #           ran.cuda_graph asserted) for fp16 and bf16 against the bare loop, then the same with
@@ -23,8 +27,9 @@
 # have the machine to themselves.
 #
 #   scripts/gpu_proof.sh [OUT_DIR]                 # default: gpu-proof/
-#   PARTS="bench lm" scripts/gpu_proof.sh          # some parts only (warm tests bench lm vit
-#                                                  # resnet images pure)
+#   PARTS="bench lm" scripts/gpu_proof.sh          # some parts only (shipped warm tests bench
+#                                                  # lm vit resnet images pure); a second call
+#                                                  # names those its steps.log did not finish
 #   ARCHIVE=$OUT/proof.tar.gz scripts/gpu_proof.sh # OUT_DIR tarred after every part, so that a
 #                                                  # call stopped at its limit returns the rest
 #   DEVICE=cpu scripts/gpu_proof.sh /tmp/p         # the check on a CPU: every part at a toy
@@ -51,7 +56,7 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/mpexp-inductor-c
 device="${DEVICE:-cuda}"
 status=0
 deadline=$((SECONDS + ${BUDGET:-540}))
-parts=" ${PARTS:-warm tests bench lm vit resnet images pure} "
+parts=" ${PARTS:-shipped warm tests bench lm vit resnet images pure} "
 want() { [[ "$parts" == *" $1 "* ]]; }
 
 archive() {  # OUT_DIR as one file where the caller asked for it, renamed into place when whole
@@ -121,6 +126,9 @@ train=(python3 -m mpexp.train "trainer.device=$device" wandb.mode=disabled train
 pure=("${train[@]}" model=gpt2_small dataset=tokens "dataset.path=$tokens"
   "dataset.vocab_size=$vocab" dataset.batch_size=16 optimizer=adamw trainer.epochs=null
   trainer.eval_every_steps=30)
+shipped=("${train[@]}" experiment=gpt2_small "dataset.path=$tokens" "dataset.vocab_size=$vocab"
+  trainer.max_steps=30 trainer.eval_every_steps=10 scheduler.warmup_steps=10)  # 700: past its end
+shipped_modes=(bf16 fp16 fp8 bf16_pure_kahan)
 vit=("${train[@]}" experiment=fp8_vit trainer.seed=0 dataset.train_size=25000
   dataset.val_size=5000)
 resnet=("${train[@]}" experiment=cifar10_resnet dataset=synthetic_cifar10 dataset.train_size=25000)
@@ -131,6 +139,9 @@ if [ "$device" = cpu ]; then
   bench+=(--device cpu --train-size 512 --process-repeats 0)
   small_lm=(--model gpt --batch-size 4)
   pure+=(model=gpt dataset.batch_size=4 trainer.eval_every_steps=2)
+  # the same path at a toy size: accumulation, validation in micro-batches, the run's own plan
+  shipped+=(model=gpt dataset.batch_size=8 trainer.accumulate=2 trainer.max_steps=4
+    trainer.eval_every_steps=2 dataset.val_size=16 trainer.plan=true scheduler.warmup_steps=1)
   vit+=(model=vit dataset.train_size=512 dataset.val_size=64 trainer.compile=false
     scheduler.warmup_steps=2)
   resnet+=(dataset.train_size=256 dataset.val_size=64)
@@ -157,6 +168,13 @@ from bench import write_data
 from bench_lm import write_token_files
 write_data(Path('$mnist'), 60000 if '$device' == 'cuda' else 512)
 write_token_files(Namespace(cache_dir='$work/text-cache'), Path('$tokens'))"
+
+if want shipped; then  # first: what matters most, each run compiling for itself
+  for p in "${shipped_modes[@]}"; do
+    step "shipped-$p" 150 "${shipped[@]}" precision="$p" "hydra.run.dir=$out/shipped/$p"
+  done
+  step shipped-report 60 python3 -m mpexp.report "$out/shipped" --wandb disabled --no-plots
+fi
 
 if want warm; then  # compile everything timed below, several at a time; nothing here is timed
   export TORCHINDUCTOR_COMPILE_THREADS=4  # not part of a compiled graph's cache key
