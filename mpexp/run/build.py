@@ -23,6 +23,7 @@ from mpexp.precision.pure_updates import hold_in_bf16
 from mpexp.precision.scaling import LossScaler, build_scaler
 from mpexp.step import flops, performance
 from mpexp.step.flops import Throughput
+from mpexp.step.objective import Objective
 from mpexp.step.performance import Speed
 from mpexp.step.schedules import build_schedule
 from mpexp.system import device_name
@@ -202,10 +203,11 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
 def build_training(
     cfg: DictConfig, built: Built, device: torch.device
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.nn.Module]:
-    """The optimizer, the learning-rate schedule and the forward pass (compiled where asked)."""
+    """The optimizer, the learning-rate schedule and what the loop calls: the model with its
+    task's loss (an Objective), compiled where asked, the loss inside the compiled graph."""
     optimizer = performance.build_optimizer(cfg, built.model, device, built.scaler, built.speed)
     _, total_steps = config.run_length(cfg.trainer, built.data.steps_per_epoch())
     schedule = build_schedule(cfg.scheduler, optimizer, built.scaler, total_steps)
     performance.configure_backends(device, cfg.trainer)
-    forward = performance.compile_model(built.model, built.speed)
+    forward = performance.compile_model(Objective(built.model, built.task), built.speed)
     return optimizer, schedule, forward

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from mpexp.tasks.base import IGNORE_INDEX, Result, Task
+from mpexp.tasks.base import Result, Task
+from mpexp.tasks.cross_entropy import cross_entropy, validation_sums
 
 VOCAB_MULTIPLE = 64
 
@@ -65,18 +65,12 @@ class LanguageModelling(Task):
         )
 
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = output.reshape(-1, output.shape[-1])
-        loss = F.cross_entropy(logits, targets.reshape(-1))
-        if self.z_loss:
-            loss = loss + self.z_loss * torch.logsumexp(logits.float(), dim=-1).square().mean()
-        return loss
+        # chunked, never a float32 copy of all the logits (mpexp/tasks/cross_entropy.py)
+        ce, z = cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
+        return ce + self.z_loss * z if self.z_loss else ce
 
     def val_sums(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = output.reshape(-1, output.shape[-1]).float()
-        flat = targets.reshape(-1)
-        loss = F.cross_entropy(logits, flat, reduction="sum", ignore_index=IGNORE_INDEX)
-        correct = (logits.argmax(1) == flat).sum()  # a padded item's target is no token
-        return torch.stack((loss, correct.float()))
+        return validation_sums(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
 
     def val_count(self, targets: torch.Tensor) -> int:
         return targets.numel()
