@@ -5,6 +5,7 @@ all the logits to float32, and the loss compiled with the model equals the eager
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import ClassVar
 
 import pytest
@@ -41,7 +42,7 @@ class BatchRecordingGPT(GPT):
         return super().forward(tokens)
 
 
-def test_gpt2_small_validates_and_measures_attention_one_micro_batch_at_a_time(tmp_path):
+def test_gpt2_small_validates_and_measures_attention_one_micro_batch_at_a_time(tmp_path, caplog):
     """The preset's 480-window batch and 40 micro-batches, a tiny GPT: no pass, training,
     validation or the diagnostics', takes more than the step's 12 windows (the whole batch at
     once is what made GPT-2 small's first validation need about 150 GB)."""
@@ -56,7 +57,13 @@ def test_gpt2_small_validates_and_measures_attention_one_micro_batch_at_a_time(t
         "diagnostics.grad_stats_every=1", "trainer.progress=false", "wandb.mode=disabled",
     )  # fmt: skip
     assert (cfg.dataset.batch_size, cfg.trainer.accumulate) == (480, 40)  # the preset's own
-    train(cfg, RunContext(tmp_path / "run"))
+    with caplog.at_level(logging.INFO, logger="mpexp"):
+        train(cfg, RunContext(tmp_path / "run"))
+    first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Training"))
+    assert (  # the run's first line: the batch in tokens, per step and per micro-batch
+        "3,840 tokens (480 windows) per optimizer step, 96 tokens (12 windows) per micro-batch, "
+        "40 micro-batches" in first
+    )
     passes = recorder.passes[1:]  # after the model's trial on one window, as it is built
     training = [n for train_mode, _, n in passes if train_mode]
     measuring = [n for train_mode, m, n in passes if m and not train_mode]

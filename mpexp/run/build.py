@@ -13,6 +13,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig
 
 from mpexp import config
+from mpexp.batches import BatchSplit
 from mpexp.data.base import TrainingData
 from mpexp.distributed import World
 from mpexp.errors import ConfigError, reason
@@ -128,6 +129,7 @@ class Built:
     fp32_modules: list[str]  # those that run in float32 (none where nothing is autocast)
     parameters: int
     device_name: str
+    split: BatchSplit  # the optimizer step's batch in micro-batches and among processes
 
 
 def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -> Built:
@@ -137,7 +139,10 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
     precision = setup_precision(cfg.precision, device)
 
     speed = performance.plan_speed(cfg, device)
+    # dataset.batch_size is the optimizer step's, over all processes: each takes its share
+    split = BatchSplit(cfg.dataset.batch_size, cfg.trainer.accumulate, world.size)
     data: TrainingData = build(cfg.dataset)
+    data.batch_size = split.per_process
     task = data.task = with_objective(data.setup(device, speed.memory_format()), cfg.trainer)
     dataset = f"dataset={choices.get('dataset') or cfg.dataset._target_}"
     declared = getattr(data, "task_type", None)
@@ -179,7 +184,7 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
         model, precision, list(cfg.precision.fp32_modules), speed.compile
     )
     last = data.samples_per_epoch() % data.batch_size  # a last, smaller batch (0: none)
-    check_fp8_rows(precision, rows, data.batch_size, cfg.trainer.accumulate, last)
+    check_fp8_rows(precision, rows, data.batch_size, split.accumulate_per_process, last)
     fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
     performance.apply_memory_format(model, speed)  # before DDP/FSDP takes the parameters
     model = world.wrap(model, precision)
@@ -197,6 +202,7 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
         fp32_modules=fp32_modules,
         parameters=parameters,
         device_name=name,
+        split=split,
     )
 
 

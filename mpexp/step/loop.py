@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from mpexp.batches import BatchSplit
 from mpexp.checkpoints.checkpoint import Checkpointer, Position, Resume
 from mpexp.config import run_length
 from mpexp.data.base import Batch, TrainingData
@@ -581,9 +582,10 @@ class Fit:
         self.objective = (
             forward if isinstance(forward, Objective) else Objective(parts.model, parts.data.task)
         )
-        # validation and diagnostics run the training step's micro-batches: a whole batch at
-        # once could need many times the step's memory
-        self.micro_batch = max(1, parts.data.batch_size // cfg.trainer.accumulate)
+        # this process's micro-batches; validation and diagnostics run the same ones: a whole
+        # batch at once could need many times the step's memory
+        split = BatchSplit(cfg.dataset.batch_size, cfg.trainer.accumulate, world.size)
+        self.micro_batch = split.micro_batch
         self.stepper = make(
             parts.forward,
             parts.optimizer,
@@ -591,7 +593,7 @@ class Fit:
             parts.precision,
             self.history,
             self.diagnostics,
-            cfg.trainer.accumulate,
+            split.accumulate_per_process,
             cfg.trainer.clip_grad_norm,
             loss_fn=None,  # the objective computes it, compiled with the model
             schedule=parts.schedule,
