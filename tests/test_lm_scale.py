@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 from typing import ClassVar
 
 import pytest
@@ -23,7 +24,9 @@ from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import CPU, make_cfg, precision_of
 from tests.test_compile import Backend
+from tests.test_language_model import tiny_lm
 from tests.test_tokens import VOCAB, bin_pair, tokens_data
+from tests.test_training import read_metrics
 
 # GPT-2 small's padded head, and the preset's micro-batch: 480 windows / 40 micro-batches
 HEAD, MICRO, WINDOW = 50304, 12, 1024
@@ -162,7 +165,7 @@ def test_the_loss_compiled_with_the_model_is_the_eager_loss(mode):
     for run in (objective, compiled):
         model.zero_grad()
         with precision.autocast():
-            loss = run(tokens[:, :-1], tokens[:, 1:])
+            loss = run(tokens[:, :-1], tokens[:, 1:]).sum()  # cross-entropy and z-loss
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
@@ -170,3 +173,17 @@ def test_the_loss_compiled_with_the_model_is_the_eager_loss(mode):
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=tol[0], atol=tol[1])
     for ours, theirs in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=tol[0], atol=tol[1])
+
+
+def test_train_loss_is_the_cross_entropy_and_the_z_loss_is_logged_beside_it(tmp_path):
+    """With trainer.z_loss, train/loss is still the cross-entropy, comparable with runs without
+    it (at the first step, before any update, the two are equal), and the z-loss term added to it
+    is logged as train/z_loss: at initialisation about w x ln(256)^2, every logit near 0."""
+    first = {}
+    for weight in (0.0, 0.5):
+        more = (f"trainer.z_loss={weight}", "trainer.epochs=1", "dataset.train_size=64")
+        train(make_cfg(*tiny_lm(tmp_path, *more)), RunContext(tmp_path / str(weight)))
+        first[weight] = read_metrics(tmp_path / str(weight))[0][0]
+    assert first[0.5]["train/loss"] == pytest.approx(first[0.0]["train/loss"], rel=1e-6)
+    assert "train/z_loss" not in first[0.0]
+    assert first[0.5]["train/z_loss"] == pytest.approx(0.5 * math.log(256) ** 2, rel=0.05)

@@ -341,7 +341,6 @@ class Resume:
     def world_size(self) -> int:
         return self.state.get("world_size", 1)
 
-
     @property
     def wandb_id(self) -> str | None:
         return self.state["wandb_id"]

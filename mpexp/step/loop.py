@@ -63,8 +63,10 @@ def train_step(
     """One optimizer step; the same code for every precision, loss-scaling strategy and task.
 
     `loss_fn(output, targets)` is the task's loss (mpexp/tasks/), a batch mean; with None,
-    `model(inputs, targets)` gives that loss itself (an Objective, mpexp/step/objective.py: the
-    model and its loss compiled together, as the loop runs them). The batch is
+    `model(inputs, targets)` gives that loss itself, as the terms that add up to it (an
+    Objective, mpexp/step/objective.py: the model and its loss compiled together, as the loop
+    runs them). Returns the batch's loss terms, detached (one where the loss has no others). The
+    batch is
     split into `accumulate` micro-batches, each scaled and back-propagated on its own; their
     losses are weighted by size so the gradients add up to the whole batch's. `inspect`, if given,
     sees the gradients in true units before clipping (diagnostics). A `schedule` on the device
@@ -76,20 +78,20 @@ def train_step(
     """
     if accumulate == 1:  # the common case, straight: no chunks, no weights, no accumulator
         with precision.autocast(cache=False):  # forward only: backward runs outside autocast
-            loss = _loss(model, loss_fn, inputs, targets)
-        scaler.scale(loss).backward()
-        total = loss.detach()
+            terms = _loss_terms(model, loss_fn, inputs, targets)
+        scaler.scale(terms.sum()).backward()
+        total = terms.detach()
     else:
-        total = torch.zeros((), device=targets.device)
+        total = 0.0
         chunks = list(zip(inputs.chunk(accumulate), targets.chunk(accumulate), strict=True))
         for i, (x, y) in enumerate(chunks):
             # under DDP, all-reduce the gradients once, with the last micro-batch's backward
             last = i == len(chunks) - 1
             with _no_grad_sync(model, last):
                 with precision.autocast(cache=False):
-                    loss = _loss(model, loss_fn, x, y) * (len(y) / len(targets))
-                scaler.scale(loss).backward()
-            total += loss.detach()
+                    terms = _loss_terms(model, loss_fn, x, y) * (len(y) / len(targets))
+                scaler.scale(terms.sum()).backward()
+            total = total + terms.detach()
     if inspect is not None or clip_grad_norm is not None or scaler.needs_true_units():
         scaler.unscale_(optimizer)  # once, after the last micro-batch: true units from here on
     if inspect is not None:
@@ -102,8 +104,10 @@ def train_step(
     return total
 
 
-def _loss(model, loss_fn, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return model(inputs, targets) if loss_fn is None else loss_fn(model(inputs), targets)
+def _loss_terms(model, loss_fn, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if loss_fn is None:
+        return model(inputs, targets)
+    return loss_fn(model(inputs), targets).reshape(1)
 
 
 def _no_grad_sync(model, last: bool) -> contextlib.AbstractContextManager:
@@ -245,7 +249,7 @@ class Stepper:
         """Everything the step does on the device: the same kernels eager or replayed."""
         self.buffers.save()
         lr = self.schedule.lr() if self.schedule is not None else None  # the rate it steps with
-        loss = train_step(
+        terms = train_step(
             self.model,
             inputs,
             targets,
@@ -261,10 +265,10 @@ class Stepper:
         skipped = self.scaler.found_inf()
         self.buffers.restore_if(skipped)
         # between step() and update(): the scale this step used and whether it was skipped
-        before_update = torch.stack((loss, self.scaler.scale_tensor(), skipped))
+        before_update = torch.stack((terms[0], self.scaler.scale_tensor(), skipped))
         self.scaler.update()
         record = self.history.record_captured if captured else self.history.record
-        record(before_update, self.scaler.floor_hit(), lr)
+        record(before_update, self.scaler.floor_hit(), lr, terms[1:])
 
     def _captured_work(self, inputs, targets) -> None:
         self._device_work(inputs, targets, None, captured=True)
@@ -396,6 +400,7 @@ class StepLog:
                 "amp/scale": r.scale,
                 "amp/skipped_steps": self.skipped,
                 "lr": r.lr,
+                **r.terms,
             }
             if self.skip_nonfinite:
                 row["amp/nonfinite_loss_steps"] = self.nonfinite_losses
@@ -567,6 +572,7 @@ class Fit:
             capacity=cfg.trainer.log_every,
             device=self.device,
             reduce_loss=world.mean if world.distributed else None,
+            terms=parts.data.task.term_names,
         )
         self.own = OwnRows()  # the user's tensors from mpexp.log
         self.memory = PeakMemory(self.device)

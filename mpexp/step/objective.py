@@ -5,7 +5,8 @@ a language model's logits then leave the graph whole, and the loss reads them ag
 small, about a quarter of a step's memory traffic). nanoGPT computes its loss in the model's own
 forward pass, so the compiler fuses the two; `Objective` does the same for any model and task
 without the model knowing its task: called with a batch, it gives the task's training loss in
-training mode and validation's sums (`Task.val_sums`) in eval mode, and the loop compiles it
+training mode (as its terms, `Task.loss_terms`) and validation's sums (`Task.val_sums`) in eval
+mode, and the loop compiles it
 whole (mpexp/run/build.py).
 
 It holds no weights of its own: checkpoints, diagnostics and optimizers keep using the model.
@@ -22,8 +23,8 @@ from mpexp.tasks.base import Task
 
 
 class Objective(nn.Module):
-    """`objective(inputs, targets)`: the task's loss of the model's output when training, its
-    validation sums in eval mode."""
+    """`objective(inputs, targets)`: the terms of the task's loss of the model's output when
+    training (a 1-D tensor, summing to the loss), its validation sums in eval mode."""
 
     def __init__(self, model: nn.Module, task: Task):
         super().__init__()
@@ -33,7 +34,7 @@ class Objective(nn.Module):
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         output = self.model(inputs)
         if self.training:
-            return self.task.loss(output, targets)
+            return self.task.loss_terms(output, targets)
         return self.task.val_sums(output, targets)
 
     def no_sync(self) -> contextlib.AbstractContextManager:

@@ -64,10 +64,19 @@ class LanguageModelling(Task):
             "one logit per vocabulary entry at every position"
         )
 
+    @property
+    def term_names(self) -> tuple[str, ...]:
+        # the z-loss's weighted term, logged beside the cross-entropy (train/loss) it is added to
+        return ("train/z_loss",) if self.z_loss else ()
+
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # chunked, never a float32 copy of all the logits (mpexp/tasks/cross_entropy.py)
+        return self.loss_terms(output, targets).sum()
+
+    def loss_terms(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # chunked, never a float32 copy of all the logits, and the z-loss from the same
+        # logsumexp as the cross-entropy (mpexp/tasks/cross_entropy.py)
         ce, z = cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
-        return ce + self.z_loss * z if self.z_loss else ce
+        return torch.stack((ce, self.z_loss * z)) if self.z_loss else ce.reshape(1)
 
     def val_sums(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return validation_sums(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
