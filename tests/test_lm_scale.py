@@ -187,3 +187,23 @@ def test_train_loss_is_the_cross_entropy_and_the_z_loss_is_logged_beside_it(tmp_
     assert first[0.5]["train/loss"] == pytest.approx(first[0.0]["train/loss"], rel=1e-6)
     assert "train/z_loss" not in first[0.0]
     assert first[0.5]["train/z_loss"] == pytest.approx(0.5 * math.log(256) ** 2, rel=0.05)
+
+
+def test_bits_per_byte_count_exactly_the_bytes_of_the_targets_scored():
+    """With each id's length in bytes, val/bpb on 32 windows is the summed cross-entropy in bits
+    over the bytes its targets are, counted on the device; padding (a compiled validation's last
+    micro-batch) scores no byte."""
+    torch.manual_seed(0)
+    vocab, window = 320, 16
+    lengths = torch.randint(1, 8, (vocab,))  # a BPE's ids: 1 to 7 bytes each
+    task = LanguageModelling(vocab, window, bytes_per_token=4.0, token_bytes=lengths)
+    logits, targets = torch.randn(32, window, vocab), torch.randint(vocab, (32, window))
+    nats = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), reduction="sum")
+    exact = float(nats) / math.log(2) / int(lengths[targets].sum())
+    metrics = task.val_metrics(task.val_sums(logits, targets).tolist(), targets.numel())
+    assert metrics["val/bpb"] == pytest.approx(exact, rel=1e-6)
+    padded = task.val_sums(
+        torch.cat((logits, torch.randn(4, window, vocab))), task.padded_targets(targets, 36)
+    )
+    torch.testing.assert_close(padded, task.val_sums(logits, targets))
+    assert task.record()["exact_bpb"] is True and "token_bytes" not in task.record()
