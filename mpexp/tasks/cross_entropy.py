@@ -63,15 +63,22 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         logits, targets, lse = ctx.saved_tensors
         rows = logits.shape[0]
         # d(mean ce)/dx = (softmax - onehot) / rows; d(mean lse^2)/dx = 2 lse softmax / rows
-        softmax_weight = (grad_ce + 2 * grad_z * lse) / rows
-        grad = torch.empty_like(logits)
+        softmax_weight = ((grad_ce + 2 * grad_z * lse) / rows)[:, None]
+        onehot_weight = (-grad_ce / rows).reshape(1, 1)
         step = rows_per_chunk(logits.shape[1])
+        grad = None
         for start in range(0, rows, step):
             end = start + step
-            chunk = torch.exp(logits[start:end].float() - lse[start:end, None])
-            chunk *= softmax_weight[start:end, None]
-            picked = chunk.gather(1, targets[start:end, None]) - grad_ce / rows
-            chunk.scatter_(1, targets[start:end, None], picked)
+            # softmax's own kernel (fused, in float32 whatever the logits' dtype) recomputes
+            # the chunk's probabilities faster than exp(x - lse) would
+            chunk = torch.softmax(logits[start:end], dim=-1, dtype=torch.float32)
+            chunk.mul_(softmax_weight[start:end])
+            index = targets[start:end, None]
+            chunk.scatter_add_(1, index, onehot_weight.expand(len(index), 1))
+            if end >= rows and start == 0:  # one chunk: it is the gradient
+                return chunk.to(logits.dtype), None
+            if grad is None:
+                grad = torch.empty_like(logits)
             grad[start:end] = chunk
         return grad, None
 
