@@ -106,21 +106,23 @@ class LargestOutputs(TorchDispatchMode):
         return out
 
 
-def largest_outputs(loss_of) -> dict[torch.dtype, int]:
+def largest_outputs(loss_of, backward: bool = True) -> dict[torch.dtype, int]:
     """What the loss's forward and backward passes make at the preset's size, on fake tensors
     (shapes and dtypes, no memory): bf16 logits of a micro-batch of 12 x 1,024 tokens."""
     with FakeTensorMode():
-        logits = torch.empty(MICRO * WINDOW, HEAD, dtype=torch.bfloat16, requires_grad=True)
+        logits = torch.empty(MICRO * WINDOW, HEAD, dtype=torch.bfloat16, requires_grad=backward)
         targets = torch.zeros(MICRO * WINDOW, dtype=torch.long)
         with LargestOutputs() as made:
-            loss_of(logits, targets).backward()
+            loss = loss_of(logits, targets)
+            if backward:
+                loss.backward()
     return made.largest
 
 
 def test_the_loss_at_gpt2_small_size_makes_no_float32_copy_of_the_logits():
     """GPT-2 small's micro-batch of bf16 logits: the chunked loss's largest float32 tensor is one
     chunk's (a tenth of the logits), where F.cross_entropy on the logits cast to float32 makes
-    the whole 2.5 GB; its gradient is bf16, as the logits are."""
+    the whole 2.5 GB; its gradient is bf16, as the logits are. Validation's sums likewise."""
     task = LanguageModelling(vocab_size=50257, block_size=WINDOW, z_loss=1e-4)
     ours = largest_outputs(lambda logits, y: task.loss(logits, y))
     reference = largest_outputs(lambda logits, y: F.cross_entropy(logits.float(), y))
@@ -128,6 +130,8 @@ def test_the_loss_at_gpt2_small_size_makes_no_float32_copy_of_the_logits():
     assert reference[torch.float32] == whole  # what the test would see of a float32 copy
     assert ours[torch.float32] <= chunked.rows_per_chunk(HEAD) * HEAD < whole / 8
     assert ours[torch.bfloat16] == whole  # the gradient, in the logits' dtype
+    sums = largest_outputs(lambda logits, y: task.val_sums(logits, y), backward=False)
+    assert sums[torch.float32] <= chunked.rows_per_chunk(HEAD) * HEAD  # validation's too
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
