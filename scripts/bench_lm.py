@@ -8,8 +8,10 @@ For each precision, one after the other on one device:
   plain  in a process of its own too, the same model (mpexp/models/gpt.py, built from the same
          config and seed), the same optimizer and learning rate, the same windows of the same
          token file (the offsets drawn as mpexp draws them), the same autocast dtype and, where
-         mpexp compiled, torch.compile: a loop with nothing else (no metrics, no loss scaling
-         but fp16's GradScaler, no checkpoints), validating between epochs as mpexp does.
+         mpexp compiled, torch.compile of the model and its loss together, as nanoGPT compiles
+         its model whose forward pass computes the loss: a loop with nothing else (no metrics,
+         no loss scaling but fp16's GradScaler, no checkpoints), validating between epochs as
+         mpexp does.
 Both time each epoch's training steps (validation and compilation left out) and take the median
 tokens/s over the epochs after the first. They run in turn, `--repeats` times each (a shared
 machine's speed drifts by tens of per cent over minutes); the ratio mpexp / plain of each pair,
@@ -116,7 +118,13 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
         model = float8.convert_to_float8_training(model, config=recipe)
     optimizer_cfg = {**optimizer_spec(cfg["optimizer"]), "fused": device.type == "cuda"}
     optimizer = instantiate(optimizer_cfg)(parameter_groups(model, cfg["optimizer"]))
-    forward = torch.compile(model) if mpexp["ran"].get("compile") else model
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # the loss beside the model's forward pass, as nanoGPT's model computes it, so that
+        # compiling one compiles both into one graph
+        return F.cross_entropy(model(x).reshape(-1, padded), y.reshape(-1))
+
+    step_loss = torch.compile(loss_of) if mpexp["ran"].get("compile") else loss_of
     dtype = DTYPES.get(precision)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     block, batch, n = model_cfg["block_size"], args.batch_size, args.train_size
@@ -139,8 +147,7 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
         for first in range(0, n - n % batch, batch):
             x, y = windows(train_tokens, offsets[first : first + batch])
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                logits = forward(x)
-                loss = F.cross_entropy(logits.reshape(-1, padded), y.reshape(-1))
+                loss = step_loss(x, y)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
@@ -148,10 +155,11 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         rates.append((n - n % batch) * block / (time.perf_counter() - start))
+        model.eval()
         with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             for first in range(0, len(val_offsets), batch):  # validated, untimed, as mpexp does
-                x, y = windows(val_tokens, val_offsets[first : first + batch])
-                F.cross_entropy(forward(x).reshape(-1, padded).float(), y.reshape(-1))
+                step_loss(*windows(val_tokens, val_offsets[first : first + batch]))
+        model.train()
     return {"tokens_per_s": statistics.median(rates[1:])}
 
 

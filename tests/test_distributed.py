@@ -21,9 +21,9 @@ from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
 
 TORCHRUN = ("torch.distributed.run", "--standalone", "--nproc_per_node=2")
-# TINY for one epoch; two ranks of 32 make the global batch of 64 that the one-process runs use
+# TINY for one epoch; dataset.batch_size is the optimizer step's on any number of ranks: two
+# ranks take 32 samples each of the same global batch of 64 that the one-process runs use
 ONE_EPOCH = [*TINY, "trainer.epochs=1"]
-PER_RANK = "dataset.batch_size=32"
 GLOBAL = "dataset.batch_size=64"
 STEPS = 1024 // 64
 
@@ -49,7 +49,7 @@ def ddp_run(tmp_path_factory) -> Path:
         "mpexp.train",
         "trainer.strategy=ddp",
         *ONE_EPOCH,
-        PER_RANK,
+        GLOBAL,
         "wandb.mode=offline",
         cwd=cwd,
     )
@@ -95,7 +95,7 @@ def test_fsdp_in_fp16_trains_like_one_process(tmp_path):
     ]
     cwd = tmp_path / "fsdp"
     cwd.mkdir()
-    fsdp_args = ["trainer.strategy=fsdp", *ONE_EPOCH, PER_RANK, *fp16]
+    fsdp_args = ["trainer.strategy=fsdp", *ONE_EPOCH, GLOBAL, *fp16]
     result = run_cli(*TORCHRUN, "-m", "mpexp.train", *fsdp_args, cwd=cwd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = only_run_dir(cwd)
@@ -199,7 +199,7 @@ def test_submitit_local_sweep_runs_ddp_inside_each_job(tmp_path, monkeypatch):
         "hydra.launcher.tasks_per_node=2",
         "trainer.strategy=ddp",
         *ONE_EPOCH,
-        PER_RANK,
+        GLOBAL,
         "dataset.train_size=256",
         "precision=fp32,bf16",
         cwd=tmp_path,
@@ -320,8 +320,7 @@ def test_a_single_process_world_changes_nothing():
 def test_gpus_train_over_nccl(tmp_path, ranks, strategy):
     """DDP over NCCL on one GPU (any GPU machine has that), and DDP and FSDP on two."""
     launch = (*TORCHRUN[:-1], f"--nproc_per_node={ranks}")
-    batch = PER_RANK if ranks == 2 else GLOBAL
-    args = [f"trainer.strategy={strategy}", *ONE_EPOCH, batch, "precision=bf16"]
+    args = [f"trainer.strategy={strategy}", *ONE_EPOCH, GLOBAL, "precision=bf16"]
     result = run_cli(*launch, "-m", "mpexp.train", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = only_run_dir(tmp_path)
@@ -337,7 +336,7 @@ def test_ddp_with_accumulation_matches_one_process(tmp_path):
     """Micro-batches skip DDP's gradient all-reduce until the last one: still the same result."""
     cwd = tmp_path / "ddp"
     cwd.mkdir()
-    args = ["trainer.strategy=ddp", *ONE_EPOCH, PER_RANK, "trainer.accumulate=2"]
+    args = ["trainer.strategy=ddp", *ONE_EPOCH, GLOBAL, "trainer.accumulate=4"]  # 2 a rank
     result = run_cli(*TORCHRUN, "-m", "mpexp.train", *args, cwd=cwd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     train(make_cfg(*ONE_EPOCH, GLOBAL, "trainer.accumulate=4"), RunContext(tmp_path / "one"))
@@ -351,7 +350,7 @@ def test_bf16_pure_rounds_alike_on_every_rank_and_counts_every_shard(tmp_path, s
     pure = ["precision=bf16_pure_kahan", "optimizer=adam", "optimizer.lr=1e-4"]
     cwd = tmp_path / strategy
     cwd.mkdir()
-    args = [f"trainer.strategy={strategy}", *ONE_EPOCH, PER_RANK, *pure]
+    args = [f"trainer.strategy={strategy}", *ONE_EPOCH, GLOBAL, *pure]
     result = run_cli(*TORCHRUN, "-m", "mpexp.train", *args, cwd=cwd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = only_run_dir(cwd)

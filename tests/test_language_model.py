@@ -437,14 +437,14 @@ def test_fp8_converts_every_linear_layer_of_the_gpt(tmp_path):
 
 @pytest.mark.slow
 def test_a_gpt_under_two_rank_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
-    """Each rank takes every second window of the epoch; together they train on the one-process
-    run's global batch, so the step losses (averaged over the ranks) agree."""
+    """dataset.batch_size is the global batch: each rank takes every second window of it, so
+    the step losses (averaged over the ranks) agree with one process's."""
     args = tiny_lm(tmp_path, "trainer.epochs=1")
     ddp = run_cli("torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                  "mpexp.train", *args, "trainer.strategy=ddp", "dataset.batch_size=8",
-                  "hydra.run.dir=ddp", cwd=tmp_path)  # fmt: skip
+                  "mpexp.train", *args, "trainer.strategy=ddp", "hydra.run.dir=ddp",
+                  cwd=tmp_path)  # fmt: skip
     assert ddp.returncode == 0, ddp.stdout[-3000:] + ddp.stderr[-3000:]
-    train(make_cfg(*args), RunContext(tmp_path / "single"))  # batch 16 in one process
+    train(make_cfg(*args), RunContext(tmp_path / "single"))  # the same batch of 16, one process
     steps = [[r["train/loss"] for r in read_metrics(tmp_path / d)[0]] for d in ("ddp", "single")]
     assert len(steps[0]) == len(steps[1]) == 256 // 16
     assert steps[0] == pytest.approx(steps[1], rel=1e-4)

@@ -22,7 +22,7 @@ from mpexp.run.runner import train
 from mpexp.rundir import leftover_files
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
-from tests.test_distributed import PER_RANK, TORCHRUN
+from tests.test_distributed import GLOBAL, TORCHRUN
 from tests.test_resume import status, wait_for
 from tests.test_training import read_metrics
 
@@ -30,7 +30,7 @@ from tests.test_training import read_metrics
 FSDP = [
     "trainer.strategy=fsdp",
     *TINY,
-    PER_RANK,
+    GLOBAL,
     "trainer.epochs=4",
     "trainer.checkpoint_every_steps=5",
 ]

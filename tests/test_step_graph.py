@@ -235,7 +235,7 @@ class FailsToCompile(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, x):
+    def forward(self, inputs, targets):
         raise RuntimeError("backend='inductor' raised: CompilationError: no kernel for this op")
 
 
@@ -259,9 +259,9 @@ class LogsUnderMpexpsName(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, x):
-        mpexp.log({"train/absmax": x.abs().max()})
-        return self.model(x)
+    def forward(self, inputs, targets):
+        mpexp.log({"train/absmax": inputs.abs().max()})
+        return self.model(inputs, targets)
 
 
 def test_a_users_mistake_in_the_first_compiled_step_is_not_taken_for_a_compiler_failure(

@@ -374,15 +374,6 @@ class Resume:
     def world_size(self) -> int:
         return self.state.get("world_size", 1)
 
-    def position_on(self, world_size: int) -> Position:
-        """Where to continue on `world_size` ranks. An epoch's order is dealt out to the ranks
-        (rank r takes every world_size-th sample), so the batches done so far, counted over all
-        ranks, are the same first samples of the order on any number of ranks."""
-        at = self.position
-        if world_size == self.world_size or at.batch == 0:
-            return at
-        return Position(at.epoch, at.batch * self.world_size // world_size, at.step)
-
     @property
     def wandb_id(self) -> str | None:
         return self.state["wandb_id"]
@@ -492,7 +483,9 @@ class Resume:
                 )
         elif rng is not None:
             restore_rng(rng, world.device)
-        return self.position_on(world.size)
+        # the same on any number of ranks: a step takes the next dataset.batch_size samples of
+        # the epoch's order, which the ranks share (rank r every world_size-th of them)
+        return self.position
 
 
 def _shape(value) -> tuple | None:

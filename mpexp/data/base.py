@@ -55,8 +55,10 @@ class TrainingData(ABC):
     """What the loop asks of a dataset: the task its batches serve, how many there are, and the
     batches themselves, on the training device.
 
-    `batch_size` is per process. Subclasses implement `setup`, `train_size`, `train_batches` and
-    `val_batches`; the counting of steps and samples, and sharding, live here.
+    `batch_size` is per process: the process's share of the optimizer step's batch, which the
+    run sets before `setup` (mpexp/batches.py). Subclasses implement `setup`, `train_size`,
+    `train_batches` and `val_batches`; the counting of steps and samples, and sharding, live
+    here.
     """
 
     # the kind of task its batches serve, known before any data is read (Optuna's direction)

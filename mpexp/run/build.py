@@ -14,6 +14,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig
 
 from mpexp import config
+from mpexp.batches import BatchSplit
 from mpexp.data.base import TrainingData
 from mpexp.distributed import World
 from mpexp.errors import ConfigError, reason
@@ -24,6 +25,7 @@ from mpexp.precision.pure_updates import hold_in_bf16
 from mpexp.precision.scaling import LossScaler, build_scaler
 from mpexp.step import flops, performance
 from mpexp.step.flops import Throughput
+from mpexp.step.objective import Objective
 from mpexp.step.performance import Speed
 from mpexp.step.schedules import build_schedule
 from mpexp.system import device_name
@@ -196,6 +198,7 @@ class Built:
     fp32_modules: list[str]  # those that run in float32 (none where nothing is autocast)
     parameters: int
     device_name: str
+    split: BatchSplit  # the optimizer step's batch in micro-batches and among processes
 
 
 def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -> Built:
@@ -205,7 +208,10 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
     precision = setup_precision(cfg.precision, device)
 
     speed = performance.plan_speed(cfg, device)
+    # dataset.batch_size is the optimizer step's, over all processes: each takes its share
+    split = BatchSplit(cfg.dataset.batch_size, cfg.trainer.accumulate, world.size)
     data: TrainingData = build(cfg.dataset)
+    data.batch_size = split.per_process
     task = data.task = with_objective(data.setup(device, speed.memory_format()), cfg.trainer)
     dataset = f"dataset={choices.get('dataset') or cfg.dataset._target_}"
     declared = getattr(data, "task_type", None)
@@ -247,7 +253,7 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
         model, precision, list(cfg.precision.fp32_modules), speed.compile
     )
     last = data.samples_per_epoch() % data.batch_size  # a last, smaller batch (0: none)
-    check_fp8_rows(precision, rows, data.batch_size, cfg.trainer.accumulate, last)
+    check_fp8_rows(precision, rows, data.batch_size, split.accumulate_per_process, last)
     fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
     performance.apply_memory_format(model, speed)  # before DDP/FSDP takes the parameters
     model = world.wrap(model, precision)
@@ -265,16 +271,18 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
         fp32_modules=fp32_modules,
         parameters=parameters,
         device_name=name,
+        split=split,
     )
 
 
 def build_training(
     cfg: DictConfig, built: Built, device: torch.device
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.nn.Module]:
-    """The optimizer, the learning-rate schedule and the forward pass (compiled where asked)."""
+    """The optimizer, the learning-rate schedule and what the loop calls: the model with its
+    task's loss (an Objective), compiled where asked, the loss inside the compiled graph."""
     optimizer = performance.build_optimizer(cfg, built.model, device, built.scaler, built.speed)
     _, total_steps = config.run_length(cfg.trainer, built.data.steps_per_epoch())
     schedule = build_schedule(cfg.scheduler, optimizer, built.scaler, total_steps)
     performance.configure_backends(device, cfg.trainer)
-    forward = performance.compile_model(built.model, built.speed)
+    forward = performance.compile_model(Objective(built.model, built.task), built.speed)
     return optimizer, schedule, forward

@@ -80,7 +80,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
             f"wandb.samples={cfg.wandb.samples} samples text from a language model; this run's "
             f"task is {built.task.name}. Drop it, or train model=gpt on dataset=text."
         )
-    validate_run_length(cfg, data.steps_per_epoch(), data.train_size // world.size)
+    validate_run_length(cfg, data.steps_per_epoch(), data.train_size)
     data_key = data.resume_key()  # what the checkpoints keep, and a resume must find again
     if resume is not None:
         # the last check a resume can fail comes before the run's files change: a refused resume
@@ -107,11 +107,12 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         if plan is not None:
             ran["plan"] = plan
         log.info(
-            "Training %s on %s (%s) | %s on %s | precision %s (autocast %s, TF32 %s) | "
+            "Training %s on %s (%s) | %s | %s on %s | precision %s (autocast %s, TF32 %s) | "
             "loss scaling %s | %s",
             run.choices.get("model") or type(model).__name__,
             run.choices.get("dataset") or type(data).__name__,
             data.describe(),
+            built.split.describe(built.task.progress(1).get("tokens")),
             f"{ran['parameters']:,} parameters",
             ran["device_name"],
             precision.mode,
@@ -211,6 +212,7 @@ def ran_record(
         # where the learning rate is computed: on the device keeps the step sync-free
         "schedule": schedule.where if schedule is not None else "none",
         "accumulate": cfg.trainer.accumulate,
+        "micro_batch": built.split.micro_batch,  # samples per forward pass, on each process
         "clip_grad_norm": cfg.trainer.clip_grad_norm,
         "parameters": built.parameters,
         "steps_per_epoch": built.data.steps_per_epoch(),

@@ -269,7 +269,7 @@ def _validate_scaling(ls: Mapping[str, Any]) -> None:
 def _validate_training_loop(cfg: DictConfig) -> None:
     trainer, diag = cfg.trainer, cfg.diagnostics
     accumulate = _integer(trainer.accumulate, "trainer.accumulate", 1)
-    batch = cfg.dataset.batch_size  # per process
+    batch = cfg.dataset.batch_size  # the optimizer step's, over all processes
     if batch % accumulate:
         # a batch splits into `accumulate` micro-batches of one size only when k divides it;
         # otherwise torch's chunk() makes fewer, and the run would not do what it records
@@ -277,7 +277,7 @@ def _validate_training_loop(cfg: DictConfig) -> None:
         shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
         raise ConfigError(
             f"trainer.accumulate={accumulate} does not divide dataset.batch_size={batch} "
-            f"(per process) into {accumulate} equal micro-batches; use a divisor of {batch}: "
+            f"into {accumulate} equal micro-batches; use a divisor of {batch}: "
             f"{shown}."
         )
     clip = trainer.clip_grad_norm
@@ -345,11 +345,11 @@ def _validate_scheduler(sched: Mapping[str, Any]) -> None:
 
 def validate_run_length(cfg: DictConfig, steps_per_epoch: int, samples: int) -> None:
     """Checks that need the run's number of optimizer steps (known once the data is loaded);
-    `samples` is the training set's share of one process."""
+    `samples` is the training set's size (the batch is over all processes too)."""
     if steps_per_epoch == 0:
         raise ConfigError(
             f"dataset.batch_size={cfg.dataset.batch_size} is larger than the training set "
-            f"({samples} samples{' per process' if cfg.trainer.strategy != 'single' else ''}) "
+            f"({samples} samples) "
             "and dataset.drop_last=true drops the partial batch: the run would take no step. "
             "Lower dataset.batch_size, set dataset.drop_last=false, or train on more data."
         )

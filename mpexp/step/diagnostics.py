@@ -60,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -277,9 +277,11 @@ class Diagnostics:
         return partial(self._inspect, step, stats)
 
     @torch.no_grad()
-    def measure_attention(self, step: int, inputs: torch.Tensor) -> None:
+    def measure_attention(self, step: int, micro_batches: Sequence[torch.Tensor]) -> None:
         """On a statistics step, before it: the attention layers' largest logits on its batch,
-        from a forward pass of the plain model of its own (see the module's docstring)."""
+        from a forward pass of the plain model of its own (see the module's docstring), one
+        micro-batch at a time as the step runs them: the whole batch at once would hold the
+        activations and output of all of it (49 GB of logits for GPT-2 small's 480 windows)."""
         if not (self.attention and self.every > 0 and step % self.every == 0):
             return
         for _, layer in self.attention:
@@ -288,8 +290,9 @@ class Diagnostics:
         self.root.eval()
         autocast = self.precision.autocast() if self.precision else contextlib.nullcontext()
         try:
-            with autocast:
-                self.root(inputs)
+            with autocast, torch.no_grad():
+                for inputs in micro_batches:  # each layer keeps the largest over them
+                    self.root(inputs)
         finally:
             self.root.train(training)
             for _, layer in self.attention:

@@ -12,7 +12,7 @@ back the same way (`OwnRows`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -122,9 +122,9 @@ class OwnRows:
         return rows
 
 
-def _in_column(column: int, reduce: Callable[[torch.Tensor], torch.Tensor]):
+def _in_columns(columns: list[int], reduce: Callable[[torch.Tensor], torch.Tensor]):
     def apply(values: torch.Tensor) -> torch.Tensor:
-        values[:, column] = reduce(values[:, column])
+        values[:, columns] = reduce(values[:, columns])
         return values
 
     return apply
@@ -138,6 +138,7 @@ class StepRow:
     scale: float
     skipped: bool
     floor_hit: bool = False  # the scale wanted to back off below loss_scaling.min_scale
+    terms: dict[str, float] = field(default_factory=dict)  # the loss's other terms, by key
 
 
 class StepHistory:
@@ -156,34 +157,46 @@ class StepHistory:
         capacity: int = 64,
         device: torch.device | str = "cpu",
         reduce_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        terms: tuple[str, ...] = (),
     ) -> None:
         """`capacity`: the most steps between two flushes that a captured step may write
         (eager steps grow the ring as needed). `reduce_loss`, if given, maps each flushed block
         of losses on the device to what is logged, e.g. their mean over the ranks of a
-        distributed run."""
-        self._ring = torch.zeros((capacity, self.WIDTH), device=device)
+        distributed run. `terms` names the loss's terms beyond the first (`Task.term_names`),
+        each a column after the others, reduced as the loss is."""
+        self.terms = terms
+        self.width = self.WIDTH + len(terms)
+        self._ring = torch.zeros((capacity, self.width), device=device)
         self._position = torch.zeros((), dtype=torch.long, device=device)
         self._row_numbers = torch.arange(capacity, device=device)
         self._device_at: int | None = 0  # what `_position` holds, as far as the host knows
         self._captured = False  # whether a captured step writes into the ring
         self._meta: list[tuple[int, float | None]] = []
         self._no_lr = torch.zeros(1, device=device)  # the column's value where the host knows it
-        self._rows = DeviceRows(_in_column(0, reduce_loss) if reduce_loss else None)
+        losses = [0, *range(self.WIDTH, self.width)]
+        self._rows = DeviceRows(_in_columns(losses, reduce_loss) if reduce_loss else None)
 
     def note(self, step: int, lr: float | None) -> None:
         """The host's part of a step's row, before the step runs: its number, and its learning
         rate where the host knows it (None: a device schedule's, which the row records)."""
         self._meta.append((step, lr))
 
-    def _parts(self, before_update, floor_hit, lr) -> tuple[torch.Tensor, ...]:
-        return before_update, floor_hit.reshape(1), self._no_lr if lr is None else lr.reshape(1)
+    def _parts(self, before_update, floor_hit, lr, terms) -> tuple[torch.Tensor, ...]:
+        lr = self._no_lr if lr is None else lr.reshape(1)
+        parts = (before_update, floor_hit.reshape(1), lr)
+        return parts if terms is None or not len(terms) else (*parts, terms)
 
     def record(
-        self, before_update: torch.Tensor, floor_hit: torch.Tensor, lr: torch.Tensor | None = None
+        self,
+        before_update: torch.Tensor,
+        floor_hit: torch.Tensor,
+        lr: torch.Tensor | None = None,
+        terms: torch.Tensor | None = None,
     ) -> None:
         """Write the step's row: `before_update` is (loss, scale, skipped) stacked before the
         scaler's update, `floor_hit` what the update decided, `lr` the step's learning rate on
-        the device (None where the host noted it). Eager: at the host's count."""
+        the device (None where the host noted it), `terms` the loss's other terms (1-D, as
+        `terms` named them). Eager: at the host's count."""
         row = len(self._meta) - 1
         if row >= len(self._ring):
             if self._captured:  # a captured step writes into this ring: it must stay
@@ -191,17 +204,21 @@ class StepHistory:
                     f"{row + 1} steps since the last flush, but the history ring holds "
                     f"{len(self._ring)}: flush at least every {len(self._ring)} steps."
                 )
-            grown = self._ring.new_zeros((2 * len(self._ring), self.WIDTH))
+            grown = self._ring.new_zeros((2 * len(self._ring), self.width))
             grown[: len(self._ring)] = self._ring
             self._ring = grown
-        torch.cat(self._parts(before_update, floor_hit, lr), out=self._ring[row])
+        torch.cat(self._parts(before_update, floor_hit, lr, terms), out=self._ring[row])
 
     def record_captured(
-        self, before_update: torch.Tensor, floor_hit: torch.Tensor, lr: torch.Tensor | None = None
+        self,
+        before_update: torch.Tensor,
+        floor_hit: torch.Tensor,
+        lr: torch.Tensor | None = None,
+        terms: torch.Tensor | None = None,
     ) -> None:
         """`record` for a step captured in a CUDA graph: at the position the device keeps."""
         self._captured = True
-        row = torch.cat(self._parts(before_update, floor_hit, lr)).unsqueeze(0)
+        row = torch.cat(self._parts(before_update, floor_hit, lr, terms)).unsqueeze(0)
         # a select, not index_copy_: under deterministic algorithms indexing may take a path
         # that checks its index on the host, which a capture cannot hold
         here = (self._row_numbers == self._position).unsqueeze(1)
@@ -229,9 +246,17 @@ class StepHistory:
             self._meta = []
         return [
             StepRow(
-                step, _float32(device_lr) if lr is None else lr, loss, scale, skipped > 0, floor > 0
+                step,
+                _float32(device_lr) if lr is None else lr,
+                loss,
+                scale,
+                skipped > 0,
+                floor > 0,
+                dict(zip(self.terms, terms, strict=True)),
             )
-            for (step, lr), (loss, scale, skipped, floor, device_lr) in self._rows.flush(wait)
+            for (step, lr), (loss, scale, skipped, floor, device_lr, *terms) in self._rows.flush(
+                wait
+            )
         ]
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from mpexp.batches import BatchSplit
 from mpexp.checkpoints.checkpoint import Checkpointer, Position, Resume
 from mpexp.config import run_length
 from mpexp.data.base import Batch, TrainingData
@@ -36,6 +37,7 @@ from mpexp.step.data_wait import STARVED_SHARE, wait_clock
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.flops import Throughput
 from mpexp.step.history import OwnRows, StepHistory, StepRow
+from mpexp.step.objective import Objective, objective_of
 from mpexp.step.performance import Compilations, Speed
 from mpexp.step.rollback import BufferRollback
 from mpexp.step.schedules import DeviceSchedule, Schedule
@@ -58,12 +60,16 @@ def train_step(
     accumulate: int = 1,
     clip_grad_norm: float | None = None,
     inspect=None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = F.cross_entropy,
     schedule: Schedule | None = None,
 ):
     """One optimizer step; the same code for every precision, loss-scaling strategy and task.
 
-    `loss_fn(output, targets)` is the task's loss (mpexp/tasks/), a batch mean. The batch is
+    `loss_fn(output, targets)` is the task's loss (mpexp/tasks/), a batch mean; with None,
+    `model(inputs, targets)` gives that loss itself, as the terms that add up to it (an
+    Objective, mpexp/step/objective.py: the model and its loss compiled together, as the loop
+    runs them). Returns the batch's loss terms, detached (one where the loss has no others). The
+    batch is
     split into `accumulate` micro-batches, each scaled and back-propagated on its own; their
     losses are weighted by size so the gradients add up to the whole batch's. `inspect`, if given,
     sees the gradients in true units before clipping (diagnostics). A `schedule` on the device
@@ -75,20 +81,20 @@ def train_step(
     """
     if accumulate == 1:  # the common case, straight: no chunks, no weights, no accumulator
         with precision.autocast(cache=False):  # forward only: backward runs outside autocast
-            loss = loss_fn(model(inputs), targets)
-        scaler.scale(loss).backward()
-        total = loss.detach()
+            terms = _loss_terms(model, loss_fn, inputs, targets)
+        scaler.scale(terms.sum()).backward()
+        total = terms.detach()
     else:
-        total = torch.zeros((), device=targets.device)
+        total = 0.0
         chunks = list(zip(inputs.chunk(accumulate), targets.chunk(accumulate), strict=True))
         for i, (x, y) in enumerate(chunks):
             # under DDP, all-reduce the gradients once, with the last micro-batch's backward
             last = i == len(chunks) - 1
             with _no_grad_sync(model, last):
                 with precision.autocast(cache=False):
-                    loss = loss_fn(model(x), y) * (len(y) / len(targets))
-                scaler.scale(loss).backward()
-            total += loss.detach()
+                    terms = _loss_terms(model, loss_fn, x, y) * (len(y) / len(targets))
+                scaler.scale(terms.sum()).backward()
+            total = total + terms.detach()
     if inspect is not None or clip_grad_norm is not None or scaler.needs_true_units():
         scaler.unscale_(optimizer)  # once, after the last micro-batch: true units from here on
     if inspect is not None:
@@ -99,6 +105,12 @@ def train_step(
     if schedule is not None:
         schedule.after_step(scaler.found_inf())
     return total
+
+
+def _loss_terms(model, loss_fn, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if loss_fn is None:
+        return model(inputs, targets)
+    return loss_fn(model(inputs), targets).reshape(1)
 
 
 def _no_grad_sync(model, last: bool) -> contextlib.AbstractContextManager:
@@ -164,7 +176,7 @@ class Stepper:
         self.history.note(step, None if on_device else self.optimizer.param_groups[0]["lr"])
         inspect = self.diagnostics.inspector(step)
         if inspect is not None:
-            self.diagnostics.measure_attention(step, inputs)
+            self.diagnostics.measure_attention(step, inputs.chunk(self.accumulate))
         timed = self.steps_taken < self.setup_steps
         compiled_s = self.compiles.seconds if self.compiles is not None else 0.0
         if timed:
@@ -240,7 +252,7 @@ class Stepper:
         """Everything the step does on the device: the same kernels eager or replayed."""
         self.buffers.save()
         lr = self.schedule.lr() if self.schedule is not None else None  # the rate it steps with
-        loss = train_step(
+        terms = train_step(
             self.model,
             inputs,
             targets,
@@ -256,10 +268,10 @@ class Stepper:
         skipped = self.scaler.found_inf()
         self.buffers.restore_if(skipped)
         # between step() and update(): the scale this step used and whether it was skipped
-        before_update = torch.stack((loss, self.scaler.scale_tensor(), skipped))
+        before_update = torch.stack((terms[0], self.scaler.scale_tensor(), skipped))
         self.scaler.update()
         record = self.history.record_captured if captured else self.history.record
-        record(before_update, self.scaler.floor_hit(), lr)
+        record(before_update, self.scaler.floor_hit(), lr, terms[1:])
 
     def _captured_work(self, inputs, targets) -> None:
         self._device_work(inputs, targets, None, captured=True)
@@ -293,29 +305,41 @@ class Stepper:
 
 @torch.no_grad()
 def evaluate(
-    model, data: TrainingData, device, precision: Precision, pad: bool = False, batches=None
+    model,
+    data: TrainingData,
+    device,
+    precision: Precision,
+    pad: bool = False,
+    batches=None,
+    micro_batch: int | None = None,
 ) -> dict[str, float]:
     """The validation metrics of the data's task, summed on the device and read once; of
-    `batches` (the test set's, say) where given, else of the validation set.
+    `batches` (the test set's, say) where given, else of the validation set. `model` is the
+    model, or its Objective (mpexp/step/objective.py), compiled or not.
 
-    With `pad` (a compiled model), a last, smaller batch is padded to the full batch size, so
-    that it runs through the graph compiled for full batches rather than compiling one of its
-    own; its padding counts nowhere (`Task.padded_targets`)."""
+    Each batch runs in micro-batches of `micro_batch` items (default: whole batches), the
+    training step's: a pass over a whole optimizer batch of a large model would hold its
+    activations and output for all of it at once (GPT-2 small's logits for 480 windows are 49 GB
+    in bf16). With `pad` (a compiled model), a last, smaller micro-batch is padded to the full
+    size, so that it runs through the graph compiled for full ones rather than compiling one of
+    its own; its padding counts nowhere (`Task.padded_targets`)."""
     task = data.task
-    model.eval()
+    objective = objective_of(model, task)
+    size = micro_batch or data.batch_size
+    objective.eval()
     total = None
     count = 0  # on the host: a batch's size is known there, and a tensor of it would be a copy
     try:
         for inputs, targets in batches if batches is not None else data.val_batches(device):
             count += task.val_count(targets)
-            if pad and len(targets) < data.batch_size:
-                inputs, targets = _padded(inputs, targets, data.batch_size, task)
-            with precision.autocast():
-                output = model(inputs)
-            sums = task.val_sums(output, targets)
-            total = sums if total is None else total + sums
+            for x, y in zip(inputs.split(size), targets.split(size), strict=True):
+                if pad and len(y) < size:
+                    x, y = _padded(x, y, size, task)
+                with precision.autocast():
+                    sums = objective(x, y)
+                total = sums if total is None else total + sums
     finally:  # a compiler's failure, which the loop survives, leaves the model training
-        model.train()
+        objective.train()
     return task.val_metrics(total.tolist(), count)
 
 
@@ -379,6 +403,7 @@ class StepLog:
                 "amp/scale": r.scale,
                 "amp/skipped_steps": self.skipped,
                 "lr": r.lr,
+                **r.terms,
             }
             if self.skip_nonfinite:
                 row["amp/nonfinite_loss_steps"] = self.nonfinite_losses
@@ -482,7 +507,9 @@ class Parts:
     """What the loop trains: built once by mpexp.train, never re-decided here."""
 
     model: torch.nn.Module  # the module whose weights are saved (DDP/FSDP-wrapped if so)
-    forward: torch.nn.Module  # what the loop calls: `model`, or its torch.compile wrapper
+    # what the loop calls: the model with its task's loss (mpexp/step/objective.py), or its
+    # torch.compile wrapper, which compiles the two together
+    forward: torch.nn.Module
     data: TrainingData  # set up: `data.task` says what its batches mean
     optimizer: torch.optim.Optimizer
     scaler: LossScaler
@@ -519,6 +546,7 @@ class Fit:
             capacity=cfg.trainer.log_every,
             device=self.device,
             reduce_loss=world.mean if world.distributed else None,
+            terms=parts.data.task.term_names,
         )
         self.own = OwnRows()  # the user's tensors from mpexp.log
         self.memory = PeakMemory(self.device)
@@ -528,6 +556,16 @@ class Fit:
         )
         speed = parts.speed
         make = Stepper.with_graph if speed is not None and speed.cuda_graph else Stepper
+        # the model with its loss, eager: `forward` itself, or what a compiled `forward` wraps,
+        # which runs where compiling fails
+        forward = parts.forward
+        self.objective = (
+            forward if isinstance(forward, Objective) else Objective(parts.model, parts.data.task)
+        )
+        # this process's micro-batches; validation and diagnostics run the same ones: a whole
+        # batch at once could need many times the step's memory
+        split = BatchSplit(cfg.dataset.batch_size, cfg.trainer.accumulate, world.size)
+        self.micro_batch = split.micro_batch
         self.stepper = make(
             parts.forward,
             parts.optimizer,
@@ -535,9 +573,9 @@ class Fit:
             parts.precision,
             self.history,
             self.diagnostics,
-            cfg.trainer.accumulate,
+            split.accumulate_per_process,
             cfg.trainer.clip_grad_norm,
-            loss_fn=parts.data.task.loss,
+            loss_fn=None,  # the objective computes it, compiled with the model
             schedule=parts.schedule,
         )
         # every compilation, in training and in validation: timed, and survived by the eager model
@@ -588,7 +626,7 @@ class Fit:
     def run(self) -> dict:
         """Train the remaining epochs; return the final metrics."""
         self.parts.model.train()
-        compiled = self.parts.forward is not self.parts.model
+        compiled = self.parts.forward is not self.objective
         try:
             with self.compiles if compiled else contextlib.nullcontext():
                 for epoch in range(self.position.epoch, self.last_epoch + 1):
@@ -752,9 +790,9 @@ class Fit:
             "(recorded as compile: false). trainer.compile=false skips the attempt.",
             reason(err),
         )
-        self.parts.forward = self.parts.model
+        self.parts.forward = self.objective
         self.compile_failed = True
-        return self.parts.model
+        return self.objective
 
     def _test(self) -> dict[str, float]:
         """The test set's metrics (`test/...`), evaluated once, after the last epoch, eagerly,
@@ -763,7 +801,14 @@ class Fit:
         batches = p.data.test_batches(self.device)
         if batches is None:
             return {}
-        metrics = evaluate(p.model, p.data, self.device, p.precision, batches=batches)
+        metrics = evaluate(
+            self.objective,
+            p.data,
+            self.device,
+            p.precision,
+            batches=batches,
+            micro_batch=self.micro_batch,
+        )
         tested = {f"test/{key.split('/', 1)[1]}": value for key, value in metrics.items()}
         # a row of the step it followed, without `epoch`: readers take rows with one as epochs'
         self.tracker.log({"step": self.position.step, **tested})
@@ -817,11 +862,13 @@ class Fit:
         that no batch compiles a graph of its own; one whose compilation fails here is evaluated
         eagerly, and trains eagerly from here on, as when its first step fails to compile."""
         p = self.parts
-        if p.forward is p.model:  # eager (or compiled no longer): the plain evaluation
-            return evaluate(p.model, p.data, self.device, p.precision), 0.0
+        micro = self.micro_batch
+        if p.forward is self.objective:  # eager (or compiled no longer): the plain evaluation
+            metrics = evaluate(self.objective, p.data, self.device, p.precision, micro_batch=micro)
+            return metrics, 0.0
         started, seconds = self.compiles.count, self.compiles.seconds
         try:
-            metrics = evaluate(p.forward, p.data, self.device, p.precision, pad=True)
+            metrics = evaluate(p.forward, p.data, self.device, p.precision, True, micro_batch=micro)
         except UserError:
             raise
         except Exception as err:
@@ -829,7 +876,7 @@ class Fit:
                 raise
             self.stepper.on_compile_error = None
             self.stepper.model = self._compile_failed(err)
-            metrics = evaluate(p.model, p.data, self.device, p.precision)
+            metrics = evaluate(self.objective, p.data, self.device, p.precision, micro_batch=micro)
         compiling = self.compiles.seconds - seconds
         self.val_compile_s += compiling
         return metrics, compiling

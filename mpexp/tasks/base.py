@@ -127,6 +127,14 @@ class Task(ABC):
     def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training loss of a batch: a scalar, the mean over the batch's items."""
 
+    # the keys under which `loss_terms` logs the terms after the first (none: the loss is one)
+    term_names: ClassVar[tuple[str, ...]] = ()
+
+    def loss_terms(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss as a 1-D tensor of the terms that add up to it: the first is
+        logged as `train/loss`, the others under `term_names` (an auxiliary loss, say)."""
+        return self.loss(output, targets).reshape(1)
+
     @abstractmethod
     def val_sums(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One validation batch's sums as a 1-D float tensor, left on the device: the batches'
