@@ -282,3 +282,21 @@ def test_a_gpu_runs_measured_peak_is_within_a_quarter_of_its_plan(tmp_path, in_p
     assert result.returncode == 0, result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert abs(summary["mem/plan_error"]) < 0.25, summary["mem/plan_error"]
+
+
+def test_the_planned_flops_agree_with_the_runs_own_count():
+    """The plan's FLOPs per step (the rehearsal's products, attention's included on the CPU's
+    fused kernel) and perf/tflops' count on the meta device (mpexp/step/flops.py) agree."""
+    import torch
+
+    from mpexp.models.gpt import GPT
+    from mpexp.step.flops import flops_per_sample
+    from mpexp.tasks.language_model import LanguageModelling
+
+    sizes = {"n_layer": 2, "n_embd": 128, "n_head": 4, "block_size": 256}
+    (row,) = plan_rows(["model=gpt", "dataset=text", "dataset.batch_size=8",
+                        *[f"model.{k}={v}" for k, v in sizes.items()]], "cuda")  # fmt: skip
+    with torch.device("meta"):
+        model = GPT(vocab_size=256, **sizes)
+    counted = flops_per_sample(model, LanguageModelling(256, 256), 8)
+    assert row["flops_per_step"] / 8 == pytest.approx(counted, rel=0.05)

@@ -21,7 +21,29 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+
+def _cpu_attention_formulas() -> dict:
+    """FLOP formulas for the CPU's fused attention kernels, which torch's registry lacks: the
+    rehearsal runs on CPU tensors, and a GPU's flash attention does the same products."""
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is None or backward is None:
+        return {}
+
+    def forward_flops(query, key, value, *args, **kwargs) -> int:
+        return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+    def backward_flops(grad_out, query, key, value, *args, **kwargs) -> int:
+        return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+    return {forward: forward_flops, backward: backward_flops}
+
+
+# torch's formulas (matrix products, convolutions, attention), as mpexp/step/flops.py counts
+FORMULAS = {**flop_registry, **_cpu_attention_formulas()}
 
 
 @dataclass
@@ -97,7 +119,7 @@ class LiveBytes(TorchDispatchMode):
             return False if args[0].dtype is torch.bool else 0
         self.clock += 1
         if self.count_flops:
-            formula = flop_registry.get(func._overloadpacket)
+            formula = FORMULAS.get(func._overloadpacket)
             if formula is not None:
                 self.flops += formula(*args, **kwargs, out_val=out)
         if isinstance(out, torch.Tensor):

@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from mpexp.batches import BatchSplit
 from mpexp.errors import reason
 from mpexp.plan.live_bytes import LiveBytes
 from mpexp.precision.fp8 import convert_to_fp8
@@ -30,11 +31,19 @@ from mpexp.precision.fp32_modules import run_in_float32
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.pure_updates import COMPENSATION, hold_in_bf16
 from mpexp.precision.scaling import build_scaler
-from mpexp.run.build import build, checked, fake_tensor_limit, model_trial, output_shape
+from mpexp.run.build import (
+    build,
+    checked,
+    fake_tensor_limit,
+    model_trial,
+    output_shape,
+    with_objective,
+)
 from mpexp.run.validate import validate
 from mpexp.step import performance
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.loop import evaluate, train_step
+from mpexp.step.objective import Objective
 from mpexp.step.weight_average import weight_average
 from mpexp.targets import rewrite_targets
 
@@ -81,7 +90,7 @@ def rehearse(cfg: DictConfig, device_type: str, micro_batches: int | None = None
     task = data.planned_task()
     if task is None:  # the shapes need the data: set it up as the run would
         task = data.setup(CPU)
-    data.task = task
+    data.task = task = with_objective(task, cfg.trainer)
     what = f"model={cfg.model._target_}"
     with model_trial(task, what), torch.device("meta"):  # no memory, and no initialisation
         meta = build(cfg.model, **task.model_kwargs())
@@ -109,6 +118,7 @@ class Stage:
         self.tracker = LiveBytes()
         self.batch = int(data.batch_size)
         self.accumulate = int(cfg.trainer.accumulate)
+        self.micro = BatchSplit(self.batch, self.accumulate).micro_batch  # on one process
         self.rehearsed = self.accumulate
         self.model = self.optimizer = None
         self.parameters = 0
@@ -152,6 +162,8 @@ class Stage:
         # trainer.ema_decay's fp32 copy of the weights, made where the loop makes it
         self.average = weight_average(cfg.trainer, model)
         self.model, self.precision, self.speed = model, precision, speed
+        # what the loop calls: the model with its task's loss, as one module (compiled whole)
+        self.objective = Objective(model, task)
         self._handles = self.tracker.watch(model)
 
     def step(self, micro_batches: int | None) -> None:
@@ -160,7 +172,7 @@ class Stage:
         inputs, targets = self.task.example(self.batch, CPU)
         if inputs.dim() == 4:  # images, as the data hands them to a channels-last step
             inputs = inputs.contiguous(memory_format=self.speed.memory_format())
-        micro = self.batch // self.accumulate
+        micro = self.micro
         # a first update makes the optimizer's states (and pure bf16's compensation), which
         # every later step holds through its forward and backward
         for p in self.model.parameters():
@@ -168,10 +180,10 @@ class Stage:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.tracker.start("train_step")
-        self.tracker.count_flops = True
         inspect = self.diagnostics.inspector(0)
-        if inspect is not None:
-            self.diagnostics.measure_attention(0, inputs)
+        if inspect is not None:  # the diagnostics' pass before the step, where one is due
+            self.diagnostics.measure_attention(0, inputs.chunk(self.accumulate))
+        self.tracker.count_flops = True  # the step's own FLOPs
         self.rehearsed = min(micro_batches or self.accumulate, self.accumulate)
         size = self.rehearsed * micro
         self._train_step(inputs[:size], targets[:size], self.rehearsed, inspect)
@@ -181,8 +193,8 @@ class Stage:
         clip = self.cfg.trainer.clip_grad_norm
         p = self
         train_step(
-            p.model, inputs, targets, p.optimizer, p.scaler, p.precision, accumulate, clip,
-            inspect=inspect, loss_fn=self.task.loss,
+            p.objective, inputs, targets, p.optimizer, p.scaler, p.precision, accumulate, clip,
+            inspect=inspect, loss_fn=None,
         )  # fmt: skip
         self.scaler.update()
         if self.average is not None:  # an update is due at every ema_every-th step
@@ -191,13 +203,16 @@ class Stage:
         self.optimizer.zero_grad(set_to_none=True)  # as the loop does after each step
 
     def validate(self) -> None:
-        """One validation batch, as validation runs it."""
+        """One validation batch, as validation runs it: in the step's micro-batches."""
         self.tracker.start("validation")
-        batch = self.task.example(validation_batch_size(self.data, self.cfg), CPU)
-        evaluate(self.model, self.data, CPU, self.precision, batches=[batch])
+        batch = self.task.example(self.batch, CPU)
+        p = self
+        evaluate(p.objective, p.data, CPU, p.precision, batches=[batch], micro_batch=p.micro)
         if self.average is not None:  # validated again with the average swapped in
             with self.average.swapped_in():
-                evaluate(self.model, self.data, CPU, self.precision, batches=[batch])
+                evaluate(
+                    p.objective, p.data, CPU, p.precision, batches=[batch], micro_batch=p.micro
+                )
 
     def cannot(self, err: RuntimeError) -> None:
         """What fake tensors cannot run (a custom kernel without a shape rule, a value read on
@@ -224,7 +239,7 @@ class Stage:
         }  # fmt: skip
         tokens = getattr(self.task, "block_size", None)
         counted = "flops_per_step" not in self.missing
-        micro = self.batch // self.accumulate
+        micro = self.micro
         return Rehearsal(
             precision=self.precision_name,
             device=self.device_type,
@@ -237,7 +252,7 @@ class Stage:
             samples_per_step=self.batch,
             tokens_per_step=self.batch * tokens if tokens else None,
             micro_batch=micro,
-            validation_batch=validation_batch_size(self.data, self.cfg),
+            validation_batch=micro,  # validation runs the step's micro-batches
             missing=self.missing,
             host_reads=self.tracker.host_reads.get("train_step", 0),
         )  # fmt: skip
@@ -264,12 +279,6 @@ def materialize(meta: torch.nn.Module, dtype: torch.dtype | None = None) -> torc
                 if t is not None:
                     group[name] = fake(t)
     return meta
-
-
-def validation_batch_size(data, cfg: DictConfig) -> int:
-    """What one validation forward takes: the data's own choice where it makes one."""
-    size = getattr(data, "val_batch_size", None)
-    return int(size) if size else int(data.batch_size)
 
 
 def _speed_for(speed, cfg: DictConfig, device_type: str):
