@@ -85,14 +85,14 @@ def mpexp_step_ops(precision: str) -> Counter[str]:
     return counted.ops
 
 
-# fp32 and bf16: the history row (a stack, and the copy into its ring row) and the non-finite
-# guard, about 12 small kernels that make sure a step with inf/NaN gradients is never applied
+# fp32 and bf16: the history row (a stack, the loss's terms joined to it, train/z_loss beside the
+# cross-entropy, and the copy into its ring row) and the non-finite guard, about 13 small kernels that make sure a step with inf/NaN gradients is never applied
 # (the loss's check, the gradients' check, the fused step's skip flag); a bare loop applies it.
 # fp16: the history row and the scaler's own rules (a non-finite loss skips without backing off;
 # a floor under the scale), about 10; the whole rule (hysteresis) took about 45 more operators
 # than torch's GradScaler before the `dynamic` default got its short path. On a GPU the default
 # step is one CUDA graph, which launches none of them one by one (mpexp/step/step_graph.py).
-@pytest.mark.parametrize(("precision", "at_most"), [("fp32", 14), ("bf16", 14), ("fp16", 16)])
+@pytest.mark.parametrize(("precision", "at_most"), [("fp32", 15), ("bf16", 15), ("fp16", 17)])
 def test_a_step_dispatches_few_operators_beyond_a_bare_amp_loop(precision, at_most):
     bare, ours = bare_step_ops(precision), mpexp_step_ops(precision)
     extra = ours.copy()
