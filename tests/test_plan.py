@@ -21,6 +21,8 @@ GiB = 2**30
 PRESETS = sorted(p.stem for p in (config.config_dir() / "experiment").glob("*.yaml"))
 # the precisions a preset is planned in beyond those it sweeps: GPT-2 small's study's five
 EXTRA = {"gpt2_small": ["fp32", "fp16", "fp8", "bf16_pure"]}
+# the processes a preset's own comment runs it on (torchrun): each takes its share of the batch
+PROCESSES = {"imagenet_resnet50": 8}
 
 
 def swept_precisions(preset: str) -> list[str]:
@@ -53,7 +55,8 @@ def test_every_preset_plans_under_80_gib_in_each_precision_it_sweeps(preset, ima
     own = [f"experiment={preset}", f"precision={','.join(swept_precisions(preset))}"]
     if preset in FOLDER_PRESETS:
         own.append(f"dataset.path={imagenet_classes}")
-    rows = plan_rows(own, "cuda", 80 * GiB, micro_batches=2, preset_sweeps=False)
+    n = PROCESSES.get(preset, 1)
+    rows = plan_rows(own, "cuda", 80 * GiB, micro_batches=2, preset_sweeps=False, processes=n)
     assert rows
     for row in rows:
         peaks = row["peak_bytes"]
@@ -300,3 +303,54 @@ def test_the_planned_flops_agree_with_the_runs_own_count():
         model = GPT(vocab_size=256, **sizes)
     counted = flops_per_sample(model, LanguageModelling(256, 256), 8)
     assert row["flops_per_step"] / 8 == pytest.approx(counted, rel=0.05)
+
+
+def test_under_torchrun_one_process_is_planned_with_its_share():
+    """dataset.batch_size is the step's over all processes: 4 processes of 64 images take 16
+    each; the plan is one process's and its FLOPs all of theirs."""
+    (one,) = plan_rows([*TINY, "dataset.batch_size=16"], "cuda")
+    (four,) = plan_rows([*TINY], "cuda", processes=4)
+    assert four["micro_batch"] == one["micro_batch"] == 16 and four["processes"] == 4
+    assert four["peak_bytes"] == one["peak_bytes"]
+    assert four["flops_per_step"] == pytest.approx(4 * one["flops_per_step"])
+    with pytest.raises(Exception, match=r"trainer\.accumulate=2 micro-batches cannot be shared"):
+        plan_rows([*TINY, "trainer.accumulate=2"], "cuda", processes=4)
+
+
+def test_the_largest_at_a_peak_include_what_its_op_read_and_freed_after():
+    """A storage freed right after the op that made the peak was live at it."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mpexp.plan.live_bytes import LiveBytes
+
+    tracker = LiveBytes()
+    with FakeTensorMode(), tracker:
+        tracker.start("work")
+        x = torch.empty(1000)
+        y = x * 2  # the peak: x and y live, 8,000 bytes
+        del x
+    assert tracker.peaks["work"].nbytes == 8000
+    assert sorted(t["bytes"] for t in tracker.largest_at("work")) == [4000, 4000]
+    del y
+
+
+def test_a_model_the_rehearsal_cannot_run_trains_unplanned_with_a_warning(
+    tmp_path, in_process, monkeypatch
+):
+    (tmp_path / "plan_host_models.py").write_text(
+        "from mpexp.models.simplecnn import SimpleCNN\n\n\n"
+        "class ReadsValues(SimpleCNN):\n"
+        "    def forward(self, x):\n"
+        "        x.numpy()  # a host read fake tensors cannot answer\n"
+        "        return super().forward(x)\n"
+    )
+    monkeypatch.syspath_prepend(tmp_path)
+    run_dir = tmp_path / "run"
+    result = in_process(*TINY, "trainer.epochs=1", "trainer.plan=true",
+                        "model._target_=plan_host_models.ReadsValues",
+                        f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    said = result.stdout + result.stderr
+    assert "No plan for this run" in said and "tensor subclasses" in said
+    assert "plan" not in json.loads((run_dir / "summary.json").read_text())["ran"]

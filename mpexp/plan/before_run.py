@@ -5,22 +5,24 @@ change, and the run records the planned peak beside the one it measures."""
 from __future__ import annotations
 
 import copy
+import logging
 import os
 
 import torch
 from omegaconf import DictConfig
 
-from mpexp.errors import ConfigError
+from mpexp.errors import ConfigError, reason
 from mpexp.plan.rehearsal import rehearse
 from mpexp.plan.rows import held, row
 
 GiB = 2**30
+log = logging.getLogger("mpexp")
 
 
-def plan_run(cfg: DictConfig, device: torch.device) -> dict | None:
+def plan_run(cfg: DictConfig, device: torch.device, processes: int = 1) -> dict | None:
     """The run's plan as `ran.plan` records it, or None where the run is not planned; raises
     ConfigError where it cannot fit. Made before the run sets its precision up: the rehearsal
-    sets the CPU's (TF32 off) for itself."""
+    sets the CPU's (TF32 off) for itself. Under torchrun it plans one of the `processes`."""
     asked = cfg.trainer.plan
     if not (device.type == "cuda" if asked is None else asked):
         return None
@@ -28,9 +30,25 @@ def plan_run(cfg: DictConfig, device: torch.device) -> dict | None:
         return None
     memory = device_memory(device)
     own = copy.deepcopy(cfg)  # the rehearsal rewrites former targets and builds its own parts
-    # two micro-batches reach the step's peak (mpexp/plan/rehearsal.py): seconds, not minutes
-    rehearsal = rehearse(own, device.type, micro_batches=2)
-    planned = row([], None, rehearsal, memory, own)
+    try:
+        # two micro-batches reach the step's peak (mpexp/plan/rehearsal.py): seconds, not minutes
+        rehearsal = rehearse(own, device.type, micro_batches=2, processes=processes)
+    except Exception as err:  # a plan is advice: a model the rehearsal cannot run still trains,
+        # and one that is broken fails its own trial next, building the run's parts
+        log.warning(
+            "No plan for this run: rehearsing it on fake tensors failed (%s: %s). It trains "
+            "unplanned; trainer.plan=false skips the rehearsal.",
+            type(err).__name__,
+            reason(err),
+        )
+        return None
+    planned = row([], None, rehearsal, memory)
+    if planned["missing"]:  # the rehearsal could not follow the step: nothing to hold it to
+        log.warning(
+            "No plan for this run's peaks: %s. It trains unplanned.",
+            next(iter(planned["missing"].values())),
+        )
+        return None
     if planned["fits"] is False:
         peaks = planned["peak_bytes"]
         where = "the GPU's" if device.type == "cuda" else "this machine's"

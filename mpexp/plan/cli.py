@@ -34,6 +34,17 @@ UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 UNPLANNED_KEYS = ("trainer.seed",)
 
 
+def at_least(minimum: int):
+    """An argparse type: a whole number of at least `minimum`."""
+
+    def whole(text: str) -> int:
+        if not text.isdigit() or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of {minimum} or more")
+        return int(text)
+
+    return whole
+
+
 def parse_bytes(text: str) -> int:
     """`80GiB`, `80GB`, `81920MiB`, `8e10` as bytes."""
     match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
@@ -65,10 +76,17 @@ def arguments(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--micro-batches",
-        type=int,
+        type=at_least(2),
         default=None,
         help="rehearse this many of a step's micro-batches (at least 2: the peak is reached by "
         "the second); default: all of them",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=at_least(1),
+        default=1,
+        help="processes the run is shared among (torchrun's --nproc_per_node x nodes): each "
+        "takes its share of the batch, and the plan is one process's",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     return parser.parse_args(argv)
@@ -81,7 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from mpexp.plan.rows import plan_rows  # torch: once the arguments are known to be good
 
-        rows = plan_rows(args.overrides, args.device, args.device_memory, args.micro_batches)
+        rows = plan_rows(
+            args.overrides, args.device, args.device_memory, args.micro_batches, True, args.nproc
+        )
     except UserError as err:
         sys.stderr.write(f"{err}\n")
         raise SystemExit(2) from None

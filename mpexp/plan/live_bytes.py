@@ -155,7 +155,8 @@ class LiveBytes(TorchDispatchMode):
         index = self._live.pop(key, None)
         if index is not None:
             allocation = self.allocations[index]
-            allocation.died = self.clock
+            # freed after op `clock` ran: live at that op's peak, gone before the next op's
+            allocation.died = self.clock + 1
             self.now -= allocation.nbytes
 
     # --- phases and names ----------------------------------------------------------------------

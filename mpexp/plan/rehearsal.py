@@ -67,19 +67,24 @@ class Rehearsal:
     tokens_per_step: int | None
     micro_batch: int
     validation_batch: int
+    processes: int = 1  # the plan is one process's (under torchrun, each holds as much)
     missing: dict[str, str] = field(default_factory=dict)  # a number not given -> why
     # values one optimizer step reads on the host (each a host-device synchronisation on a GPU)
     host_reads: int = 0
 
 
-def rehearse(cfg: DictConfig, device_type: str, micro_batches: int | None = None) -> Rehearsal:
+def rehearse(
+    cfg: DictConfig, device_type: str, micro_batches: int | None = None, processes: int = 1
+) -> Rehearsal:
     """Build `cfg`'s run on fake tensors as a run on `device_type` would build it, and follow one
     optimizer step and one validation batch. A config the run would refuse is refused here with
     the same message (ConfigError).
 
     `micro_batches` rehearses that many of the step's micro-batches instead of all: from the
     second on, each holds what the one before it held (the gradients being summed into), so two
-    reach the whole step's peak; the FLOPs are counted for all of them."""
+    reach the whole step's peak; the FLOPs are counted for all of them. With `processes` (under
+    torchrun), one process is rehearsed: its share of the batch and of the micro-batches
+    (mpexp/batches.py), its replica of the model; the FLOPs are all processes'."""
     rewrite_targets(cfg)
     validate(cfg)
     with quiet():  # the emulation and TF32 warnings speak of this CPU, not of the planned device
@@ -94,7 +99,9 @@ def rehearse(cfg: DictConfig, device_type: str, micro_batches: int | None = None
     what = f"model={cfg.model._target_}"
     with model_trial(task, what), torch.device("meta"):  # no memory, and no initialisation
         meta = build(cfg.model, **task.model_kwargs())
-    stage = Stage(cfg, data, device_type)
+    stage = Stage(
+        cfg, data, device_type, BatchSplit(data.batch_size, cfg.trainer.accumulate, processes)
+    )
     with FakeTensorMode(allow_non_fake_inputs=True), stage.tracker:
         try:
             stage.build(meta, precision, what)
@@ -112,13 +119,14 @@ def rehearse(cfg: DictConfig, device_type: str, micro_batches: int | None = None
 class Stage:
     """One rehearsal's parts and what it has measured so far (see `rehearse`)."""
 
-    def __init__(self, cfg: DictConfig, data, device_type: str) -> None:
+    def __init__(self, cfg: DictConfig, data, device_type: str, split: BatchSplit) -> None:
         self.cfg, self.data, self.task = cfg, data, data.task
         self.device_type = device_type
         self.tracker = LiveBytes()
-        self.batch = int(data.batch_size)
-        self.accumulate = int(cfg.trainer.accumulate)
-        self.micro = BatchSplit(self.batch, self.accumulate).micro_batch  # on one process
+        self.split = split
+        self.batch = split.per_process  # what one process takes a step
+        self.accumulate = split.accumulate_per_process
+        self.micro = split.micro_batch
         self.rehearsed = self.accumulate
         self.model = self.optimizer = None
         self.parameters = 0
@@ -248,11 +256,13 @@ class Stage:
             peak_bytes=peaks,
             largest={phase: self.tracker.largest_at(phase) for phase in peaks if peaks[phase]},
             flops_per_step=self.tracker.flops * self.accumulate / self.rehearsed
+            * self.split.processes
             if counted else None,
-            samples_per_step=self.batch,
-            tokens_per_step=self.batch * tokens if tokens else None,
+            samples_per_step=self.split.batch,
+            tokens_per_step=self.split.batch * tokens if tokens else None,
             micro_batch=micro,
             validation_batch=micro,  # validation runs the step's micro-batches
+            processes=self.split.processes,
             missing=self.missing,
             host_reads=self.tracker.host_reads.get("train_step", 0),
         )  # fmt: skip

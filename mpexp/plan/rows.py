@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mpexp import config
@@ -27,6 +27,7 @@ def plan_rows(
     device_memory: int | None = None,
     micro_batches: int | None = None,
     preset_sweeps: bool = True,
+    processes: int = 1,
 ) -> list[dict]:
     """One row per combination of `overrides`' values (and of the values its preset sweeps,
     unless `preset_sweeps` is false)."""
@@ -41,8 +42,8 @@ def plan_rows(
                 cfg = compose(config_name="train", overrides=own)
                 device_type = device or ("cpu" if cfg.trainer.device == "cpu" else "cuda")
                 memory = device_memory or visible_memory(device_type)
-                rehearsal = rehearse(cfg, device_type, micro_batches)
-                rows.append(row(own, choices.get("precision"), rehearsal, memory, cfg))
+                rehearsal = rehearse(cfg, device_type, micro_batches, processes)
+                rows.append(row(own, choices.get("precision"), rehearsal, memory))
     return rows
 
 
@@ -82,7 +83,6 @@ def row(
     precision: str | None,
     rehearsal: Rehearsal,
     memory: int | None,
-    cfg: DictConfig,
 ) -> dict:
     """A row of the plan, as printed and as `--json` writes it."""
     peaks = [p for p in rehearsal.peak_bytes.values() if p is not None]
@@ -101,10 +101,11 @@ def row(
         "samples_per_step": rehearsal.samples_per_step,
         "tokens_per_step": rehearsal.tokens_per_step,
         "micro_batch": rehearsal.micro_batch,
+        "processes": rehearsal.processes,
         "validation_batch": rehearsal.validation_batch,
         "device_memory": memory,
         "fits": fits,
-        "advice": advice(rehearsal, memory, cfg) if fits is False else [],
+        "advice": advice(rehearsal, memory) if fits is False else [],
         "missing": rehearsal.missing,
         "host_reads_per_step": rehearsal.host_reads,
     }
@@ -115,9 +116,10 @@ def held(b: dict[str, int]) -> int:
     return b["weights"] + b["gradients"] + b["optimizer"] + b["buffers"] + b["weight_average"]
 
 
-def advice(rehearsal: Rehearsal, memory: int, cfg: DictConfig) -> list[str]:
+def advice(rehearsal: Rehearsal, memory: int) -> list[str]:
     """The keys that would make a row fit, estimated from the row's own numbers: what a step
-    holds beyond its weights, gradients and states grows with its micro-batch."""
+    holds beyond its weights, gradients and states grows with its micro-batch. Under torchrun
+    (`processes`), each process runs its share: the keys keep the shares whole."""
     budget = USABLE * memory
     kept = held(rehearsal.bytes)
     if kept >= budget:
@@ -129,30 +131,21 @@ def advice(rehearsal: Rehearsal, memory: int, cfg: DictConfig) -> list[str]:
         if per > 9:
             out.append("precision=bf16_pure (8 bytes a parameter under Adam)")
         return out
-    batch, accumulate = rehearsal.samples_per_step, int(cfg.trainer.accumulate)
+    n = rehearsal.processes
+    share = rehearsal.samples_per_step // n  # one process's samples a step
+    runs = share // rehearsal.micro_batch  # and its micro-batches
+    peak = max(p for p in rehearsal.peak_bytes.values() if p is not None)
+    shrink = (peak - kept) / (budget - kept)  # the micro-batch must be this many times less
     out = []
-    for phase in ("train_step", "validation"):
-        peak = rehearsal.peak_bytes.get(phase)
-        if peak is None or peak <= budget:
-            continue
-        shrink = (peak - kept) / (budget - kept)  # the micro-batch must be this many times less
-        if phase == "validation" and rehearsal.validation_batch != rehearsal.micro_batch:
-            out.append(
-                f"validation takes {rehearsal.validation_batch} samples a forward: planned "
-                f"{peak / GiB:.1f} GiB; fewer a forward would fit"
-            )
-            continue
-        steps = next(
-            (d for d in range(math.ceil(accumulate * shrink), batch + 1) if batch % d == 0), None
+    steps = next((d for d in range(math.ceil(runs * shrink), share + 1) if share % d == 0), None)
+    if steps is not None and steps > runs:
+        out.append(
+            f"trainer.accumulate={steps * n} (micro-batches of {share // steps}; about "
+            f"{kept / GiB + (peak - kept) * runs / steps / GiB:.1f} GiB at the peak)"
         )
-        if steps is not None and steps > accumulate:
-            out.append(
-                f"trainer.accumulate={steps} (micro-batches of {batch // steps}; about "
-                f"{kept / GiB + (peak - kept) * accumulate / steps / GiB:.1f} GiB at the peak)"
-            )
-        smaller = int(batch / shrink) // accumulate * accumulate
-        if smaller >= accumulate:
-            out.append(f"dataset.batch_size={smaller} (a smaller optimizer batch)")
+    smaller = int(share / shrink) // runs * runs * n
+    if smaller >= runs * n:
+        out.append(f"dataset.batch_size={smaller} (a smaller optimizer batch)")
     return out
 
 

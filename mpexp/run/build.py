@@ -118,11 +118,14 @@ def fake_tensor_limit(err: BaseException) -> bool:
         fake_tensor.DataDependentOutputException,
         fake_tensor.DynamicOutputShapeException,
     )
-    # a custom operator registered without a shape rule ("no fake impl registered for ...")
+    # a custom operator registered without a shape rule ("no fake impl registered for ..."), or
+    # a tensor's data asked for (`.numpy()` is "not supported for tensor subclasses")
     return isinstance(err, limits) or bool(NO_SHAPE_RULE.search(str(err)))
 
 
-NO_SHAPE_RULE = re.compile(r"no (fake|abstract|meta) (impl|kernel)", re.IGNORECASE)
+NO_SHAPE_RULE = re.compile(
+    r"no (fake|abstract|meta) (impl|kernel)|not supported for tensor subclasses", re.IGNORECASE
+)
 
 
 def out_of_memory(err: BaseException) -> bool:
