@@ -47,7 +47,8 @@ class BatchRecordingGPT(GPT):
 
 def test_gpt2_small_validates_and_measures_attention_one_micro_batch_at_a_time(tmp_path, caplog):
     """The preset's 480-window batch and 40 micro-batches, a tiny GPT: no pass, training,
-    validation or the diagnostics', takes more than the step's 12 windows (the whole batch at
+    validation (of the weights and of their moving average) or the diagnostics', takes more than
+    the step's 12 windows (the whole batch at
     once is what made GPT-2 small's first validation need about 150 GB)."""
     # the class as the run imports it by its name (pytest may have imported this file as another)
     recorder = importlib.import_module("tests.test_lm_scale").BatchRecordingGPT
@@ -58,6 +59,7 @@ def test_gpt2_small_validates_and_measures_attention_one_micro_batch_at_a_time(t
         "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=8",
         "dataset.train_size=960", "trainer.max_steps=2", "scheduler.warmup_steps=1",
         "diagnostics.grad_stats_every=1", "trainer.progress=false", "wandb.mode=disabled",
+        "trainer.ema_decay=0.9", "trainer.ema_every=1",  # val_ema/: validated a second time
     )  # fmt: skip
     assert (cfg.dataset.batch_size, cfg.trainer.accumulate) == (480, 40)  # the preset's own
     with caplog.at_level(logging.INFO, logger="mpexp"):
@@ -73,7 +75,8 @@ def test_gpt2_small_validates_and_measures_attention_one_micro_batch_at_a_time(t
     validating = [n for train_mode, m, n in passes if not (m or train_mode)]
     assert training == [MICRO] * 80  # 2 steps of 40 micro-batches
     assert measuring == [MICRO] * 80  # the diagnostics' pass on each step's batch
-    assert max(validating) == MICRO and sum(validating) == cfg.dataset.val_size
+    # the weights, then their moving average (val_ema/), each in micro-batches
+    assert max(validating) == MICRO and sum(validating) == 2 * cfg.dataset.val_size
 
 
 def test_a_compiled_validation_pads_its_last_micro_batch_not_the_optimizer_batch(tmp_path):

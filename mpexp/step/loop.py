@@ -822,9 +822,11 @@ class Fit:
         """The validation metrics of the weights' moving average (`val_ema/...`), on the path
         that validated the weights themselves (compiled, once `_validate` has compiled it)."""
         p = self.parts
-        compiled = p.forward is not p.model
-        with self.average.swapped_in():
-            metrics = evaluate(p.forward, p.data, self.device, p.precision, pad=compiled)
+        compiled = p.forward is not self.objective
+        with self.average.swapped_in():  # in the step's micro-batches, as _validate runs them
+            metrics = evaluate(
+                p.forward, p.data, self.device, p.precision, compiled, micro_batch=self.micro_batch
+            )
         return {f"val_ema/{key.split('/', 1)[1]}": value for key, value in metrics.items()}
 
     def _compute_only(self) -> dict[str, float]:
