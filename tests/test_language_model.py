@@ -495,3 +495,16 @@ def test_a_gpt_trains_sharded_by_fsdp_on_two_ranks(tmp_path):
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
     assert summary["status"] == "finished" and math.isfinite(summary["val/loss"])
     assert summary["ran"]["strategy"] == "fsdp"
+
+
+@pytest.mark.parametrize(("tokenizer", "vocab"), [("byte", None), ("bpe", 512)])
+def test_text_runs_count_val_bpb_from_the_bytes_each_token_stands_for(tmp_path, tokenizer, vocab):
+    """dataset=text gives the task each id's length in bytes (a byte's 1, a byte-level BPE
+    token's string length, end-of-text's 0): the validation tokens' lengths add up to exactly
+    the validation text's bytes, so val/bpb counts the bytes of the targets scored."""
+    data = text_data(corpus(tmp_path), tmp_path, tokenizer=tokenizer, vocab_size=vocab)
+    task = data.setup(CPU)
+    assert task.record()["exact_bpb"]
+    val = data.encoded.val if data.encoded is not None else data.val_tokens
+    tokens = torch.as_tensor(np.asarray(val, dtype=np.int64))
+    assert int(task.token_bytes[tokens].sum()) == len(data.tokens) - data.split

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from mpexp.data import atomic
-from mpexp.data.tokenizer import Encoded, encode
+from mpexp.data.tokenizer import Encoded, byte_lengths, encode
 from mpexp.data.windows import TokenWindows
 from mpexp.errors import ConfigError, DataError
 from mpexp.tasks.language_model import LanguageModelling
@@ -327,9 +327,20 @@ class TextData(TokenWindows):
             f" with dataset.val_fraction={self.val_fraction}",
         )
         self.task = LanguageModelling(
-            vocab_size=vocab, block_size=self.block_size, bytes_per_token=bytes_per_token
+            vocab_size=vocab,
+            block_size=self.block_size,
+            bytes_per_token=bytes_per_token,
+            token_bytes=self._token_bytes(vocab, device),
         )
         return self.task
+
+    def _token_bytes(self, vocab: int, device: torch.device) -> torch.Tensor | None:
+        """Each id's bytes (val/bpb counted exactly, on the device): one for a byte, a byte-level
+        BPE token's length; None where the tokenizer's strings are not its bytes."""
+        if self.encoded is None:
+            return torch.ones(vocab, dtype=torch.int64, device=device)
+        lengths = byte_lengths(self.encoded.tokenizer_path, vocab)
+        return None if lengths is None else torch.tensor(lengths, device=device)
 
     def resume_key(self) -> dict:
         """The corpus's length and a digest of evenly spread samples of it: text added, cut or

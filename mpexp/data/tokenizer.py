@@ -62,6 +62,23 @@ def _tokenizers():
     return tokenizers
 
 
+def byte_lengths(path: Path, vocab: int) -> list[int] | None:
+    """Each token id's length in bytes of the original text, for an exact val/bpb: a byte-level
+    tokenizer (GPT-2's, and every BPE mpexp learns) writes each byte as one character, so a
+    token's string is as long as its bytes; special tokens (end-of-text) stand for no text, and
+    ids past the tokenizer's (padding) for none either. None for other tokenizers, whose strings
+    are not bytes (SentencePiece's, say): the split's average bytes per token serves them."""
+    tokenizer = load(path)
+    if "ByteLevel" not in str(tokenizer.pre_tokenizer):
+        return None
+    special = {t.content for t in getattr(tokenizer, "get_added_tokens_decoder", dict)().values()}
+    lengths = [0] * vocab
+    for token, i in tokenizer.get_vocab().items():
+        if i < vocab and token not in special:
+            lengths[i] = len(token)
+    return lengths
+
+
 def load(path: Path):
     """A tokenizer.json, or one message saying why it does not load."""
     tokenizers = _tokenizers()
