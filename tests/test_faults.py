@@ -981,6 +981,12 @@ def _narrower_first_conv(state: dict) -> None:
     state["model"][key] = state["model"][key][:3].clone()
 
 
+def _per_process_batch(state: dict) -> None:
+    """As a 2-process run saved it before dataset.batch_size was the step's over all processes."""
+    state["world_size"] = 2
+    del state["batch"]
+
+
 @pytest.mark.parametrize(
     ("change", "said"),
     [
@@ -988,8 +994,10 @@ def _narrower_first_conv(state: dict) -> None:
         (lambda state: state.pop("scaler"), "is not a complete mpexp checkpoint: it lacks scaler"),
         (_narrower_first_conv, "does not fit the run's model: conv1.weight is (3, 1, 3, 3) in the "
          "checkpoint, (8, 1, 3, 3) in the model"),
+        (_per_process_batch, "was saved by a run of 2 processes when dataset.batch_size was each "
+         "process's batch (2 x 64 = 128 samples a step)"),
     ],
-    ids=["no config", "no scaler", "a weight of another shape"],
+    ids=["no config", "no scaler", "a weight of another shape", "a per-process batch"],
 )  # fmt: skip
 def test_a_refused_resume_leaves_the_run_as_it_was(finished_run, in_process, change, said):
     _, newest = checkpoint_files(finished_run)

@@ -277,6 +277,9 @@ class Checkpointer:
                 "format": FORMAT,
                 "position": asdict(position),
                 "world_size": self.world.size,
+                # dataset.batch_size: the step's over all processes (mpexp/batches.py); a
+                # checkpoint without this key was written when it was each process's
+                "batch": "global",
                 "scaler": self.scaler.state_dict(),
                 "schedule": self.schedule.state_dict() if self.schedule is not None else None,
                 "log": log_state,
@@ -591,6 +594,21 @@ def _other(path: Path) -> str:
     )
 
 
+def check_batch_meaning(state: dict, path: Path) -> None:
+    """Refuse a run of several processes saved when dataset.batch_size was each process's: the
+    same config now trains a step of 1/N of the batch it did, with no other sign of it."""
+    n = state.get("world_size", 1)
+    if n == 1 or state.get("batch") == "global":
+        return
+    batch = state["config"]["dataset"]["batch_size"]
+    raise ResumeRefused(
+        f"trainer.resume: {path} was saved by a run of {n} processes when dataset.batch_size "
+        f"was each process's batch ({n} x {batch} = {n * batch} samples a step); it is now the "
+        f"step's over all processes, so the same config would continue with {batch} a step. "
+        f"Start the run again with dataset.batch_size={n * batch} (its learning rate as it was)."
+    )
+
+
 def check_not_finished(state: dict, cfg: DictConfig, target: str | Path) -> None:
     """Refuse a resume that has nothing left to train, saying how to train on."""
     if cfg.trainer.max_steps is not None:
@@ -713,5 +731,6 @@ def open_resume(cfg: DictConfig, run_dir: Path | None = None, mmap: bool = False
     rewrite_targets(state["config"])  # saved before a module moved: compared by today's paths
     check_weights(state, cfg, target)
     check_config(state, cfg, target)
+    check_batch_meaning(state, path)
     check_not_finished(state, cfg, target)
     return Resume(path, state)
