@@ -38,11 +38,19 @@ class WeightAverage:
         """Update the average after optimizer step `step` (counted from 1) if one is due."""
         if step % self.every:
             return
-        weights = [t.detach().float() for t in self.sources]  # no copy of float32 tensors
-        if self.updates == 0 or step <= self.warmup_steps:
-            torch._foreach_copy_(self.average, weights)
-        else:
-            torch._foreach_lerp_(self.average, weights, 1.0 - self.decay)
+        copy = self.updates == 0 or step <= self.warmup_steps
+        if all(t.dtype == torch.float32 for t in self.sources):  # no cast: over all at once
+            weights = [t.detach() for t in self.sources]
+            if copy:
+                torch._foreach_copy_(self.average, weights)
+            else:
+                torch._foreach_lerp_(self.average, weights, 1.0 - self.decay)
+        else:  # 16-bit weights (pure bf16): cast one tensor at a time, never the whole model
+            for average, source in zip(self.average, self.sources, strict=True):
+                if copy:
+                    average.copy_(source.detach())
+                else:
+                    average.lerp_(source.detach().float(), 1.0 - self.decay)
         self.updates += 1
 
     @contextlib.contextmanager
