@@ -188,9 +188,9 @@ def in_process():
 # The files whose tests stop, kill or time processes (signals, SIGKILL, W&B's process, pre-emption):
 # under `pytest -n 2` they run one after another in one process, never beside each other
 ONE_AT_A_TIME = {"test_faults", "test_preemption", "test_resume", "test_wandb"}
-# The groups that take longest (about 170, 50, 45 and 35 s on two cores) start first, each as a
-# worker comes free, so that the many short files even out the two workers' ends
-LONGEST_FIRST = ["processes", "test_report", "test_config", "test_distributed"]
+# The groups that take longest (about 170 s, then 35 to 60 s each, on two cores) start first,
+# each as a worker comes free, so that the many short files even out the two workers' ends
+LONGEST_FIRST = ["processes", "test_plan", "test_report", "test_config", "test_distributed"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups

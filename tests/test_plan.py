@@ -91,7 +91,10 @@ def test_two_micro_batches_reach_the_peak_of_all_of_them():
     every = plan_rows(overrides, "cuda")
     two = plan_rows(overrides, "cuda", micro_batches=2)
     for a, b in zip(every, two, strict=True):
-        assert a["peak_bytes"] == b["peak_bytes"] and a["bytes"] == b["bytes"]
+        assert a["peak_bytes"]["train_step"] == b["peak_bytes"]["train_step"]
+        assert a["bytes"] == b["bytes"]
+        # validation's sums, added up across its micro-batches: a few bytes either way
+        assert abs(a["peak_bytes"]["validation"] - b["peak_bytes"]["validation"]) < 1024
         assert a["flops_per_step"] == pytest.approx(b["flops_per_step"])
 
 

@@ -211,9 +211,12 @@ class Stage:
         self.optimizer.zero_grad(set_to_none=True)  # as the loop does after each step
 
     def validate(self) -> None:
-        """One validation batch, as validation runs it: in the step's micro-batches."""
+        """One validation batch, as validation runs it: in the step's micro-batches (as many
+        of them as the step rehearsed: each holds what the one before it held)."""
         self.tracker.start("validation")
-        batch = self.task.example(self.batch, CPU)
+        inputs, targets = self.task.example(self.batch, CPU)  # the batch as the data hands it
+        size = min(self.batch, self.rehearsed * self.micro)
+        batch = (inputs[:size], targets[:size])
         p = self
         evaluate(p.objective, p.data, CPU, p.precision, batches=[batch], micro_batch=p.micro)
         if self.average is not None:  # validated again with the average swapped in
