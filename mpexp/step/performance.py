@@ -22,7 +22,7 @@ from torch import nn
 
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError
-from mpexp.precision import pure_updates
+from mpexp.precision import pure_optimizers, pure_updates
 from mpexp.step.schedules import runs_on_device, schedule_factor
 
 log = logging.getLogger(__name__)
@@ -164,10 +164,20 @@ def _graph_blockers(cfg: DictConfig, fused) -> list[str]:
         )
     if cfg.diagnostics.overflow_attribution:
         reasons.append("diagnostics.overflow_attribution reads every step's gradients")
-    if cfg.precision.get("weights") == "bfloat16" or cfg.diagnostics.get("updates_lost"):
-        # mpexp/precision/pure_updates.py: float32 copies made and the states re-keyed in Python
-        # around each optimizer step, which a replay would not do
-        reasons.append("precision=bf16_pure rounds each update in Python-side optimizer hooks")
+    pure = cfg.precision.get("weights") == "bfloat16"
+    if not pure and cfg.diagnostics.get("updates_lost"):
+        # mpexp/precision/pure_updates.py: a copy of the weights kept in Python around each step
+        reasons.append(
+            "diagnostics.updates_lost=true with float32 weights counts in Python-side optimizer "
+            "hooks"
+        )
+    stochastic = pure and cfg.precision.get("update_rounding") == "stochastic"
+    if stochastic and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+        # a replay must draw new numbers from the rounding's own generator each time
+        reasons.append(
+            f"precision.update_rounding=stochastic draws from a generator of its own, which "
+            f"torch {torch.__version__} cannot register with a CUDA graph (torch 2.5 can)"
+        )
     return reasons
 
 
@@ -199,6 +209,8 @@ def build_optimizer(
     learning-rate arithmetic stay on the device.
     """
     fused = cfg.optimizer.get("fused") if speed is None else speed.fused
+    if cfg.precision.get("weights") == "bfloat16":
+        return _pure_optimizer(cfg, model, fused)
     extra = {}
     if speed is not None and speed.cuda_graph:
         target = get_object(cfg.optimizer._target_)
@@ -214,9 +226,20 @@ def build_optimizer(
     optimizer = build(parameter_groups(model, cfg.optimizer))
     if fused:
         _zero_momentum(optimizer)
-    # pure bf16: the step computed in fp32 and rounded into the bf16 weights as configured
-    pure_updates.watch(optimizer, cfg, device)
+    if cfg.diagnostics.get("updates_lost"):  # asked for with float32 weights: the count alone
+        pure_updates.CountUpdates(optimizer)
     return optimizer
+
+
+def _pure_optimizer(cfg: DictConfig, model: nn.Module, fused: bool | None):
+    """Pure bf16's own optimizer (mpexp/precision/pure_optimizers.py): fused by default on
+    every device, as its update takes no host read then (torch's fused kernel, a chunk at a
+    time), and with `optimizer.fused=false` the op-by-op formula of torch's unfused step."""
+    spec = optimizer_spec(cfg.optimizer)
+    settings = {k: v for k, v in spec.items() if k not in ("_target_", "_partial_", "fused")}
+    params = parameter_groups(model, cfg.optimizer)
+    fused = True if fused is None else bool(fused)
+    return pure_optimizers.build_pure(spec["_target_"], settings, params, cfg, fused)
 
 
 # keys of the optimizer group that are mpexp's own, not arguments of the optimizer

@@ -1,0 +1,417 @@
+"""The optimizers of pure bf16: Adam, AdamW and SGD stepping bfloat16 weights with bfloat16
+gradients and 16-bit (or float32) states, the float32 arithmetic done a chunk at a time.
+
+A step never holds a float32 copy of the model. Each parameter is walked in chunks of `chunk`
+elements (a cache's worth on a CPU, more on a GPU); a chunk of the weight, its gradient and its
+states is upcast, stepped in float32 by torch's own arithmetic (its fused kernel, `_fused_adam_`
+and friends, or the op-by-op formula of its single-tensor path with `optimizer.fused=false`),
+rounded back as `precision.update_rounding` says, and the next chunk reuses the memory. So the
+step's peak is the bytes held between steps plus a few chunks: 8 bytes a parameter for Adam
+(2 each for the weight, its gradient and the two moments), 10 with Kahan's buffer; with
+`precision.optimizer_states=float32`, 12 and 14.
+
+The rounding is part of the update, whatever the diagnostics say: `count=False`
+(`diagnostics.updates_lost=false`) only skips the count of lost updates, which is otherwise
+summed on the device in the same pass (one reduction a chunk) and read at the metrics flush.
+
+The states keep torch's names (`step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer`) and the
+optimizer's state dict torch's layout, plus `kahan_compensation` per parameter under Kahan and
+the generator's state under stochastic rounding: a checkpoint of the earlier hook-based update
+(torch's optimizer with mpexp's hooks) loads here, and the reverse.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mpexp.distributed import local_shard
+from mpexp.precision.pure_updates import (
+    COMPENSATION,
+    GENERATOR,
+    GRAPH_GENERATORS,
+    UpdatesLost,
+    round_stochastic,
+)
+
+log = logging.getLogger(__name__)
+
+# elements per chunk: a CPU's float32 temporaries stay in its L2 cache (a dozen of 256 KiB); a
+# GPU needs chunks large enough that a kernel launch per chunk does not dominate
+CPU_CHUNK = 1 << 16
+CUDA_CHUNK = 1 << 24
+
+
+def has_fused_kernel(name: str, device: torch.device) -> bool:
+    """Whether torch has the fused update kernel `name` (`_fused_adam_`, ...) for `device`:
+    on CUDA since torch 2.0, on a CPU since 2.4; tried once, as torch says so only by raising."""
+    kernel = getattr(torch, name, None)
+    if kernel is None:
+        return False
+    one = torch.zeros(1, device=device)
+    try:
+        if name == "_fused_sgd_":
+            kernel([one], [one.clone()], [], weight_decay=0.0, momentum=0.0, lr=0.0,
+                   dampening=0.0, nesterov=False, maximize=False, is_first_step=False)  # fmt: skip
+        else:
+            kernel([one], [one.clone()], [one.clone()], [one.clone()], [], [one.clone()],
+                   lr=0.0, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
+                   amsgrad=False, maximize=False)  # fmt: skip
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+class PureOptimizer(torch.optim.Optimizer):
+    """What Adam and SGD share: the chunked walk, the rounding, the count and the state dict.
+
+    `rounding` is nearest, kahan or stochastic; `states` the dtype of the states between steps;
+    `fused` whether torch's fused kernel does the float32 arithmetic (it also takes GradScaler's
+    overflow flag on the device, so that a skipped step needs no host read)."""
+
+    kernel = ""  # the name of torch's fused kernel for this algorithm
+    moments: tuple[str, ...] = ()  # the state keys shaped like their parameter
+
+    def __init__(
+        self,
+        params,
+        defaults: dict,
+        rounding: str = "nearest",
+        states: torch.dtype = torch.bfloat16,
+        fused: bool = True,
+        seed: int = 0,
+        count: bool = True,
+        chunk: int | None = None,
+    ) -> None:
+        super().__init__(params, {**defaults, "fused": fused})
+        self.rounding = rounding
+        self.states_dtype = states
+        self.fused = fused
+        # GradScaler hands a fused step its overflow flag instead of reading it on the host
+        self._step_supports_amp_scaling = fused
+        self.params = [p for group in self.param_groups for p in group["params"]]
+        device = self.params[0].device
+        self.chunk = chunk or (CUDA_CHUNK if device.type == "cuda" else CPU_CHUNK)
+        self.generator = None
+        if rounding == "stochastic":
+            # the same seed on every rank: DDP's replicas must round alike to stay equal
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed)
+            if device.type == "cuda":
+                GRAPH_GENERATORS.add(self.generator)
+        self.lost = UpdatesLost(len(self.params), device) if count else None
+        # how the diagnostics find the counts (`params`, `lost`): none to find when not counting
+        self.pure_updates = self if count else None
+
+    # --- the step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step (fused only)
+        found_inf = getattr(self, "found_inf", None)
+        skip = None if found_inf is None else found_inf > 0
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_param(index, p, group, grad_scale, found_inf, skip)
+                index += 1
+        return loss
+
+    def _step_param(self, index, p, group, grad_scale, found_inf, skip) -> None:
+        state = self.state[p]
+        first = not state
+        if first:
+            self._init_state(p, state, group)
+        step = state.get("step")
+        if step is not None:
+            step += 1
+        weight, grad = local_shard(p.detach()), local_shard(p.grad)
+        moments = [local_shard(state[k]) for k in self.moments if k in state]
+        compensation = local_shard(state[COMPENSATION]) if self.rounding == "kahan" else None
+        scalars = self._scalars(group, step)
+        for chunk in _chunks([weight, grad, *moments, compensation], self.chunk):
+            w16, g16, *m16, c16 = chunk
+            w = w16.float() if w16.dtype != torch.float32 else w16.clone()
+            g = g16.float()
+            m = [t.float() for t in m16]  # float32 states: the state itself, stepped in place
+            self._update(w, g, m, step, group, scalars, first, grad_scale, found_inf)
+            moved = None if self.lost is None else w != w16  # the float32 result, stored or not
+            new = self._round_weight(w, w16, c16, skip)
+            if moved is not None:
+                lost = moved & (new == w16)
+                self.lost.counts[index] += torch.stack((lost.sum(), moved.sum()))
+            w16.copy_(new)
+            for stored, value in zip(m16, m, strict=True):
+                if value is not stored:
+                    stored.copy_(self._round_state(value))
+        if step is not None and found_inf is not None:
+            step -= found_inf  # a skipped step counts for nothing, as torch's fused step
+
+    def _round_weight(self, w, w16, c16, skip) -> torch.Tensor:
+        """The float32 result `w` as the weight's dtype stores it."""
+        if self.rounding == "stochastic":
+            return round_stochastic(w, self.generator)
+        if self.rounding != "kahan":
+            return w.to(w16.dtype)
+        # optimi's order: the update wanted plus what earlier roundings lost, added to the
+        # stored weight; what this rounding loses in turn is kept for the next step
+        old = w16.float()
+        wanted = w.sub_(old).add_(c16.float())
+        new = (old + wanted).to(w16.dtype)
+        left = wanted.sub_(new.float().sub_(old))
+        if skip is not None:  # a skipped step moves neither the weight nor its buffer
+            new = torch.where(skip, w16, new)
+            left = torch.where(skip, c16.float(), left)
+        c16.copy_(left)
+        return new
+
+    def _round_state(self, value: torch.Tensor) -> torch.Tensor:
+        if self.generator is not None and self.states_dtype == torch.bfloat16:
+            # stochastic states keep moving where round-to-nearest would freeze them
+            return round_stochastic(value, self.generator)
+        return value.to(self.states_dtype)
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        raise NotImplementedError
+
+    def _scalars(self, group: dict, step: torch.Tensor | None):
+        return None
+
+    def _update(self, w, g, m, step, group, scalars, first, grad_scale, found_inf) -> None:
+        raise NotImplementedError
+
+    # --- the state dict ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        state_dict = super().state_dict()
+        if self.generator is not None:
+            state_dict[GENERATOR] = self.generator.get_state()
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, which would cast every floating state to its parameter's dtype, then the
+        states in the dtype this run keeps them in, the step counts on the parameters' device,
+        and the generator where this run has one."""
+        state_dict = dict(state_dict)
+        saved_generator = state_dict.pop(GENERATOR, None)
+        super().load_state_dict(state_dict)
+        for index, p in enumerate(self.params):  # numbered from 0, group after group
+            saved = state_dict["state"].get(index, {})
+            state = self.state[p]
+            for key, value in saved.items():
+                if key == "step":
+                    state[key] = value.to(device=p.device, dtype=torch.float32)
+                elif key == COMPENSATION:
+                    state[key] = value.to(device=p.device, dtype=p.dtype)
+                elif key in self.moments:
+                    state[key] = value.to(device=p.device, dtype=self.states_dtype)
+            if self.rounding == "kahan" and state and COMPENSATION not in state:
+                state[COMPENSATION] = torch.zeros_like(p)  # from a nearest or stochastic run
+        if self.generator is not None and saved_generator is not None:
+            self.generator.set_state(saved_generator)
+
+    def _zeros(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(p, dtype=self.states_dtype, memory_format=torch.preserve_format)
+
+    def _kahan(self, p: torch.Tensor, state: dict) -> None:
+        if self.rounding == "kahan":
+            state[COMPENSATION] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+class PureAdam(PureOptimizer):
+    """Adam (`decoupled=True`: AdamW) on bf16 weights; torch's hyperparameters and state keys."""
+
+    kernel = "_fused_adam_"
+    moments = ("exp_avg", "exp_avg_sq")
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled: bool = False,
+        **pure,
+    ) -> None:
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults, **pure)
+        self.decoupled = decoupled
+        if decoupled:
+            self.kernel = "_fused_adamw_"
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = self._zeros(p)
+        state["exp_avg_sq"] = self._zeros(p)
+        self._kahan(p, state)
+
+    def _scalars(self, group: dict, step: torch.Tensor | None):
+        if self.fused:
+            return None
+        # torch's single-tensor Adam reads the count on the host and works in Python floats
+        beta1, beta2 = group["betas"]
+        count = step.item()
+        lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+        step_size = lr / (1 - beta1**count)
+        return lr, step_size, (1 - beta2**count) ** 0.5
+
+    def _update(self, w, g, m, step, group, scalars, first, grad_scale, found_inf) -> None:
+        exp_avg, exp_avg_sq = m
+        beta1, beta2 = group["betas"]
+        wd, eps = group["weight_decay"], group["eps"]
+        if self.fused:
+            getattr(torch, self.kernel)(
+                [w], [g], [exp_avg], [exp_avg_sq], [], [step],
+                lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
+                amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf,
+            )  # fmt: skip
+            return
+        lr, step_size, correction2 = scalars
+        if wd != 0:
+            if self.decoupled:
+                w.mul_(1 - lr * wd)
+            else:
+                g = g.add(w, alpha=wd)
+        exp_avg.lerp_(g, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / correction2).add_(eps)
+        w.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class PureSGD(PureOptimizer):
+    """SGD (with momentum, dampening, Nesterov) on bf16 weights; torch's state key."""
+
+    kernel = "_fused_sgd_"
+    moments = ("momentum_buffer",)
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        **pure,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+        }
+        super().__init__(params, defaults, **pure)
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        if group["momentum"] != 0:
+            # zeros before the first step, as mpexp gives torch's fused SGD (its first step then
+            # stores (1 - dampening) * g); the unfused formula stores g, as torch's does
+            state["momentum_buffer"] = self._zeros(p)
+        self._kahan(p, state)
+
+    def _update(self, w, g, m, step, group, scalars, first, grad_scale, found_inf) -> None:
+        lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        if self.fused:
+            torch._fused_sgd_(
+                [w], [g], m, weight_decay=wd, momentum=momentum, lr=lr,
+                dampening=group["dampening"], nesterov=group["nesterov"], maximize=False,
+                is_first_step=False, grad_scale=grad_scale, found_inf=found_inf,
+            )  # fmt: skip
+            return
+        lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+        if wd != 0:
+            g = g.add(w, alpha=wd)
+        if momentum != 0:
+            (buf,) = m
+            if first:
+                buf.copy_(g)
+            else:
+                buf.mul_(momentum).add_(g, alpha=1 - group["dampening"])
+            g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
+        w.add_(g, alpha=-lr)
+
+
+def _chunks(tensors: list[torch.Tensor | None], size: int):
+    """Matching pieces of a parameter's tensors (None stays None): flat slices of `size`
+    elements where all share one contiguous layout, else each tensor whole."""
+    present = [t for t in tensors if t is not None]
+    if not all(t.is_contiguous() for t in present):
+        yield tensors
+        return
+    flat = [None if t is None else t.view(-1) for t in tensors]
+    numel = present[0].numel()
+    for start in range(0, numel, size):
+        yield [None if t is None else t[start : start + size] for t in flat]
+
+
+# torch's optimizers that pure bf16 steps with its own (mpexp/run/validate.py refuses the
+# settings these do not take)
+PURE_OPTIMIZERS = {
+    "torch.optim.Adam": (PureAdam, {"decoupled": False}),
+    "torch.optim.AdamW": (PureAdam, {"decoupled": True}),
+    "torch.optim.SGD": (PureSGD, {}),
+}
+
+
+def build_pure(target: str, settings: dict, params, cfg, fused: bool) -> PureOptimizer:
+    """Pure bf16's optimizer for the `optimizer` group's `target` (torch.optim.Adam, AdamW,
+    SGD) with its `settings`, rounding as `cfg.precision` says and counting lost updates unless
+    `diagnostics.updates_lost=false` (which changes nothing else)."""
+    cls, fixed = PURE_OPTIMIZERS[target]
+    p = cfg.precision
+    states = torch.float32 if p.optimizer_states == "float32" else torch.bfloat16
+    rounding = str(p.update_rounding)
+    if fused and not has_fused_kernel(cls.kernel, _device_of(params)):
+        log.warning(
+            "optimizer.fused=true: this torch (%s) has no fused %s kernel on %s; pure bf16's "
+            "update runs the op-by-op formula instead (recorded as fused: false).",
+            torch.__version__,
+            target.rpartition(".")[2],
+            _device_of(params),
+        )
+        fused = False
+    kwargs = dict(settings)
+    optimizer = cls(
+        params,
+        **kwargs,
+        **fixed,
+        rounding=rounding,
+        states=states,
+        fused=fused,
+        seed=cfg.trainer.seed,
+        count=cfg.diagnostics.get("updates_lost") is not False,
+    )
+    if cls is PureAdam:
+        warn_frozen_second_moment(rounding, states, float(kwargs.get("betas", (0.9, 0.999))[1]))
+    return optimizer
+
+
+def _device_of(params) -> torch.device:
+    first = params[0]
+    return (first["params"][0] if isinstance(first, dict) else first).device
+
+
+def warn_frozen_second_moment(rounding: str, states: torch.dtype, beta2: float) -> None:
+    """16-bit states rounded to nearest with beta2 above 0.99: each step multiplies Adam's second
+    moment v by beta2, a change of less than half of bfloat16's step (2^-8 of v) once 1 - beta2
+    is below 2^-8 (0.0039), so v stays where its first steps put it."""
+    if states != torch.bfloat16 or rounding == "stochastic" or beta2 <= 0.99:
+        return
+    log.warning(
+        "precision=bf16_pure with bfloat16 optimizer states rounded to nearest and Adam's "
+        "beta2=%g: each step's decay of the second moment (a factor %g) is smaller than "
+        "bfloat16's resolution, so the second moment stops moving after its first steps (under a "
+        "constant gradient of 1 it stays at 0.25 where float32 reaches 0.63 after 1000 steps) "
+        "and Adam's steps keep the size they had then. Use precision.update_rounding=stochastic "
+        "(states rounded stochastically too) or precision.optimizer_states=float32.",
+        beta2,
+        beta2,
+    )
