@@ -63,7 +63,9 @@ def round_stochastic(x: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     from the value below, so that the result is `x` in expectation. bfloat16 is float32's top 16
     bits: a random integer below 2^16 added to the bit pattern carries into them exactly that
     often, and the low 16 bits are then dropped (a truncation, which the cast leaves exact)."""
-    return _truncate(x.contiguous().view(torch.int32) + noise16(x.numel(), x.device, generator), x)
+    bits = x.contiguous().view(torch.int32).view(-1) + noise16(x.numel(), x.device, generator)
+    top = bits & -65536  # 0xFFFF0000: the top 16 bits
+    return top.view(torch.float32).view(x.shape).to(torch.bfloat16)
 
 
 def noise16(count: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:
@@ -73,11 +75,6 @@ def noise16(count: int, device: torch.device, generator: torch.Generator) -> tor
     words = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
     words.random_(-(2**63), None, generator=generator)  # every 64-bit pattern alike
     return words.view(torch.int16)[:count].to(torch.int32) & 0xFFFF
-
-
-def _truncate(bits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    top = bits & -65536  # 0xFFFF0000: the top 16 bits
-    return top.view(torch.float32).view(like.shape).to(torch.bfloat16)
 
 
 class UpdatesLost:
