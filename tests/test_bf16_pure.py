@@ -252,7 +252,7 @@ def test_a_bf16_pure_step_is_captured_as_a_cuda_graph_unless_it_cannot_be(monkey
     the step is captured like the other modes'; the op-by-op update reads its step count."""
     cuda = torch.device("cuda")
     assert plan_speed(make_cfg(*PURE), cuda).cuda_graph
-    with pytest.raises(ConfigError, match="optimizer.fused=false: an unfused step reads"):
+    with pytest.raises(ConfigError, match=r"optimizer\.fused=false: an unfused step reads"):
         plan_speed(make_cfg(*PURE, "trainer.cuda_graph=true", "optimizer.fused=false"), cuda)
     stochastic = make_cfg(*PURE, "precision=bf16_pure_stochastic")
     assert plan_speed(stochastic, cuda).cuda_graph  # its generator is registered with the graph

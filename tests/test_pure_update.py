@@ -16,10 +16,13 @@ from mpexp.errors import ConfigError
 from mpexp.precision.pure_optimizers import PureAdam, PureSGD
 from mpexp.run.runner import train
 from mpexp.run.validate import validate
+from mpexp.step.loop import Fit
+from mpexp.stopping import Preempted
 from mpexp.tracking.tracker import RunContext
 from tests.conftest import CPU, TINY, make_cfg
 from tests.pure_reference import PureUpdates
 from tests.test_bf16_pure import PURE
+from tests.test_resume import assert_same_final_state, comparable, resume
 
 SHAPES = [(300, 70), (70,), (5, 3, 3, 3), (70_001,)]  # the last one spans two chunks
 
@@ -249,3 +252,27 @@ def test_an_optimizer_setting_the_pure_update_would_ignore_is_refused():
     with pytest.raises(ConfigError, match=r"does not implement optimizer\.betas") as err:
         validate(make_cfg(*TINY, "precision=bf16_pure", *sgd_with_betas))
     assert "\n" not in str(err.value)
+
+
+def test_a_stop_off_the_log_interval_leaves_the_lost_update_rows_as_they_were(
+    tmp_path, monkeypatch, caplog
+):
+    """A stop at step 5 (log_every=4) once logged the count of step 5 alone, and the resumed run
+    that of steps 6 to 8; the checkpoint now keeps the open window's counts."""
+    args = [*PURE, "trainer.epochs=1", "trainer.deterministic=true"]
+    whole = tmp_path / "whole"
+    train(make_cfg(*args), RunContext(whole))
+
+    stopped = tmp_path / "stopped"
+    monkeypatch.setattr(Fit, "_stop_agreed", lambda fit: fit.tracker.step == 5)
+    with pytest.raises(Preempted):
+        train(make_cfg(*args), RunContext(stopped))
+    monkeypatch.undo()
+    resume(args, stopped, caplog)
+
+    def lost_rows(run_dir):
+        return [r for r in comparable(run_dir) if "opt/updates_lost" in r]
+
+    assert [r["step"] for r in lost_rows(whole)] == [4, 8]
+    assert lost_rows(stopped) == lost_rows(whole)
+    assert_same_final_state(whole, stopped, ("model", "optimizer"))

@@ -29,6 +29,7 @@ import torch
 from mpexp.distributed import local_shard
 from mpexp.precision.pure_updates import (
     COMPENSATION,
+    COUNTS,
     GENERATOR,
     GRAPH_GENERATORS,
     UpdatesLost,
@@ -192,6 +193,8 @@ class PureOptimizer(torch.optim.Optimizer):
         state_dict = super().state_dict()
         if self.generator is not None:
             state_dict[GENERATOR] = self.generator.get_state()
+        if self.lost is not None:  # the counts of a window that a stop left open
+            state_dict[COUNTS] = self.lost.counts.clone()
         return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -200,7 +203,10 @@ class PureOptimizer(torch.optim.Optimizer):
         and the generator where this run has one."""
         state_dict = dict(state_dict)
         saved_generator = state_dict.pop(GENERATOR, None)
+        saved_counts = state_dict.pop(COUNTS, None)
         super().load_state_dict(state_dict)
+        if self.lost is not None and saved_counts is not None:
+            self.lost.counts.copy_(saved_counts)
         for index, p in enumerate(self.params):  # numbered from 0, group after group
             saved = state_dict["state"].get(index, {})
             state = self.state[p]

@@ -34,6 +34,7 @@ GRAPH_GENERATORS: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
 
 COMPENSATION = "kahan_compensation"  # the optimizer state key of a parameter's Kahan buffer
 GENERATOR = "update_rounding_generator"  # the optimizer state dict key of the generator's state
+COUNTS = "updates_lost_counts"  # and of the lost-update counts since the last flush
 
 
 def hold_in_bf16(model: nn.Module) -> nn.Module:

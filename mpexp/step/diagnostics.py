@@ -344,9 +344,10 @@ class Diagnostics:
             self._steps.append(step, self._flags)
             self._flags = None
 
-    def flush(self, wait: bool = False) -> None:
-        """Report what has been read back."""
-        if self.updates is not None:
+    def flush(self, wait: bool = False, close_windows: bool = True) -> None:
+        """Report what has been read back. `close_windows=False` (a stop's flush) leaves the
+        lost updates counting in the optimizer, whose checkpoint keeps them."""
+        if self.updates is not None and close_windows:
             self._take_lost()
         for step, counts in self._lost.flush(wait):
             if any(counts[1::2]):  # steps since the last flush that moved a weight
