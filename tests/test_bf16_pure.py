@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -245,6 +246,17 @@ def test_the_report_puts_each_legs_bytes_beside_its_parity(tmp_path, one_thread)
     assert pure["update rounding"] == "nearest, states bf16"
     assert reference["updates lost"] == "n/a" and 0 < float(pure["updates lost"]) <= 1
     assert pure["parity"] == "inconclusive: single seed"
+    # the advice under the table: the share lost and the difference, and what to do about them
+    text = (tmp_path / "report.md").read_text()
+    advice = re.search(
+        r"- pure: nearest lost (\d+)% of its updates and ended ([-+][\d.]+) points", text
+    )
+    assert advice is not None, text
+    assert int(advice[1]) == round(100 * float(pure["updates lost"]))
+    behind = float(advice[2]) < -0.5  # the classifier's tolerance: half a point of accuracy
+    assert text[advice.end() :].startswith(
+        " against fp32: use kahan or stochastic." if behind else " against fp32, within"
+    )
 
 
 def test_a_bf16_pure_step_is_captured_as_a_cuda_graph_unless_it_cannot_be(monkeypatch):

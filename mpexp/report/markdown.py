@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mpexp.report import pure_advice
 from mpexp.report.stats import Estimate
 from mpexp.report.table import (
     DATA_BOUND,
@@ -357,7 +358,9 @@ def _state_section(report: Report) -> list[str]:
 
     headers = ["configuration", "precision", "update rounding", "weights", "gradients",
                "optimizer states", "vs fp32", "updates lost", "parity"]  # fmt: skip
-    return [*lines, *_table(headers, report.configs, cells), ""]
+    advised = [(c.label, pure_advice.advice(c)) for c in report.configs]
+    advice = [f"- {label}: {text}." for label, text in advised if text]
+    return [*lines, *_table(headers, report.configs, cells), "", *advice, *([""] if advice else [])]
 
 
 def _bytes(value: int | None) -> str:
