@@ -86,7 +86,8 @@ class PureUpdates:
             # each rank rounds its own shard of an FSDP-sharded weight
             old, result = local_shard(old), local_shard(proxy.detach())
             new = self._round(p, old, result)
-            self.lost.add(self._index[id(p)], old, result, new)
+            moved = torch.count_nonzero(result - old.float())
+            self.lost.add(self._index[id(p)], moved, old, new)
             weight = local_shard(p.detach())
             if new.data_ptr() != weight.data_ptr():
                 weight.copy_(new)

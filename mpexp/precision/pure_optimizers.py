@@ -32,6 +32,7 @@ from mpexp.precision.pure_updates import (
     COUNTS,
     GENERATOR,
     GRAPH_GENERATORS,
+    STEPS,
     UpdatesLost,
     round_stochastic,
 )
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 # elements per chunk: a CPU's float32 temporaries stay in its L2 cache (a dozen of 256 KiB); a
 # GPU needs chunks large enough that a kernel launch per chunk does not dominate
-CPU_CHUNK = 1 << 16
+CPU_CHUNK = 1 << 20
 CUDA_CHUNK = 1 << 24
 
 
@@ -83,6 +84,7 @@ class PureOptimizer(torch.optim.Optimizer):
         fused: bool = True,
         seed: int = 0,
         count: bool = True,
+        count_every: int = 1,
         chunk: int | None = None,
     ) -> None:
         super().__init__(params, {**defaults, "fused": fused})
@@ -102,6 +104,12 @@ class PureOptimizer(torch.optim.Optimizer):
             if device.type == "cuda":
                 GRAPH_GENERATORS.add(self.generator)
         self.lost = UpdatesLost(len(self.params), device) if count else None
+        # the count's steps: the last of each `count_every` (a log interval's, whose flush reads
+        # it); the others need no float32 result, and under round-to-nearest with bfloat16
+        # states skip the chunks: torch's fused kernel steps the bf16 tensors themselves, with
+        # the same float32 arithmetic and rounding
+        self.count_every = count_every
+        self.steps_taken = 0  # on the host: which steps count is known without a device read
         # how the diagnostics find the counts (`params`, `lost`): none to find when not counting
         self.pure_updates = self if count else None
 
@@ -115,20 +123,44 @@ class PureOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step (fused only)
         found_inf = getattr(self, "found_inf", None)
-        skip = None if found_inf is None else found_inf > 0
+        self.steps_taken += 1
+        counting = self.lost is not None and self.steps_taken % self.count_every == 0
+        whole = not counting and self.fused and self.rounding == "nearest"
+        whole = whole and self.states_dtype == torch.bfloat16
         index = 0
         for group in self.param_groups:
+            stepped = []
             for p in group["params"]:
                 if p.grad is not None:
-                    self._step_param(index, p, group, grad_scale, found_inf, skip)
+                    first = not self.state[p]
+                    if first:
+                        self._init_state(p, self.state[p], group)
+                    if whole:
+                        stepped.append(p)
+                    else:
+                        self._step_param(index, p, group, first, counting, grad_scale, found_inf)
                 index += 1
+            if stepped:
+                self._step_whole(stepped, group, grad_scale, found_inf)
         return loss
 
-    def _step_param(self, index, p, group, grad_scale, found_inf, skip) -> None:
+    def _step_whole(self, params, group, grad_scale, found_inf) -> None:
+        """torch's fused kernel over the group's bf16 weights, gradients and states at once."""
+        states = [self.state[p] for p in params]
+        steps = [s["step"] for s in states if "step" in s]
+        weights = [local_shard(p.detach()) for p in params]
+        grads = [local_shard(p.grad) for p in params]
+        moments = [[local_shard(s[k]) for s in states if k in s] for k in self.moments]
+        if steps:
+            torch._foreach_add_(steps, 1)
+        self._fused(weights, grads, moments, steps, group, grad_scale, found_inf)
+        if steps and found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))  # skipped: as torch's fused
+
+    def _step_param(self, index, p, group, first, counting, grad_scale, found_inf) -> None:
+        """One parameter, a chunk at a time, in float32."""
         state = self.state[p]
-        first = not state
-        if first:
-            self._init_state(p, state, group)
+        skip = None if found_inf is None else found_inf > 0
         step = state.get("step")
         if step is not None:
             step += 1
@@ -142,11 +174,11 @@ class PureOptimizer(torch.optim.Optimizer):
             g = g16.float()
             m = [t.float() for t in m16]  # float32 states: the state itself, stepped in place
             self._update(w, g, m, step, group, scalars, first, grad_scale, found_inf)
-            moved = None if self.lost is None else w != w16  # the float32 result, stored or not
+            if counting:  # before Kahan's rounding, which reuses `w`
+                moved = torch.count_nonzero(w - w16)  # the float32 result, stored or not
             new = self._round_weight(w, w16, c16, skip)
-            if moved is not None:
-                lost = moved & (new == w16)
-                self.lost.counts[index] += torch.stack((lost.sum(), moved.sum()))
+            if counting:
+                self.lost.add(index, moved, w16, new)
             w16.copy_(new)
             for stored, value in zip(m16, m, strict=True):
                 if value is not stored:
@@ -187,6 +219,10 @@ class PureOptimizer(torch.optim.Optimizer):
     def _update(self, w, g, m, step, group, scalars, first, grad_scale, found_inf) -> None:
         raise NotImplementedError
 
+    def _fused(self, ws, gs, moments, steps, group, grad_scale, found_inf) -> None:
+        """torch's fused kernel on lists of tensors (`moments`: a list per state key)."""
+        raise NotImplementedError
+
     # --- the state dict ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
@@ -195,6 +231,7 @@ class PureOptimizer(torch.optim.Optimizer):
             state_dict[GENERATOR] = self.generator.get_state()
         if self.lost is not None:  # the counts of a window that a stop left open
             state_dict[COUNTS] = self.lost.counts.clone()
+        state_dict[STEPS] = self.steps_taken
         return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -204,7 +241,12 @@ class PureOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         saved_generator = state_dict.pop(GENERATOR, None)
         saved_counts = state_dict.pop(COUNTS, None)
+        steps_taken = state_dict.pop(STEPS, None)
         super().load_state_dict(state_dict)
+        if steps_taken is None:  # the hook-based update's checkpoint: Adam's count says it
+            counts = [s["step"] for s in state_dict["state"].values() if "step" in s]
+            steps_taken = int(counts[0].item()) if counts else 0  # one read, at the resume
+        self.steps_taken = steps_taken
         if self.lost is not None and saved_counts is not None:
             self.lost.counts.copy_(saved_counts)
         for index, p in enumerate(self.params):  # numbered from 0, group after group
@@ -268,17 +310,21 @@ class PureAdam(PureOptimizer):
         step_size = lr / (1 - beta1**count)
         return lr, step_size, (1 - beta2**count) ** 0.5
 
+    def _fused(self, ws, gs, moments, steps, group, grad_scale, found_inf) -> None:
+        beta1, beta2 = group["betas"]
+        getattr(torch, self.kernel)(
+            ws, gs, *moments, [], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+            grad_scale=grad_scale, found_inf=found_inf,
+        )  # fmt: skip
+
     def _update(self, w, g, m, step, group, scalars, first, grad_scale, found_inf) -> None:
+        if self.fused:
+            self._fused([w], [g], [[t] for t in m], [step], group, grad_scale, found_inf)
+            return
         exp_avg, exp_avg_sq = m
         beta1, beta2 = group["betas"]
         wd, eps = group["weight_decay"], group["eps"]
-        if self.fused:
-            getattr(torch, self.kernel)(
-                [w], [g], [exp_avg], [exp_avg_sq], [], [step],
-                lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
-                amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf,
-            )  # fmt: skip
-            return
         lr, step_size, correction2 = scalars
         if wd != 0:
             if self.decoupled:
@@ -323,14 +369,18 @@ class PureSGD(PureOptimizer):
             state["momentum_buffer"] = self._zeros(p)
         self._kahan(p, state)
 
+    def _fused(self, ws, gs, moments, steps, group, grad_scale, found_inf) -> None:
+        (buffers,) = moments if moments else ([],)
+        torch._fused_sgd_(
+            ws, gs, buffers, weight_decay=group["weight_decay"], momentum=group["momentum"],
+            lr=group["lr"], dampening=group["dampening"], nesterov=group["nesterov"],
+            maximize=False, is_first_step=False, grad_scale=grad_scale, found_inf=found_inf,
+        )  # fmt: skip
+
     def _update(self, w, g, m, step, group, scalars, first, grad_scale, found_inf) -> None:
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
         if self.fused:
-            torch._fused_sgd_(
-                [w], [g], m, weight_decay=wd, momentum=momentum, lr=lr,
-                dampening=group["dampening"], nesterov=group["nesterov"], maximize=False,
-                is_first_step=False, grad_scale=grad_scale, found_inf=found_inf,
-            )  # fmt: skip
+            self._fused([w], [g], [[t] for t in m], [], group, grad_scale, found_inf)
             return
         lr = lr.item() if isinstance(lr, torch.Tensor) else lr
         if wd != 0:
@@ -367,10 +417,14 @@ PURE_OPTIMIZERS = {
 }
 
 
-def build_pure(target: str, settings: dict, params, cfg, fused: bool) -> PureOptimizer:
+def build_pure(
+    target: str, settings: dict, params, cfg, fused: bool, captured: bool = False
+) -> PureOptimizer:
     """Pure bf16's optimizer for the `optimizer` group's `target` (torch.optim.Adam, AdamW,
     SGD) with its `settings`, rounding as `cfg.precision` says and counting lost updates unless
-    `diagnostics.updates_lost=false` (which changes nothing else)."""
+    `diagnostics.updates_lost=false` (which changes nothing else): on the last step of each
+    `trainer.log_every`, or on every step of one `captured` in a CUDA graph, whose replays all
+    run the same kernels."""
     cls, fixed = PURE_OPTIMIZERS[target]
     p = cfg.precision
     states = torch.float32 if p.optimizer_states == "float32" else torch.bfloat16
@@ -394,6 +448,7 @@ def build_pure(target: str, settings: dict, params, cfg, fused: bool) -> PureOpt
         fused=fused,
         seed=cfg.trainer.seed,
         count=cfg.diagnostics.get("updates_lost") is not False,
+        count_every=1 if captured else int(cfg.trainer.log_every),
     )
     if cls is PureAdam:
         warn_frozen_second_moment(rounding, states, float(kwargs.get("betas", (0.9, 0.999))[1]))

@@ -35,6 +35,7 @@ GRAPH_GENERATORS: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
 COMPENSATION = "kahan_compensation"  # the optimizer state key of a parameter's Kahan buffer
 GENERATOR = "update_rounding_generator"  # the optimizer state dict key of the generator's state
 COUNTS = "updates_lost_counts"  # and of the lost-update counts since the last flush
+STEPS = "pure_steps_taken"  # and of the steps the optimizer has taken (which of them count)
 
 
 def hold_in_bf16(model: nn.Module) -> nn.Module:
@@ -85,11 +86,10 @@ class UpdatesLost:
     def __init__(self, count: int, device: torch.device) -> None:
         self.counts = torch.zeros((count, 2), dtype=torch.int64, device=device)
 
-    def add(self, index: int, result: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
-        """`result`: the optimizer's fp32 result; `old`: the stored weight before the step;
-        `new`: what is stored now. Counted as differences, not comparisons: a CPU computes a
-        nonzero count of a float tensor several times faster than a boolean one."""
-        moved = torch.count_nonzero(result - old)
+    def add(self, index: int, moved: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
+        """`moved`: how many elements' fp32 result differs from `old`, the stored weight before
+        the step; `new`: what is stored now. Counted as differences, not comparisons: a CPU
+        computes a nonzero count of a float tensor several times faster than a boolean one."""
         # a changed weight had a nonzero update: the lost ones are the moved less the changed
         changed = torch.count_nonzero(new - old)
         self.counts[index] += torch.stack((moved - changed, moved))
@@ -121,7 +121,7 @@ class CountUpdates:
     def _after(self, *_) -> None:
         for index, (p, old) in enumerate(zip(self.params, self._old, strict=True)):
             now = local_shard(p.detach())
-            self.lost.add(index, now, old, now)
+            self.lost.add(index, torch.count_nonzero(now - old), old, now)
         self._old = []
 
 

@@ -210,7 +210,7 @@ def build_optimizer(
     """
     fused = cfg.optimizer.get("fused") if speed is None else speed.fused
     if cfg.precision.get("weights") == "bfloat16":
-        return _pure_optimizer(cfg, model, fused)
+        return _pure_optimizer(cfg, model, fused, speed is not None and speed.cuda_graph)
     extra = {}
     if speed is not None and speed.cuda_graph:
         target = get_object(cfg.optimizer._target_)
@@ -231,7 +231,7 @@ def build_optimizer(
     return optimizer
 
 
-def _pure_optimizer(cfg: DictConfig, model: nn.Module, fused: bool | None):
+def _pure_optimizer(cfg: DictConfig, model: nn.Module, fused: bool | None, captured: bool):
     """Pure bf16's own optimizer (mpexp/precision/pure_optimizers.py): fused by default on
     every device, as its update takes no host read then (torch's fused kernel, a chunk at a
     time), and with `optimizer.fused=false` the op-by-op formula of torch's unfused step."""
@@ -239,7 +239,7 @@ def _pure_optimizer(cfg: DictConfig, model: nn.Module, fused: bool | None):
     settings = {k: v for k, v in spec.items() if k not in ("_target_", "_partial_", "fused")}
     params = parameter_groups(model, cfg.optimizer)
     fused = True if fused is None else bool(fused)
-    return pure_optimizers.build_pure(spec["_target_"], settings, params, cfg, fused)
+    return pure_optimizers.build_pure(spec["_target_"], settings, params, cfg, fused, captured)
 
 
 # keys of the optimizer group that are mpexp's own, not arguments of the optimizer
