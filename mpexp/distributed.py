@@ -369,7 +369,9 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
     fully_shard, MixedPrecisionPolicy = _fsdp2()
     # an explicit mesh: without one FSDP2 picks CUDA whenever a GPU exists, even for a gloo group
     mesh = init_device_mesh(device.type, (size,))
-    low = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+    # pure bf16 reduces its gradients in bfloat16, their own dtype, as DDP does (docs/precision.md)
+    reduce = torch.bfloat16 if precision.pure is not None else torch.float32
+    low = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=reduce)
     full = MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
     units = model.fsdp_units() if hasattr(model, "fsdp_units") else list(model.children())

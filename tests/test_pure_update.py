@@ -5,6 +5,8 @@ rounding that no diagnostic switch turns off."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import weakref
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.errors import ConfigError
 from mpexp.precision.pure_optimizers import PureAdam, PureSGD
 from mpexp.run.runner import train
@@ -22,7 +25,10 @@ from mpexp.tracking.tracker import RunContext
 from tests.conftest import CPU, TINY, make_cfg
 from tests.pure_reference import PureUpdates
 from tests.test_bf16_pure import PURE
-from tests.test_resume import assert_same_final_state, comparable, resume
+from tests.test_distributed import PER_RANK
+from tests.test_preemption import descendants, finish, torchrun
+from tests.test_resume import assert_same_final_state, comparable, resume, wait_for
+from tests.test_training import read_metrics
 
 SHAPES = [(300, 70), (70,), (5, 3, 3, 3), (70_001,)]  # the last one spans two chunks
 
@@ -284,3 +290,36 @@ def test_a_stop_off_the_log_interval_leaves_the_lost_update_rows_as_they_were(
     assert [r["step"] for r in lost_rows(whole)] == [4, 8]
     assert lost_rows(stopped) == lost_rows(whole)
     assert_same_final_state(whole, stopped, ("model", "optimizer"))
+
+
+@pytest.mark.slow  # torchrun twice and a kill, in emulated bf16: about a minute
+def test_a_killed_fsdp_run_with_stochastic_rounding_resumes_exactly(tmp_path):
+    """Each rank rounds its own shard from a generator of its own, seeded per rank; the sharded
+    checkpoint keeps each rank's generator (with its open count window and step count) in that
+    rank's file, so the resumed run draws what the killed one would have."""
+    args = [
+        "trainer.strategy=fsdp",
+        *(o for o in PURE if not o.startswith("dataset.batch_size")),
+        PER_RANK,
+        "precision=bf16_pure_stochastic",
+        "trainer.epochs=3",
+        "trainer.checkpoint_every_steps=5",
+    ]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    finish(torchrun(*args, f"hydra.run.dir={whole}", cwd=tmp_path))
+    proc = torchrun(*args, f"hydra.run.dir={killed}", cwd=tmp_path)
+    wait_for(lambda: checkpoint_files(killed), proc)
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    finish(torchrun(*args, f"trainer.resume={killed}", cwd=tmp_path))
+
+    (rank_file,) = [f for f in checkpoint_files(killed)[-1].iterdir() if f.name == "rng-rank1.pt"]
+    assert "update_rounding_generator" in torch.load(rank_file, weights_only=True)["optimizer"]
+    (steps, epochs), (whole_steps, whole_epochs) = read_metrics(killed), read_metrics(whole)
+    assert [r["step"] for r in steps] == [r["step"] for r in whole_steps]  # each step once
+    # as test_preemption's FSDP resume: the losses of the uninterrupted run
+    assert [r["train/loss"] for r in steps if "train/loss" in r] == pytest.approx(
+        [r["train/loss"] for r in whole_steps if "train/loss" in r], rel=1e-6
+    )
+    assert epochs[-1]["val/loss"] == pytest.approx(whole_epochs[-1]["val/loss"], rel=1e-6)

@@ -459,6 +459,8 @@ class Resume:
                 )
         elif rng is not None:
             restore_rng(rng, world.device)
+            if "optimizer" in rng:  # a sharded checkpoint's per-rank optimizer state
+                optimizer.load_rank_state(rng["optimizer"])
         return self.position_on(world.size)
 
 

@@ -98,7 +98,6 @@ class PureOptimizer(torch.optim.Optimizer):
         self.chunk = chunk or (CUDA_CHUNK if device.type == "cuda" else CPU_CHUNK)
         self.generator = None
         if rounding == "stochastic":
-            # the same seed on every rank: DDP's replicas must round alike to stay equal
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(seed)
             if device.type == "cuda":
@@ -224,6 +223,24 @@ class PureOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     # --- the state dict ------------------------------------------------------------------------
+
+    def rank_state(self) -> dict:
+        """What is this rank's own besides its states: the generator, the open window's counts,
+        the step count. A sharded (FSDP) checkpoint keeps it in each rank's file of random
+        generators, as torch's sharded optimizer state dict holds per-parameter states only."""
+        state: dict = {STEPS: self.steps_taken}
+        if self.generator is not None:
+            state[GENERATOR] = self.generator.get_state()
+        if self.lost is not None:
+            state[COUNTS] = self.lost.counts.clone()
+        return state
+
+    def load_rank_state(self, state: dict) -> None:
+        self.steps_taken = int(state[STEPS])
+        if self.generator is not None and GENERATOR in state:
+            self.generator.set_state(state[GENERATOR])
+        if self.lost is not None and COUNTS in state:
+            self.lost.counts.copy_(state[COUNTS])
 
     def state_dict(self) -> dict:
         state_dict = super().state_dict()
@@ -446,13 +463,21 @@ def build_pure(
         rounding=rounding,
         states=states,
         fused=fused,
-        seed=cfg.trainer.seed,
+        seed=cfg.trainer.seed + _shard_rank(cfg),
         count=cfg.diagnostics.get("updates_lost") is not False,
         count_every=1 if captured else int(cfg.trainer.log_every),
     )
     if cls is PureAdam:
         warn_frozen_second_moment(rounding, states, float(kwargs.get("betas", (0.9, 0.999))[1]))
     return optimizer
+
+
+def _shard_rank(cfg) -> int:
+    """This rank's number under FSDP, whose ranks round shards of their own and so draw from
+    streams of their own; 0 otherwise (DDP's replicas must round alike to stay equal)."""
+    if cfg.trainer.strategy != "fsdp" or not torch.distributed.is_initialized():
+        return 0
+    return torch.distributed.get_rank()
 
 
 def _device_of(params) -> torch.device:

@@ -43,9 +43,10 @@
   gradients were not finite, on each step where any was (a skipped step, under loss scaling).
 - Updates lost (`opt/updates_lost`, on under precision=bf16_pure, elsewhere with
   `diagnostics.updates_lost=true`): the share of the elements whose update was nonzero but left
-  the stored weight unchanged (rounded away), over the steps since the last flush, in total and
-  per layer (`diag/<layer>/updates_lost`). Counted in the optimizer's step hooks
-  (mpexp/precision/pure_updates.py).
+  the stored weight unchanged (rounded away), in total and per layer
+  (`diag/<layer>/updates_lost`): under bf16_pure counted by its own update on the last step of
+  each log interval (mpexp/precision/pure_optimizers.py), elsewhere on every step in the
+  optimizer's step hooks (mpexp/precision/pure_updates.py).
 - The loss-scale floor of dynamic and hysteresis scaling, checked here because it is read back the
   same way: a back-off due at `loss_scaling.min_scale` stops the run or warns.
 
