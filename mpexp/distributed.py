@@ -355,7 +355,7 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
     """Shard parameters, gradients and optimizer state over the ranks with FSDP2.
 
     Parameters are gathered in the precision mode's autocast dtype (fp16 / bf16; fp32 otherwise)
-    and gradients reduced in fp32. BatchNorm layers keep fp32 weights (their running statistics
+    and gradients reduced in fp32 (in bf16 under pure bf16, as DDP reduces them). BatchNorm layers keep fp32 weights (their running statistics
     are fp32 and batch_norm wants weights and statistics in one dtype), so each is its own unit.
     Then every top-level child with parameters is a unit, so that a layer's weights are gathered
     only while it runs, and the root takes whatever is left. A model whose layers are not its
@@ -369,7 +369,7 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
     fully_shard, MixedPrecisionPolicy = _fsdp2()
     # an explicit mesh: without one FSDP2 picks CUDA whenever a GPU exists, even for a gloo group
     mesh = init_device_mesh(device.type, (size,))
-    # pure bf16 reduces its gradients in bfloat16, their own dtype, as DDP does (docs/precision.md)
+    # pure bf16: its gradients' own dtype, which DDP reduces them in too (docs/precision.md)
     reduce = torch.bfloat16 if precision.pure is not None else torch.float32
     low = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=reduce)
     full = MixedPrecisionPolicy(reduce_dtype=torch.float32)
