@@ -355,8 +355,9 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
     """Shard parameters, gradients and optimizer state over the ranks with FSDP2.
 
     Parameters are gathered in the precision mode's autocast dtype (fp16 / bf16; fp32 otherwise)
-    and gradients reduced in fp32 (in bf16 under pure bf16, as DDP reduces them). BatchNorm layers keep fp32 weights (their running statistics
-    are fp32 and batch_norm wants weights and statistics in one dtype), so each is its own unit.
+    and gradients reduced in fp32 (in bf16 under pure bf16, as DDP reduces them). BatchNorm
+    layers keep fp32 weights (their running statistics are fp32 and batch_norm wants weights and
+    statistics in one dtype), so each is its own unit.
     Then every top-level child with parameters is a unit, so that a layer's weights are gathered
     only while it runs, and the root takes whatever is left. A model whose layers are not its
     top-level children names its units itself with `fsdp_units()` (the GPT: its blocks; its

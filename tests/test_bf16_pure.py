@@ -243,6 +243,8 @@ def test_the_report_puts_each_legs_bytes_beside_its_parity(tmp_path, one_thread)
         "2.6 KiB",
     )
     assert (reference["vs fp32"], pure["vs fp32"]) == ("1.00x", "0.50x")
+    # the step's peak: the held 5.2 KiB and a chunk of the largest weight (320) at 40 bytes each
+    assert (reference["step peak"], pure["step peak"]) == ("n/a", "17.7 KiB")
     assert pure["update rounding"] == "nearest, states bf16"
     assert reference["updates lost"] == "n/a" and 0 < float(pure["updates lost"]) <= 1
     assert pure["parity"] == "inconclusive: single seed"

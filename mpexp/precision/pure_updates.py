@@ -136,4 +136,15 @@ def stored_bytes(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
         for key, v in state.items()
         if _is_float(v) and v.ndim > 0
     )
-    return {"bytes_weights": weights, "bytes_grads": weights, "bytes_states": states}
+    held = {"bytes_weights": weights, "bytes_grads": weights, "bytes_states": states}
+    return {**held, "bytes_step_peak": _step_peak(optimizer, sum(held.values()))}
+
+
+def _step_peak(optimizer: torch.optim.Optimizer, held: int) -> int | None:
+    """The most the optimizer's step holds at once: what is held between steps and the step's
+    own temporaries, where they are known: pure bf16's chunks (a bound), none for torch's fused
+    kernels; None for torch's other implementations, whose temporaries depend on which runs."""
+    temporaries = getattr(optimizer, "step_temporary_bytes", None)
+    if temporaries is not None:
+        return held + temporaries()
+    return held if optimizer.defaults.get("fused") else None
