@@ -322,3 +322,26 @@ def test_a_killed_fsdp_run_with_stochastic_rounding_resumes_exactly(tmp_path):
         [r["train/loss"] for r in whole_steps if "train/loss" in r], rel=1e-6
     )
     assert epochs[-1]["val/loss"] == pytest.approx(whole_epochs[-1]["val/loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "kahan", "stochastic"])
+def test_a_step_the_scaler_skips_changes_nothing_and_a_taken_one_is_the_plain_step(rounding):
+    """GradScaler hands the fused update its overflow flag on the device: at 1 the weights, the
+    states and Kahan's buffer stay as they were, and the step does not count; at 0 the step is
+    the one taken without a flag."""
+    runs = {}
+    for flag in (None, 0.0, 1.0):
+        optimizer, params = ours("adam", rounding, torch.bfloat16, fused=True)
+        stepped(optimizer, params, steps=3)
+        before = {k: v.clone() for k, v in optimizer.state[params[-1]].items()}
+        weights = [p.detach().clone() for p in params]
+        if flag is not None:
+            optimizer.found_inf, optimizer.grad_scale = torch.tensor(flag), torch.tensor(1.0)
+        set_grads(params, 3)
+        optimizer.step()
+        after = optimizer.state[params[-1]]
+        runs[flag] = [p.detach().clone() for p in params]
+        if flag == 1.0:
+            assert all(torch.equal(a, b) for a, b in zip(weights, runs[flag], strict=True))
+            assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(a, b) for a, b in zip(runs[None], runs[0.0], strict=True))

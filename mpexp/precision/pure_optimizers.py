@@ -160,7 +160,6 @@ class PureOptimizer(torch.optim.Optimizer):
     def _step_param(self, index, p, group, first, counting, grad_scale, found_inf) -> None:
         """One parameter, a chunk at a time, in float32."""
         state = self.state[p]
-        skip = None if found_inf is None else found_inf > 0
         step = state.get("step")
         if step is not None:
             step += 1
@@ -176,7 +175,7 @@ class PureOptimizer(torch.optim.Optimizer):
             self._update(w, g, m, step, group, scalars, first, grad_scale, found_inf)
             if counting:  # before Kahan's rounding, which reuses `w`
                 moved = torch.count_nonzero(w - w16)  # the float32 result, stored or not
-            new = self._round_weight(w, w16, c16, skip)
+            new = self._round_weight(w, w16, c16, found_inf)
             if counting:
                 self.lost.add(index, moved, w16, new)
             w16.copy_(new)
@@ -186,7 +185,7 @@ class PureOptimizer(torch.optim.Optimizer):
         if step is not None and found_inf is not None:
             step -= found_inf  # a skipped step counts for nothing, as torch's fused step
 
-    def _round_weight(self, w, w16, c16, skip) -> torch.Tensor:
+    def _round_weight(self, w, w16, c16, found_inf) -> torch.Tensor:
         """The float32 result `w` as the weight's dtype stores it."""
         if self.rounding == "stochastic":
             return round_stochastic(w, self.generator)
@@ -194,13 +193,15 @@ class PureOptimizer(torch.optim.Optimizer):
             return w.to(w16.dtype)
         # optimi's order: the update wanted plus what earlier roundings lost, added to the
         # stored weight; what this rounding loses in turn is kept for the next step
-        old = w16.float()
-        wanted = w.sub_(old).add_(c16.float())
+        old, carried = w16.float(), c16.float()
+        if found_inf is None:
+            wanted = w.sub_(old).add_(carried)
+        else:  # a skipped step (the kernel left `w` at `old`) adds nothing, not even the buffer
+            wanted = w.sub_(old).add_(carried * (1 - found_inf))
         new = (old + wanted).to(w16.dtype)
         left = wanted.sub_(new.float().sub_(old))
-        if skip is not None:  # a skipped step moves neither the weight nor its buffer
-            new = torch.where(skip, w16, new)
-            left = torch.where(skip, c16.float(), left)
+        if found_inf is not None:  # and leaves the buffer as it was
+            left.add_(carried.mul_(found_inf))
         c16.copy_(left)
         return new
 
