@@ -87,7 +87,7 @@ class PureUpdates:
             old, result = local_shard(old), local_shard(proxy.detach())
             new = self._round(p, old, result)
             moved = torch.count_nonzero(result - old.float())
-            self.lost.add(self._index[id(p)], moved, old, new)
+            self.lost.add(self._index[id(p)], moved, torch.count_nonzero(new - old))
             weight = local_shard(p.detach())
             if new.data_ptr() != weight.data_ptr():
                 weight.copy_(new)

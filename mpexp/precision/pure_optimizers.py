@@ -33,6 +33,7 @@ from mpexp.precision.pure_updates import (
     GENERATOR,
     GRAPH_GENERATORS,
     STEPS,
+    StochasticScratch,
     UpdatesLost,
     round_stochastic,
 )
@@ -128,6 +129,7 @@ class PureOptimizer(torch.optim.Optimizer):
         whole = not counting and self.fused and self.rounding == "nearest"
         whole = whole and self.states_dtype == torch.bfloat16
         index = 0
+        self._workspace = None if whole else self._make_workspace()
         for group in self.param_groups:
             stepped = []
             for p in group["params"]:
@@ -142,7 +144,26 @@ class PureOptimizer(torch.optim.Optimizer):
                 index += 1
             if stepped:
                 self._step_whole(stepped, group, grad_scale, found_inf)
+        self._workspace = None  # freed between steps: held bytes are the states' only
         return loss
+
+    def _make_workspace(self) -> Workspace:
+        """The buffers every chunk of this step reuses: as large as the largest chunk (a
+        parameter whose tensors do not share one contiguous layout is one chunk, whole)."""
+        sizes = [1]
+        for p in self.params:
+            if p.grad is not None:
+                local = local_shard(p.detach())
+                whole = not (local.is_contiguous() and local_shard(p.grad).is_contiguous())
+                sizes.append(local.numel() if whole else min(local.numel(), self.chunk))
+        sixteen = self.states_dtype != torch.float32
+        return Workspace(
+            max(sizes),
+            self.params[0].device,
+            len(self.moments) if sixteen else 0,
+            self.rounding == "kahan",
+            self.generator is not None,
+        )
 
     def _step_whole(self, params, group, grad_scale, found_inf) -> None:
         """torch's fused kernel over the group's bf16 weights, gradients and states at once."""
@@ -167,49 +188,55 @@ class PureOptimizer(torch.optim.Optimizer):
         moments = [local_shard(state[k]) for k in self.moments if k in state]
         compensation = local_shard(state[COMPENSATION]) if self.rounding == "kahan" else None
         scalars = self._scalars(group, step)
+        ws = self._workspace
         for chunk in _chunks([weight, grad, *moments, compensation], self.chunk):
             w16, g16, *m16, c16 = chunk
-            w = w16.float() if w16.dtype != torch.float32 else w16.clone()
-            g = g16.float()
-            m = [t.float() for t in m16]  # float32 states: the state itself, stepped in place
+            w, g = ws.take(ws.w, w16), ws.take(ws.g, g16)
+            # float32 states are stepped in place; 16-bit ones in the workspace
+            m = [t if t.dtype == torch.float32 else ws.take(ws.m[i], t) for i, t in enumerate(m16)]
             self._update(w, g, m, step, group, scalars, first, grad_scale, found_inf)
             if counting:  # before Kahan's rounding, which reuses `w`
-                moved = torch.count_nonzero(w - w16)  # the float32 result, stored or not
-            new = self._round_weight(w, w16, c16, found_inf)
+                moved = torch.count_nonzero(torch.sub(w, w16, out=ws.view(ws.tmp, w)))
+            new = self._round_weight(w, w16, c16, found_inf, ws)
             if counting:
-                self.lost.add(index, moved, w16, new)
+                changed = torch.sub(new, w16, out=ws.view(ws.changed, w16))
+                self.lost.add(index, moved, torch.count_nonzero(changed))
             w16.copy_(new)
             for stored, value in zip(m16, m, strict=True):
                 if value is not stored:
-                    stored.copy_(self._round_state(value))
+                    self._round_state(value, stored, ws)
         if step is not None and found_inf is not None:
             step -= found_inf  # a skipped step counts for nothing, as torch's fused step
 
-    def _round_weight(self, w, w16, c16, found_inf) -> torch.Tensor:
-        """The float32 result `w` as the weight's dtype stores it."""
+    def _round_weight(self, w, w16, c16, found_inf, ws: Workspace) -> torch.Tensor:
+        """The float32 result `w` as the weight's dtype stores it (in the workspace)."""
+        new = ws.view(ws.new, w16)
         if self.rounding == "stochastic":
-            return round_stochastic(w, self.generator)
+            return round_stochastic(w, self.generator, new, ws.scratch)
         if self.rounding != "kahan":
-            return w.to(w16.dtype)
+            return new.copy_(w)  # round to nearest
         # optimi's order: the update wanted plus what earlier roundings lost, added to the
         # stored weight; what this rounding loses in turn is kept for the next step
-        old, carried = w16.float(), c16.float()
+        old, carried = ws.take(ws.old, w16), ws.take(ws.carried, c16)
+        wanted = w.sub_(old)
         if found_inf is None:
-            wanted = w.sub_(old).add_(carried)
+            wanted.add_(carried)
         else:  # a skipped step (the kernel left `w` at `old`) adds nothing, not even the buffer
-            wanted = w.sub_(old).add_(carried * (1 - found_inf))
-        new = (old + wanted).to(w16.dtype)
-        left = wanted.sub_(new.float().sub_(old))
+            wanted.add_(carried * (1 - found_inf))
+        total = torch.add(old, wanted, out=ws.view(ws.tmp, w))
+        new.copy_(total)
+        wanted.sub_(total.copy_(new).sub_(old))  # what the rounding left out
         if found_inf is not None:  # and leaves the buffer as it was
-            left.add_(carried.mul_(found_inf))
-        c16.copy_(left)
+            wanted.add_(carried.mul_(found_inf))
+        c16.copy_(wanted)
         return new
 
-    def _round_state(self, value: torch.Tensor) -> torch.Tensor:
-        if self.generator is not None and self.states_dtype == torch.bfloat16:
+    def _round_state(self, value: torch.Tensor, stored: torch.Tensor, ws: Workspace) -> None:
+        if self.generator is not None:
             # stochastic states keep moving where round-to-nearest would freeze them
-            return round_stochastic(value, self.generator)
-        return value.to(self.states_dtype)
+            round_stochastic(value, self.generator, stored, ws.scratch)
+        else:
+            stored.copy_(value)  # round to nearest
 
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         raise NotImplementedError
@@ -419,6 +446,37 @@ class PureSGD(PureOptimizer):
                 buf.mul_(momentum).add_(g, alpha=1 - group["dampening"])
             g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
         w.add_(g, alpha=-lr)
+
+
+class Workspace:
+    """The buffers one step's chunks share, so that no chunk allocates: float32 copies of the
+    weight, gradient and 16-bit states, a temporary, the rounded weight and its difference
+    (bfloat16), Kahan's two float32 copies, stochastic rounding's integers. Allocated once a
+    step: a CPU's allocator would otherwise hand a chunk's megabytes back to the system and
+    fault them in again for the next."""
+
+    def __init__(
+        self, size: int, device: torch.device, moments: int, kahan: bool, stochastic: bool
+    ) -> None:
+        def buffer(dtype=torch.float32):
+            return torch.empty(size, dtype=dtype, device=device)
+
+        self.w, self.g, self.tmp = buffer(), buffer(), buffer()
+        self.m = [buffer() for _ in range(moments)]
+        self.new, self.changed = buffer(torch.bfloat16), buffer(torch.bfloat16)
+        self.old = self.carried = None
+        if kahan:
+            self.old, self.carried = buffer(), buffer()
+        self.scratch = StochasticScratch(size, device) if stochastic else None
+
+    @staticmethod
+    def view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The start of `buffer`, shaped as `like`."""
+        return buffer[: like.numel()].view(like.shape)
+
+    def take(self, buffer: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """`source` copied (upcast) into the start of `buffer`."""
+        return self.view(buffer, source).copy_(source)
 
 
 def _chunks(tensors: list[torch.Tensor | None], size: int):

@@ -60,23 +60,44 @@ def _is_float(value) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
-def round_stochastic(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def round_stochastic(
+    x: torch.Tensor,
+    generator: torch.Generator,
+    out: torch.Tensor | None = None,
+    scratch: StochasticScratch | None = None,
+) -> torch.Tensor:
     """`x` (float32) rounded to bfloat16 at random: up with probability equal to its distance
     from the value below, so that the result is `x` in expectation. bfloat16 is float32's top 16
     bits: a random integer below 2^16 added to the bit pattern carries into them exactly that
-    often, and the low 16 bits are then dropped (a truncation, which the cast leaves exact)."""
-    bits = x.contiguous().view(torch.int32).view(-1) + noise16(x.numel(), x.device, generator)
-    top = bits & -65536  # 0xFFFF0000: the top 16 bits
-    return top.view(torch.float32).view(x.shape).to(torch.bfloat16)
+    often, and the low 16 bits are then dropped (a truncation, which the cast leaves exact).
+    Written into `out` if given, with `scratch`'s integers (a chunked update reuses both)."""
+    count = x.numel()
+    scratch = scratch or StochasticScratch(count, x.device)
+    bits = scratch.noise(count, generator)
+    bits.add_(x.contiguous().view(torch.int32).view(-1))
+    bits.bitwise_and_(-65536)  # 0xFFFF0000: the top 16 bits
+    result = bits.view(torch.float32).view(x.shape)
+    if out is None:
+        return result.to(torch.bfloat16)
+    return out.copy_(result)
 
 
-def noise16(count: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:
-    """`count` integers drawn uniformly from [0, 2^16), as int32: each 64-bit draw gives four
-    (a CPU's generator makes 32 bits at a time, so this draws an eighth of what one call of
-    `randint` per element would)."""
-    words = torch.empty((count + 3) // 4, dtype=torch.int64, device=device)
-    words.random_(-(2**63), None, generator=generator)  # every 64-bit pattern alike
-    return words.view(torch.int16)[:count].to(torch.int32) & 0xFFFF
+class StochasticScratch:
+    """The integers stochastic rounding draws and adds, for up to `size` elements."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.words = torch.empty((size + 3) // 4, dtype=torch.int64, device=device)
+        self.bits = torch.empty(size, dtype=torch.int32, device=device)
+
+    def noise(self, count: int, generator: torch.Generator) -> torch.Tensor:
+        """`count` integers drawn uniformly from [0, 2^16), as int32: each 64-bit draw gives
+        four (a CPU's generator makes 32 bits at a time, so this draws an eighth of what one
+        call of `randint` per element would)."""
+        words = self.words[: (count + 3) // 4]
+        words.random_(-(2**63), None, generator=generator)  # every 64-bit pattern alike
+        bits = self.bits[:count]
+        bits.copy_(words.view(torch.int16)[:count])  # sign-extended: the low 16 bits kept
+        return bits.bitwise_and_(0xFFFF)
 
 
 class UpdatesLost:
@@ -86,12 +107,11 @@ class UpdatesLost:
     def __init__(self, count: int, device: torch.device) -> None:
         self.counts = torch.zeros((count, 2), dtype=torch.int64, device=device)
 
-    def add(self, index: int, moved: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
-        """`moved`: how many elements' fp32 result differs from `old`, the stored weight before
-        the step; `new`: what is stored now. Counted as differences, not comparisons: a CPU
-        computes a nonzero count of a float tensor several times faster than a boolean one."""
-        # a changed weight had a nonzero update: the lost ones are the moved less the changed
-        changed = torch.count_nonzero(new - old)
+    def add(self, index: int, moved: torch.Tensor, changed: torch.Tensor) -> None:
+        """`moved`: how many elements' fp32 result differs from the stored weight before the
+        step; `changed`: how many stored weights differ now (a count of nonzero differences:
+        a CPU counts a float tensor's nonzeros several times faster than a boolean's trues).
+        A changed weight had a nonzero update: the lost ones are the moved less the changed."""
         self.counts[index] += torch.stack((moved - changed, moved))
 
     def take(self) -> torch.Tensor:
@@ -120,8 +140,8 @@ class CountUpdates:
 
     def _after(self, *_) -> None:
         for index, (p, old) in enumerate(zip(self.params, self._old, strict=True)):
-            now = local_shard(p.detach())
-            self.lost.add(index, torch.count_nonzero(now - old), old, now)
+            moved = torch.count_nonzero(local_shard(p.detach()) - old)
+            self.lost.add(index, moved, moved)  # float32 stores what it computes
         self._old = []
 
 
