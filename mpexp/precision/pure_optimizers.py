@@ -2,17 +2,20 @@
 gradients and 16-bit (or float32) states, the float32 arithmetic done a chunk at a time.
 
 A step never holds a float32 copy of the model. Each parameter is walked in chunks of `chunk`
-elements (a cache's worth on a CPU, more on a GPU); a chunk of the weight, its gradient and its
-states is upcast, stepped in float32 by torch's own arithmetic (its fused kernel, `_fused_adam_`
-and friends, or the op-by-op formula of its single-tensor path with `optimizer.fused=false`),
-rounded back as `precision.update_rounding` says, and the next chunk reuses the memory. So the
-step's peak is the bytes held between steps plus a few chunks: 8 bytes a parameter for Adam
-(2 each for the weight, its gradient and the two moments), 10 with Kahan's buffer; with
-`precision.optimizer_states=float32`, 12 and 14.
+elements; a chunk of the weight, its gradient and its states is upcast into a workspace that
+every chunk of the step reuses, stepped in float32 by torch's own arithmetic (its fused kernel,
+`_fused_adam_` and friends, or the op-by-op formula of its single-tensor path with
+`optimizer.fused=false`), and rounded back as `precision.update_rounding` says. So the step's
+peak is the bytes held between steps plus the workspace: 8 bytes a parameter for Adam (2 each
+for the weight, its gradient and the two moments), 10 with Kahan's buffer; with
+`precision.optimizer_states=float32`, 12 and 14. Under round-to-nearest with bfloat16 states a
+step that counts nothing skips the chunks: torch's fused kernel steps the bf16 tensors whole,
+with the same float32 arithmetic and rounding.
 
 The rounding is part of the update, whatever the diagnostics say: `count=False`
 (`diagnostics.updates_lost=false`) only skips the count of lost updates, which is otherwise
-summed on the device in the same pass (one reduction a chunk) and read at the metrics flush.
+summed on the device in the same pass (two nonzero counts a chunk), on the last step of each
+`count_every`, and read at the metrics flush.
 
 The states keep torch's names (`step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer`) and the
 optimizer's state dict torch's layout, plus `kahan_compensation` per parameter under Kahan and
@@ -40,8 +43,9 @@ from mpexp.precision.pure_updates import (
 
 log = logging.getLogger(__name__)
 
-# elements per chunk: a CPU's float32 temporaries stay in its L2 cache (a dozen of 256 KiB); a
-# GPU needs chunks large enough that a kernel launch per chunk does not dominate
+# elements per chunk: few enough that the workspace is small against a model worth pure bf16
+# (some 40 MiB on a CPU), many enough that the chunks' operators, each a parallel region on a
+# CPU and a kernel launch on a GPU, do not dominate
 CPU_CHUNK = 1 << 20
 CUDA_CHUNK = 1 << 24
 TEMPORARY_BYTES = 40  # per chunk element, at most, that a step's temporaries take
