@@ -14,6 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mpexp.checkpoints import checkpoint
 from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.errors import ConfigError
 from mpexp.precision.pure_optimizers import PureAdam, PureSGD
@@ -345,3 +346,25 @@ def test_a_step_the_scaler_skips_changes_nothing_and_a_taken_one_is_the_plain_st
             assert all(torch.equal(a, b) for a, b in zip(weights, runs[flag], strict=True))
             assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.equal(a, b) for a, b in zip(runs[None], runs[0.0], strict=True))
+
+
+@pytest.mark.gpu
+def test_a_captured_stochastic_step_draws_as_the_eager_one_does(tmp_path):
+    """On CUDA the pure bf16 step is captured as a CUDA graph, its rounding generator registered
+    with the graph: each replay advances the generator as an eager step does, so the two runs end
+    with the same generator state (an unregistered one would stay where the capture left it)."""
+    if not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+        pytest.skip(f"torch {torch.__version__} cannot register a generator with a CUDA graph")
+    args = [
+        *(o for o in PURE if not o.startswith("precision")),
+        "precision=bf16_pure_stochastic",
+        "trainer.device=cuda",
+        "trainer.epochs=1",
+    ]
+    runs = {}
+    for name, graph in (("captured", "true"), ("eager", "false")):
+        summary = train(make_cfg(*args, f"trainer.cuda_graph={graph}"), RunContext(tmp_path / name))
+        assert summary["ran"]["cuda_graph"] is (graph == "true")
+        final = checkpoint.load(checkpoint_files(tmp_path / name)[-1])
+        runs[name] = final["optimizer"]["update_rounding_generator"]
+    assert torch.equal(runs["captured"], runs["eager"])
