@@ -4,6 +4,7 @@ rounding that no diagnostic switch turns off."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
@@ -368,3 +369,34 @@ def test_a_captured_stochastic_step_draws_as_the_eager_one_does(tmp_path):
         final = checkpoint.load(checkpoint_files(tmp_path / name)[-1])
         runs[name] = final["optimizer"]["update_rounding_generator"]
     assert torch.equal(runs["captured"], runs["eager"])
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "kahan", "stochastic"])
+@pytest.mark.parametrize("states", [torch.bfloat16, torch.float32])
+def test_a_checkpoint_of_the_earlier_update_resumes_where_it_left_off(rounding, states):
+    """The optimizer state dict of torch's Adam under the earlier hooks (its states, Kahan's
+    buffers, the generator's state) loads into the new update, which then steps as the earlier
+    one would have: bit for bit under nearest and Kahan, from the same generator state under
+    stochastic rounding."""
+    earlier, params = reference("adam", rounding, states, fused=True)
+    stepped(earlier, params, steps=4)
+    saved = copy.deepcopy(earlier.state_dict())  # as from a file: no tensor shared
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours_now = PureAdam(
+        resumed_params, lr=1e-3, weight_decay=0.01, rounding=rounding, states=states
+    )
+    ours_now.load_state_dict(saved)
+
+    assert ours_now.steps_taken == 4  # from Adam's own count: the lost updates' steps line up
+    state = ours_now.state[resumed_params[0]]
+    assert {state[k].dtype for k in ("exp_avg", "exp_avg_sq")} == {states}
+    if rounding == "stochastic":
+        assert torch.equal(ours_now.generator.get_state(), saved["update_rounding_generator"])
+        return
+    for step in range(4, 8):
+        set_grads(params, step)
+        earlier.step()
+        set_grads(resumed_params, step)
+        ours_now.step()
+    for old, new in zip(params, resumed_params, strict=True):
+        assert torch.equal(old, new)
