@@ -1,8 +1,8 @@
 """Pure bf16's memory and speed against bf16 mixed precision, on a CPU, through mpexp's own loop.
 
 Each case trains an MLP (784 -> W -> W -> W -> 10, Adam; at W=4096 36.8 M parameters) on the
-synthetic MNIST-shaped set for 2 epochs in a fresh process, once at W=4096 and once at W=64 (a
-tiny run: the interpreter, torch and the data), and reports:
+synthetic MNIST-shaped set (`--steps` batches of 128 an epoch) for 2 epochs in a fresh process,
+once at W=4096 and once at W=64 (a tiny run: the interpreter, torch and the data), and reports:
   growth   the growth of peak resident memory (ru_maxrss) of the big run over the tiny one: what
            the model's weights, gradients, states and the step's temporaries cost;
   epoch    the second epoch's time (the first warms up), from the run's own perf/epoch_time_s.
@@ -56,7 +56,7 @@ class MLP(nn.Module):
         return self.layers(x)
 
 
-def child(case: str, width: int, run_dir: str) -> dict:
+def child(case: str, width: int, run_dir: str, steps: int) -> dict:
     """One run, in this process: its peak resident memory and its epochs' times."""
     from hydra import compose, initialize_config_dir
 
@@ -68,7 +68,7 @@ def child(case: str, width: int, run_dir: str) -> dict:
 
     overrides = [
         "dataset=synthetic",
-        "dataset.train_size=512",
+        f"dataset.train_size={128 * steps}",
         "dataset.val_size=128",
         "dataset.batch_size=128",
         "model=simplecnn",
@@ -90,11 +90,22 @@ def child(case: str, width: int, run_dir: str) -> dict:
     return {"peak_mib": peak_kib / 1024, "epochs_s": epochs, "params": params}
 
 
-def run_child(case: str, width: int) -> dict:
+def run_child(case: str, width: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         env = {**os.environ, "PYTHONPATH": f"{ROOT / 'scripts'}{os.pathsep}{ROOT}"}
         out = subprocess.run(
-            [sys.executable, __file__, "--child", case, "--width", str(width), "--dir", run_dir],
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                case,
+                "--width",
+                str(width),
+                "--dir",
+                run_dir,
+                "--steps",
+                str(steps),
+            ],
             env=env,
             capture_output=True,
             text=True,
@@ -112,9 +123,10 @@ def main(argv=None) -> int:
     parser.add_argument("--child")
     parser.add_argument("--width", type=int, default=BIG)
     parser.add_argument("--dir")
+    parser.add_argument("--steps", type=int, default=4, help="steps an epoch (batches of 128)")
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.width, args.dir)))
+        print(json.dumps(child(args.child, args.width, args.dir, args.steps)))
         return 0
 
     cases = args.cases.split(",")
@@ -123,7 +135,7 @@ def main(argv=None) -> int:
     params = 0
     for repeat in range(args.repeats):
         for case in cases:
-            big, tiny = run_child(case, BIG), run_child(case, TINY)
+            big, tiny = run_child(case, BIG, args.steps), run_child(case, TINY, args.steps)
             params = big["params"]
             growth[case].append(big["peak_mib"] - tiny["peak_mib"])
             epoch[case].append(big["epochs_s"][-1])
