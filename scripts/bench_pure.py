@@ -77,6 +77,7 @@ def child(case: str, width: int, run_dir: str, steps: int) -> dict:
         "optimizer=adam",
         f"precision={case}",
         "trainer.epochs=2",
+        "trainer.log_every=4",  # pure bf16's lost-update count (and its workspace) every 4 steps
         "trainer.progress=false",
         "wandb.mode=disabled",
     ]

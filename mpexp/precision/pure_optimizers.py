@@ -44,9 +44,10 @@ from mpexp.precision.pure_updates import (
 log = logging.getLogger(__name__)
 
 # elements per chunk: few enough that the workspace is small against a model worth pure bf16
-# (some 40 MiB on a CPU), many enough that the chunks' operators, each a parallel region on a
-# CPU and a kernel launch on a GPU, do not dominate
-CPU_CHUNK = 1 << 20
+# (at most 160 MiB on a CPU), many enough that the chunks' operators, each a parallel region on
+# a CPU and a kernel launch on a GPU, do not dominate: on a busy 2-core CPU, 1 Mi-element chunks
+# made a 36.8 M-parameter Kahan step wait on its threads for seconds (docs/benchmarks.md)
+CPU_CHUNK = 1 << 22
 CUDA_CHUNK = 1 << 24
 TEMPORARY_BYTES = 40  # per chunk element, at most, that a step's temporaries take
 
