@@ -379,8 +379,9 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
     """Shard parameters, gradients and optimizer state over the ranks with FSDP2.
 
     Parameters are gathered in the precision mode's autocast dtype (fp16 / bf16; fp32 otherwise)
-    and gradients reduced in fp32. BatchNorm layers keep fp32 weights (their running statistics
-    are fp32 and batch_norm wants weights and statistics in one dtype), so each is its own unit.
+    and gradients reduced in fp32 (in bf16 under pure bf16, as DDP reduces them). BatchNorm
+    layers keep fp32 weights (their running statistics are fp32 and batch_norm wants weights and
+    statistics in one dtype), so each is its own unit.
     Then every top-level child with parameters is a unit, so that a layer's weights are gathered
     only while it runs, and the root takes whatever is left. A model whose layers are not its
     top-level children names its units itself with `fsdp_units()` (the GPT: its blocks; its
@@ -393,7 +394,9 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
     fully_shard, MixedPrecisionPolicy = _fsdp2()
     # an explicit mesh: without one FSDP2 picks CUDA whenever a GPU exists, even for a gloo group
     mesh = init_device_mesh(device.type, (size,))
-    low = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+    # pure bf16: its gradients' own dtype, which DDP reduces them in too (docs/precision.md)
+    reduce = torch.bfloat16 if precision.pure is not None else torch.float32
+    low = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=reduce)
     full = MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
     units = model.fsdp_units() if hasattr(model, "fsdp_units") else list(model.children())

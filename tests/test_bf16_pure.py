@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from mpexp.checkpoints import checkpoint
 from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.errors import ConfigError, ResumeRefused
 from mpexp.models.simplecnn import SimpleCNN
-from mpexp.precision.pure_updates import PureUpdates, hold_in_bf16, round_stochastic
+from mpexp.precision.pure_optimizers import PureAdam, PureSGD
+from mpexp.precision.pure_updates import CountUpdates, hold_in_bf16, round_stochastic
 from mpexp.report import cli as report
 from mpexp.run.runner import train
 from mpexp.run.validate import validate
@@ -57,10 +59,13 @@ def train_tiny_cnn(rounding: str | None, steps: int = 100) -> tuple[float, float
     images = torch.randn(512, 1, 8, 8)
     labels = (images.flatten(1) @ torch.randn(64, 10)).argmax(1)
     model = SimpleCNN(1, 10, (8, 8), width=4)
-    if rounding is not None:
+    if rounding is None:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        updates = CountUpdates(optimizer)
+    else:
         hold_in_bf16(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    updates = PureUpdates(optimizer, rounding, torch.float32 if rounding else None, 0, CPU)
+        optimizer = PureAdam(model.parameters(), lr=1e-4, rounding=rounding, states=torch.float32)
+        updates = optimizer
     order = torch.Generator().manual_seed(1)
     for _ in range(steps):
         batch = torch.randint(0, 512, (32,), generator=order)
@@ -102,8 +107,7 @@ def test_a_kahan_buffer_carries_updates_nearest_rounds_away():
     ends = {}
     for rounding in ("nearest", "kahan"):
         weight = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
-        optimizer = torch.optim.SGD([weight], lr=2**-12)
-        PureUpdates(optimizer, rounding, torch.bfloat16, 0, CPU)
+        optimizer = PureSGD([weight], lr=2**-12, rounding=rounding)
         for _ in range(64):
             weight.grad = torch.full_like(weight, -1.0)
             optimizer.step()
@@ -239,13 +243,32 @@ def test_the_report_puts_each_legs_bytes_beside_its_parity(tmp_path, one_thread)
         "2.6 KiB",
     )
     assert (reference["vs fp32"], pure["vs fp32"]) == ("1.00x", "0.50x")
+    # the step's peak: the held 5.2 KiB and a chunk of the largest weight (320) at 40 bytes each
+    assert (reference["step peak"], pure["step peak"]) == ("n/a", "17.7 KiB")
     assert pure["update rounding"] == "nearest, states bf16"
     assert reference["updates lost"] == "n/a" and 0 < float(pure["updates lost"]) <= 1
     assert pure["parity"] == "inconclusive: single seed"
+    # the advice under the table: the share lost and the difference, and what to do about them
+    text = (tmp_path / "report.md").read_text()
+    advice = re.search(
+        r"- pure: nearest lost (\d+)% of its updates and ended ([-+][\d.]+) points", text
+    )
+    assert advice is not None, text
+    assert int(advice[1]) == round(100 * float(pure["updates lost"]))
+    behind = float(advice[2]) < -0.5  # the classifier's tolerance: half a point of accuracy
+    assert text[advice.end() :].startswith(
+        " against fp32: use kahan or stochastic." if behind else " against fp32, within"
+    )
 
 
-def test_a_cuda_graph_is_refused_as_bf16_pure_rounds_in_python():
-    cfg = make_cfg(*PURE, "trainer.cuda_graph=true")
-    with pytest.raises(ConfigError, match="bf16_pure rounds each update in Python-side"):
-        plan_speed(cfg, torch.device("cuda"))  # decided from the config: no GPU needed
-    assert not plan_speed(make_cfg(*PURE), torch.device("cuda")).cuda_graph
+def test_a_bf16_pure_step_is_captured_as_a_cuda_graph_unless_it_cannot_be(monkeypatch):
+    """Decided from the config: no GPU needed. The fused update reads nothing on the host, so
+    the step is captured like the other modes'; the op-by-op update reads its step count."""
+    cuda = torch.device("cuda")
+    assert plan_speed(make_cfg(*PURE), cuda).cuda_graph
+    with pytest.raises(ConfigError, match=r"optimizer\.fused=false: an unfused step reads"):
+        plan_speed(make_cfg(*PURE, "trainer.cuda_graph=true", "optimizer.fused=false"), cuda)
+    stochastic = make_cfg(*PURE, "precision=bf16_pure_stochastic")
+    assert plan_speed(stochastic, cuda).cuda_graph  # its generator is registered with the graph
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", type("CUDAGraph", (), {}))  # torch 2.4's lacks it
+    assert "cannot register" in plan_speed(stochastic, cuda).graph_off

@@ -486,6 +486,8 @@ class Resume:
                 )
         elif rng is not None:
             restore_rng(rng, world.device)
+            if "optimizer" in rng:  # a sharded checkpoint's per-rank optimizer state
+                optimizer.load_rank_state(rng["optimizer"])
         # the same on any number of ranks: a step takes the next dataset.batch_size samples of
         # the epoch's order, which the ranks share (rank r every world_size-th of them)
         return self.position

@@ -53,7 +53,10 @@ def save(path: Path, common: dict, rng: dict, model, optimizer, rank: int) -> No
     try:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))
-        torch.save(rng, tmp / rng_file(rank))
+        # an optimizer's own per-rank state beyond its per-parameter states (pure bf16's
+        # rounding generator, its count of lost updates), which DCP's optimizer state leaves out
+        own = getattr(optimizer, "rank_state", None)
+        torch.save({**rng, "optimizer": own()} if own else rng, tmp / rng_file(rank))
         if rank == 0:
             torch.save(common, tmp / COMMON)
         dist.barrier()  # every rank's files are complete

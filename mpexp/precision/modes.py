@@ -64,7 +64,7 @@ class Fp8:
 class PureBf16:
     """Pure bf16: the weights and gradients in bfloat16, each update rounded into them as
     `rounding` says, the optimizer's states kept in `states_dtype` (see
-    mpexp/precision/pure_updates.py)."""
+    mpexp/precision/pure_optimizers.py)."""
 
     rounding: str
     states_dtype: torch.dtype

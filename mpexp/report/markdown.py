@@ -8,6 +8,7 @@ import math
 import statistics
 from collections.abc import Callable
 
+from mpexp.report import pure_advice
 from mpexp.report.axes import Curve, Panel, SweepAxis, kept_up_to, sweep_axis
 from mpexp.report.sensitivity import curve_sensitivity
 from mpexp.report.stats import Estimate
@@ -469,7 +470,9 @@ def _state_section(report: Report) -> list[str]:
         "## Training state against parity",
         "",
         "What each configuration holds between steps (weights, their gradients, the optimizer's "
-        "states: `ran.bytes_*`), its total against its fp32 reference's, and its parity verdict "
+        "states: `ran.bytes_*`), the most its optimizer step holds at once (those and the "
+        "step's temporaries, where known: `ran.bytes_step_peak`), the held total against its "
+        "fp32 reference's, and its parity verdict "
         "from above. Updates lost: the mean of `opt/updates_lost` over the run, the share of "
         "nonzero updates that left a weight unchanged (computed under bf16_pure only). Under "
         "kahan and stochastic rounding an unchanged weight keeps its update (in the "
@@ -485,14 +488,17 @@ def _state_section(report: Report) -> list[str]:
             _precision(c.first),
             c.first.rounding or "",
             *(_bytes(sizes.get(k)) for k in STATE_BYTES),
+            _bytes(c.first.step_peak_bytes),
             _number(c.state_ratio, ".2f") + ("x" if c.state_ratio is not None else ""),
             _estimate(c.updates_lost, ".3f"),
             parity_text(c),
         ]
 
     headers = ["configuration", "precision", "update rounding", "weights", "gradients",
-               "optimizer states", "vs fp32", "updates lost", "parity"]  # fmt: skip
-    return [*lines, *_table(headers, report.configs, cells), ""]
+               "optimizer states", "step peak", "vs fp32", "updates lost", "parity"]  # fmt: skip
+    advised = [(c.label, pure_advice.advice(c)) for c in report.configs]
+    advice = [f"- {label}: {text}." for label, text in advised if text]
+    return [*lines, *_table(headers, report.configs, cells), "", *advice, *([""] if advice else [])]
 
 
 def _bytes(value: int | None) -> str:

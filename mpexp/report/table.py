@@ -119,6 +119,12 @@ class Row:
         return max(known) / 2**20 if known else None
 
     @property
+    def step_peak_bytes(self) -> int | None:
+        """The most its optimizer step holds at once (held bytes and the step's temporaries),
+        where the run knows it (mpexp.precision.pure_updates.stored_bytes)."""
+        return self.run.ran.get("bytes_step_peak")
+
+    @property
     def updates_lost(self) -> float | None:
         """The mean of its opt/updates_lost over the run; None where it was not computed."""
         values = [d["opt/updates_lost"] for d in self.run.diagnostics if "opt/updates_lost" in d]

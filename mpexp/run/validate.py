@@ -184,8 +184,16 @@ def _validate_fp8_filter(fp8: Mapping[str, Any]) -> None:
         )
 
 
-# the optimizers whose states pure bf16 knows how to hold (each a tensor shaped like its parameter)
-PURE_OPTIMIZERS = ("torch.optim.Adam", "torch.optim.AdamW", "torch.optim.SGD")
+# the optimizers pure bf16 steps with its own (mpexp/precision/pure_optimizers.py), and the
+# settings of each that its update honours
+ADAM_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+PURE_OPTIMIZERS = {
+    "torch.optim.Adam": ADAM_SETTINGS,
+    "torch.optim.AdamW": ADAM_SETTINGS,
+    "torch.optim.SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+}
+# the optimizer group's keys that are mpexp's, not the optimizer's settings
+OWN_KEYS = ("_target_", "_partial_", "fused", "decay_norms_and_biases")
 
 
 def _validate_pure_bf16(cfg: DictConfig) -> None:
@@ -225,6 +233,15 @@ def _validate_pure_bf16(cfg: DictConfig) -> None:
             f"precision=bf16_pure cannot hold the states of optimizer {target} in bfloat16: it "
             "knows those of Adam, AdamW and SGD (optimizer=adam, adamw or sgd); use one of them, "
             "or precision=bf16."
+        )
+    # pure bf16 steps with its own Adam and SGD: a setting they would not honour is refused
+    unknown = [k for k in cfg.optimizer if k not in (*PURE_OPTIMIZERS[target], *OWN_KEYS)]
+    if unknown:
+        keys = ", ".join(f"optimizer.{k}" for k in unknown)
+        raise ConfigError(
+            f"precision=bf16_pure does not implement {keys} (its update knows lr, betas, eps, "
+            "weight_decay for Adam and AdamW; lr, momentum, dampening, weight_decay, nesterov "
+            "for SGD); drop it, or use precision=bf16."
         )
 
 

@@ -43,9 +43,10 @@
   gradients were not finite, on each step where any was (a skipped step, under loss scaling).
 - Updates lost (`opt/updates_lost`, on under precision=bf16_pure, elsewhere with
   `diagnostics.updates_lost=true`): the share of the elements whose update was nonzero but left
-  the stored weight unchanged (rounded away), over the steps since the last flush, in total and
-  per layer (`diag/<layer>/updates_lost`). Counted in the optimizer's step hooks
-  (mpexp/precision/pure_updates.py).
+  the stored weight unchanged (rounded away), in total and per layer
+  (`diag/<layer>/updates_lost`): under bf16_pure counted by its own update on the last step of
+  each log interval (mpexp/precision/pure_optimizers.py), elsewhere on every step in the
+  optimizer's step hooks (mpexp/precision/pure_updates.py).
 - The loss-scale floor of dynamic and hysteresis scaling, checked here because it is read back the
   same way: a back-off due at `loss_scaling.min_scale` stops the run or warns.
 
@@ -347,9 +348,10 @@ class Diagnostics:
             self._steps.append(step, self._flags)
             self._flags = None
 
-    def flush(self, wait: bool = False) -> None:
-        """Report what has been read back."""
-        if self.updates is not None:
+    def flush(self, wait: bool = False, close_windows: bool = True) -> None:
+        """Report what has been read back. `close_windows=False` (a stop's flush) leaves the
+        lost updates counting in the optimizer, whose checkpoint keeps them."""
+        if self.updates is not None and close_windows:
             self._take_lost()
         for step, counts in self._lost.flush(wait):
             if any(counts[1::2]):  # steps since the last flush that moved a weight

@@ -713,7 +713,9 @@ class Fit:
             # ranks must stop at the same step: they agree where they meet anyway, at a flush
             stopping = self._stop_agreed() if flush or not self.world.distributed else False
             if self.saver.due(step) or stopping:
-                self._flush(wait=True)
+                # a stop's own flush leaves the lost updates' window open: the checkpoint keeps
+                # its counts, so that the resumed run logs the rows the whole run would have
+                self._flush(wait=True, close_windows=self.saver.due(step))
                 began = time.perf_counter()
                 self._checkpoint(Position(epoch, batch, step), began - interval.start, stopping)
                 interval.start += time.perf_counter() - began  # checkpoints are not training time
@@ -966,8 +968,9 @@ class Fit:
             self.parts.data.faster_data_hint(),
         )
 
-    def _flush(self, wait: bool = False) -> None:
-        """Read back what the device has gathered (all of it with wait=True: one sync)."""
+    def _flush(self, wait: bool = False, close_windows: bool = True) -> None:
+        """Read back what the device has gathered (all of it with wait=True: one sync);
+        `close_windows=False` leaves the diagnostics' counting windows open."""
         # the user's tensors are queued for the host before the history's copy, whose wait then
         # covers them too
         self.own.start(self.tracker.take_waiting())
@@ -978,7 +981,7 @@ class Fit:
         for row in self.own.done(wait):
             self.tracker.log(row)
         self.steps.write(rows)
-        self.diagnostics.flush(wait)
+        self.diagnostics.flush(wait, close_windows)
 
     def _write_own_values(self) -> None:
         """The user's values on their way to the host, written as the run fails: the values that

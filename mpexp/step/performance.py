@@ -22,7 +22,7 @@ from torch import nn
 
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError
-from mpexp.precision import pure_updates
+from mpexp.precision import pure_optimizers, pure_updates
 from mpexp.step.schedules import runs_on_device, schedule_factor
 
 log = logging.getLogger(__name__)
@@ -164,10 +164,20 @@ def _graph_blockers(cfg: DictConfig, fused) -> list[str]:
         )
     if cfg.diagnostics.overflow_attribution:
         reasons.append("diagnostics.overflow_attribution reads every step's gradients")
-    if cfg.precision.get("weights") == "bfloat16" or cfg.diagnostics.get("updates_lost"):
-        # mpexp/precision/pure_updates.py: float32 copies made and the states re-keyed in Python
-        # around each optimizer step, which a replay would not do
-        reasons.append("precision=bf16_pure rounds each update in Python-side optimizer hooks")
+    pure = cfg.precision.get("weights") == "bfloat16"
+    if not pure and cfg.diagnostics.get("updates_lost"):
+        # mpexp/precision/pure_updates.py: a copy of the weights kept in Python around each step
+        reasons.append(
+            "diagnostics.updates_lost=true with float32 weights counts in Python-side optimizer "
+            "hooks"
+        )
+    stochastic = pure and cfg.precision.get("update_rounding") == "stochastic"
+    if stochastic and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+        # a replay must draw new numbers from the rounding's own generator each time
+        reasons.append(
+            f"precision.update_rounding=stochastic draws from a generator of its own, which "
+            f"torch {torch.__version__} cannot register with a CUDA graph (torch 2.5 can)"
+        )
     return reasons
 
 
@@ -198,6 +208,9 @@ def build_optimizer(
     A step captured as a CUDA graph takes the fused optimizer, capturable: its step count and
     learning-rate arithmetic stay on the device.
     """
+    if cfg.precision.get("weights") == "bfloat16":
+        asked = cfg.optimizer.get("fused") if speed is None else speed.fused
+        return _pure_optimizer(cfg, model, asked, speed is not None and speed.cuda_graph)
     fused = choose_fused(cfg, device, scaler, speed)
     extra = {}
     if speed is not None and speed.cuda_graph:
@@ -211,8 +224,8 @@ def build_optimizer(
     optimizer = build(parameter_groups(model, cfg.optimizer))
     if fused:
         _zero_momentum(optimizer)
-    # pure bf16: the step computed in fp32 and rounded into the bf16 weights as configured
-    pure_updates.watch(optimizer, cfg, device)
+    if cfg.diagnostics.get("updates_lost"):  # asked for with float32 weights: the count alone
+        pure_updates.CountUpdates(optimizer)
     return optimizer
 
 
@@ -225,6 +238,17 @@ def choose_fused(cfg: DictConfig, device: torch.device, scaler, speed: Speed | N
     # a schedule on the host must see each skipped step: unfused, GradScaler skips on the host
     scheduled = not schedule_on_device(cfg) and scaler.continues_after_skip()
     return device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
+
+
+def _pure_optimizer(cfg: DictConfig, model: nn.Module, fused: bool | None, captured: bool):
+    """Pure bf16's own optimizer (mpexp/precision/pure_optimizers.py): fused by default on
+    every device, as its update takes no host read then (torch's fused kernel, a chunk at a
+    time), and with `optimizer.fused=false` the op-by-op formula of torch's unfused step."""
+    spec = optimizer_spec(cfg.optimizer)
+    settings = {k: v for k, v in spec.items() if k not in ("_target_", "_partial_", "fused")}
+    params = parameter_groups(model, cfg.optimizer)
+    fused = True if fused is None else bool(fused)
+    return pure_optimizers.build_pure(spec["_target_"], settings, params, cfg, fused, captured)
 
 
 # keys of the optimizer group that are mpexp's own, not arguments of the optimizer

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from mpexp.errors import reason
+from mpexp.precision.pure_updates import GRAPH_GENERATORS
 
 log = logging.getLogger("mpexp")
 
@@ -44,6 +45,11 @@ class CudaGraph:
 
     def __init__(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
+        # a generator of its own (pure bf16's stochastic rounding) must advance with each
+        # replay, as the default one does; torch older than 2.5 cannot, and such a step is not
+        # captured (mpexp.step.performance)
+        for generator in GRAPH_GENERATORS:
+            self._graph.register_generator_state(generator)
 
     _side: torch.cuda.Stream | None = None  # the warm-up steps' stream, one for the process
 
