@@ -86,8 +86,9 @@ def mpexp_step_ops(precision: str) -> Counter[str]:
 
 
 # fp32 and bf16: the history row (a stack, the loss's terms joined to it, train/z_loss beside the
-# cross-entropy, and the copy into its ring row) and the non-finite guard, about 13 small kernels that make sure a step with inf/NaN gradients is never applied
-# (the loss's check, the gradients' check, the fused step's skip flag); a bare loop applies it.
+# cross-entropy, and the copy into its ring row) and the non-finite guard, about 13 small kernels
+# that make sure a step with inf/NaN gradients is never applied (the loss's check, the gradients'
+# check, the fused step's skip flag); a bare loop applies it.
 # fp16: the history row and the scaler's own rules (a non-finite loss skips without backing off;
 # a floor under the scale), about 10; the whole rule (hysteresis) took about 45 more operators
 # than torch's GradScaler before the `dynamic` default got its short path. On a GPU the default
