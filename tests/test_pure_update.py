@@ -27,7 +27,7 @@ from mpexp.tracking.tracker import RunContext
 from tests.conftest import CPU, TINY, make_cfg
 from tests.pure_reference import PureUpdates
 from tests.test_bf16_pure import PURE
-from tests.test_distributed import PER_RANK
+from tests.test_distributed import GLOBAL
 from tests.test_preemption import descendants, finish, torchrun
 from tests.test_resume import assert_same_final_state, comparable, resume, wait_for
 from tests.test_training import read_metrics
@@ -301,7 +301,7 @@ def test_a_killed_fsdp_run_with_stochastic_rounding_resumes_exactly(tmp_path):
     args = [
         "trainer.strategy=fsdp",
         *(o for o in PURE if not o.startswith("dataset.batch_size")),
-        PER_RANK,
+        GLOBAL,  # the step's 64 over both ranks: 32 each
         "precision=bf16_pure_stochastic",
         "trainer.epochs=3",
         "trainer.checkpoint_every_steps=5",
