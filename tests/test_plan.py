@@ -360,3 +360,17 @@ def test_a_model_the_rehearsal_cannot_run_trains_unplanned_with_a_warning(
     said = result.stdout + result.stderr
     assert "No plan for this run" in said and "tensor subclasses" in said
     assert "plan" not in json.loads((run_dir / "summary.json").read_text())["ran"]
+
+
+def test_pure_bf16_hands_a_language_models_logits_to_its_loss_without_a_float32_copy():
+    """The chunked cross-entropy upcasts a chunk at a time: pure bf16 keeps its logits in
+    bfloat16 (a float32 copy of them all was the step's largest tensor), and its step peaks
+    below bf16 mixed precision's."""
+    lm = ["model=gpt", "dataset=text", "dataset.vocab_size=50304", "dataset.tokenizer=bpe",
+          "model.block_size=256", "dataset.batch_size=16"]  # fmt: skip
+    pure, mixed = plan_rows([*lm, "precision=bf16_pure,bf16"], "cuda")
+    logits = (16 * 256, 50304)  # 786 MiB in float32: the loss takes it in chunks of 256 MiB
+    for phase in ("train_step", "validation"):
+        shapes = {(tuple(t["shape"]), t["dtype"]) for t in pure["largest"][phase]}
+        assert (logits, "float32") not in shapes, pure["largest"][phase]
+    assert pure["peak_bytes"]["train_step"] < mixed["peak_bytes"]["train_step"]

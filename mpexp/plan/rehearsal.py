@@ -145,7 +145,8 @@ class Stage:
         bf16 = torch.bfloat16 if precision.pure is not None else None
         model = materialize(meta, bf16)
         if precision.pure is not None:
-            model = hold_in_bf16(model)  # its weights are bfloat16 already: the hooks
+            # its weights are bfloat16 already: the hooks
+            model = hold_in_bf16(model, not self.task.takes_16_bit_output)
         self.model = model
         self.parameters = sum(p.numel() for p in model.parameters())
         with model_trial(task, what):

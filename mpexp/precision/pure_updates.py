@@ -38,16 +38,19 @@ COUNTS = "updates_lost_counts"  # and of the lost-update counts since the last f
 STEPS = "pure_steps_taken"  # and of the steps the optimizer has taken (which of them count)
 
 
-def hold_in_bf16(model: nn.Module) -> nn.Module:
+def hold_in_bf16(model: nn.Module, output_to_float32: bool = True) -> nn.Module:
     """Cast the model's parameters and buffers to bfloat16, and make it take and give float32:
     floating inputs are cast to bfloat16 on the way in, the output to float32 on the way out, so
-    that the loss (and validation's sums) are computed in float32."""
+    that the loss (and validation's sums) are computed in float32; without `output_to_float32`,
+    the output stays bfloat16, for a task whose loss upcasts it itself
+    (`Task.takes_16_bit_output`)."""
     tensors = [*model.parameters(), *model.buffers()]
     # mpexp-plan's fake weights are made bfloat16 (Module.to cannot convert fake tensors)
     if any(t.is_floating_point() and t.dtype != torch.bfloat16 for t in tensors):
         model.to(torch.bfloat16)
     model.register_forward_pre_hook(_inputs_to_bf16)
-    model.register_forward_hook(_output_to_float32)
+    if output_to_float32:
+        model.register_forward_hook(_output_to_float32)
     return model
 
 

@@ -235,7 +235,7 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
         settings(cfg.model, "model"),
     ).to(device)
     if precision.pure is not None:  # before the FLOP count's background pass runs the model
-        model = hold_in_bf16(model)
+        model = hold_in_bf16(model, not task.takes_16_bit_output)
     # the user's model as built, before anything wraps it: whether it declares itself capturable
     speed = performance.for_model(speed, cfg, model)
     parameters = sum(p.numel() for p in model.parameters())

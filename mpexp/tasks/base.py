@@ -129,6 +129,10 @@ class Task(ABC):
 
     # the keys under which `loss_terms` logs the terms after the first (none: the loss is one)
     term_names: ClassVar[tuple[str, ...]] = ()
+    # whether its loss and validation sums take a 16-bit output and compute in float32 themselves
+    # (a language model's, a chunk at a time): pure bf16 then hands the output on as it is,
+    # rather than a float32 copy of all of it (GPT-2 small's logits: 2.3 GiB a micro-batch)
+    takes_16_bit_output: ClassVar[bool] = False
 
     def loss_terms(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training loss as a 1-D tensor of the terms that add up to it: the first is

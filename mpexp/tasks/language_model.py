@@ -32,6 +32,7 @@ class LanguageModelling(Task):
     token_bytes: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     name = "language_model"
+    takes_16_bit_output = True  # mpexp/tasks/cross_entropy.py: float32 a chunk at a time
     # 0.02 nats per token: about 2 % in perplexity, finer than seed-to-seed noise of short runs
     result = Result(
         "val/loss", higher_is_better=False, tolerance=0.02, unit="nats", title="Validation loss"
