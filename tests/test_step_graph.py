@@ -377,8 +377,10 @@ def test_by_default_a_user_models_python_state_is_never_frozen_by_a_capture(
         default, losses = _mocked_cuda_run(monkeypatch, tmp_path, "default")
     reason = "PythonRandomDepth does not declare itself capturable"
     assert default["ran"]["cuda_graph"] is False and default["ran"]["cuda_graph_off"] == reason
-    first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Training"))
-    assert first.endswith(f"| step eager, no CUDA graph ({reason})")
+    # the default run's line: the last so far (the eager run's may be among the records too,
+    # wherever an earlier test left mpexp's logger at INFO)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Training")]
+    assert said[-1].endswith(f"| step eager, no CUDA graph ({reason})")
     assert losses == eager_losses
     forced, forced_losses = _mocked_cuda_run(
         monkeypatch, tmp_path, "forced", "trainer.cuda_graph=true"
