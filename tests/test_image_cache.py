@@ -341,6 +341,7 @@ def test_the_cache_command_builds_the_stores_a_run_then_reads(photos, tmp_path, 
     assert command.main(overrides) == 0
     printed = capsys.readouterr().out.split()
     assert sorted(printed) == sorted(str(p) for p in cache.iterdir() if p.is_dir())
+    caplog.clear()  # the command's own "Cached ..." lines: the run after it builds nothing
     with caplog.at_level(logging.INFO, logger="mpexp"):
         data = cached(photos, cache)
     assert builds(caplog) == [] and sorted(data.record()["cache"]["stores"]) == sorted(printed)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from mpexp.command_log import messages_on_stderr
 from mpexp.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
@@ -25,10 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(arg in ("-h", "--help") for arg in overrides):
         print(__doc__)
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        for store in stores(overrides):
-            print(store)
+        with messages_on_stderr():
+            for store in stores(overrides):
+                print(store)
     except UserError as err:
         print(f"mpexp-cache: {err}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ import re
 import sys
 from pathlib import Path
 
+from mpexp.command_log import messages_on_stderr
 from mpexp.errors import UserError
 
 log = logging.getLogger("mpexp")
@@ -95,13 +96,18 @@ def arguments(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """The `mpexp-plan` command."""
     args = arguments(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         from mpexp.plan.rows import plan_rows  # torch: once the arguments are known to be good
 
-        rows = plan_rows(
-            args.overrides, args.device, args.device_memory, args.micro_batches, True, args.nproc
-        )
+        with messages_on_stderr():
+            rows = plan_rows(
+                args.overrides,
+                args.device,
+                args.device_memory,
+                args.micro_batches,
+                True,
+                args.nproc,
+            )
     except UserError as err:
         sys.stderr.write(f"{err}\n")
         raise SystemExit(2) from None
