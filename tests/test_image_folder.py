@@ -350,14 +350,14 @@ def test_two_ranks_under_ddp_train_like_one_process_with_their_joint_batch(photo
     args = [*SMALL, f"dataset.path={photos}", "dataset.num_workers=1", "trainer.epochs=1"]
     cwd = tmp_path / "ddp"
     cwd.mkdir()
-    result = run_cli(*TORCHRUN, "-m", "mpexp.train", "trainer.strategy=ddp", *args,
-                     "dataset.batch_size=4", cwd=cwd)  # fmt: skip
+    # dataset.batch_size=8 (SMALL's) is the step's: each of the two ranks takes 4 of it
+    result = run_cli(*TORCHRUN, "-m", "mpexp.train", "trainer.strategy=ddp", *args, cwd=cwd)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run_dir = only_run_dir(cwd)
     ran = json.loads((run_dir / "summary.json").read_text())["ran"]
     assert (ran["world_size"], ran["steps_per_epoch"], ran["replicas_identical"]) == (2, 6, True)
 
-    train(make_cfg(*args), RunContext(tmp_path / "one"))  # batch 8: the two ranks' 4 and 4
+    train(make_cfg(*args), RunContext(tmp_path / "one"))  # the same 8 in one process
     assert losses(run_dir) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
 
 

@@ -123,13 +123,14 @@ def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_result(fsdp_runs):
 @pytest.mark.slow
 def test_a_two_rank_checkpoint_resumes_on_one_rank(fsdp_runs, tmp_path):
     whole = fsdp_runs["whole"]
-    # continue the finished 2-rank run for one more epoch, on a single rank; the batch per
-    # process stays 32, so that epoch takes 1024 / 32 = 32 steps
+    # continue the finished 2-rank run for one more epoch, on a single rank: dataset.batch_size is
+    # the step's on any number of processes, so that epoch takes 1024 / 64 = 16 steps, as each
+    # epoch before it did on two
     one = [*FSDP, "trainer.epochs=5"]
     output = finish(torchrun(*one, f"trainer.resume={whole}", cwd=tmp_path, nproc=1))
     assert "Resuming a run of 2 processes on 1" in output and "(resharded)" in output
     steps, epochs = read_metrics(whole)
-    assert [r["step"] for r in steps] == list(range(1, 97)) and len(epochs) == 5
+    assert [r["step"] for r in steps] == list(range(1, 81)) and len(epochs) == 5
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["ran"]["world_size"] == 1
     assert epochs[-1]["val/loss"] < epochs[0]["val/loss"]  # it went on learning from the weights
