@@ -13,7 +13,6 @@ seconds on a CPU, no GPU and no data needed beyond the shapes.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import re
@@ -25,14 +24,8 @@ from mpexp.errors import UserError
 
 log = logging.getLogger("mpexp")
 
-# of the device's memory, what a planned peak may take and still fit: the rest is for the CUDA
-# context, cuBLAS and cuDNN workspaces and the caching allocator's fragmentation, none of which
-# torch.cuda.max_memory_allocated (what the plan is checked against) counts
-USABLE = 0.9
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-# keys a preset sweeps that change nothing the plan measures
-UNPLANNED_KEYS = ("trainer.seed",)
 
 
 def at_least(minimum: int):
@@ -128,21 +121,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Written: {args.json}")
     if any(row["fits"] is False for row in rows):
         raise SystemExit(3)  # scripts can tell a plan that does not fit
-
-
-def combinations(overrides: list[str]) -> list[list[str]]:
-    """One list of plain overrides per combination of the comma lists' values."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    choices = []
-    for text, override in zip(overrides, parsed, strict=True):
-        if override.is_sweep_override():
-            key = override.get_key_element()
-            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
-        else:
-            choices.append([text])
-    return [list(combo) for combo in itertools.product(*choices)]
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ class LiveBytes(TorchDispatchMode):
         self.peaks: dict[str, Peak] = {}
         self.where = ""  # the module whose forward runs now, where the model says (see `watch`)
         self._refs: dict[int, weakref.ref] = {}
+        self._stack: list[str] = []  # the modules whose forwards enclose the running one
         self.count_flops = False  # matrix products' FLOPs (torch's formulas) while on
         self.host_reads: dict[str, int] = {}  # per phase: values read on the host, taken as 0
         self.flops = 0
@@ -202,5 +203,4 @@ class LiveBytes(TorchDispatchMode):
 
             handles.append(module.register_forward_pre_hook(enter))
             handles.append(module.register_forward_hook(leave))
-        self._stack: list[str] = []
         return handles

@@ -65,8 +65,7 @@ class Rehearsal:
     flops_per_step: float | None  # matrix products of one optimizer step, forward and backward
     samples_per_step: int
     tokens_per_step: int | None
-    micro_batch: int
-    validation_batch: int
+    micro_batch: int  # what one forward takes, in training and validation alike
     processes: int = 1  # the plan is one process's (under torchrun, each holds as much)
     missing: dict[str, str] = field(default_factory=dict)  # a number not given -> why
     # values one optimizer step reads on the host (each a host-device synchronisation on a GPU)
@@ -181,7 +180,6 @@ class Stage:
         inputs, targets = self.task.example(self.batch, CPU)
         if inputs.dim() == 4:  # images, as the data hands them to a channels-last step
             inputs = inputs.contiguous(memory_format=self.speed.memory_format())
-        micro = self.micro
         # a first update makes the optimizer's states (and pure bf16's compensation), which
         # every later step holds through its forward and backward
         for p in self.model.parameters():
@@ -194,7 +192,7 @@ class Stage:
             self.diagnostics.measure_attention(0, inputs.chunk(self.accumulate))
         self.tracker.count_flops = True  # the step's own FLOPs
         self.rehearsed = min(micro_batches or self.accumulate, self.accumulate)
-        size = self.rehearsed * micro
+        size = self.rehearsed * self.micro
         self._train_step(inputs[:size], targets[:size], self.rehearsed, inspect)
         self.tracker.count_flops = False
 
@@ -217,14 +215,14 @@ class Stage:
         self.tracker.start("validation")
         inputs, targets = self.task.example(self.batch, CPU)  # the batch as the data hands it
         size = min(self.batch, self.rehearsed * self.micro)
-        batch = (inputs[:size], targets[:size])
-        p = self
-        evaluate(p.objective, p.data, CPU, p.precision, batches=[batch], micro_batch=p.micro)
+        batches = [(inputs[:size], targets[:size])]
+        passes = [contextlib.nullcontext()]
         if self.average is not None:  # validated again with the average swapped in
-            with self.average.swapped_in():
-                evaluate(
-                    p.objective, p.data, CPU, p.precision, batches=[batch], micro_batch=p.micro
-                )
+            passes.append(self.average.swapped_in())
+        for weights in passes:
+            with weights:
+                evaluate(self.objective, self.data, CPU, self.precision, batches=batches,
+                         micro_batch=self.micro)  # fmt: skip
 
     def cannot(self, err: RuntimeError) -> None:
         """What fake tensors cannot run (a custom kernel without a shape rule, a value read on
@@ -251,7 +249,6 @@ class Stage:
         }  # fmt: skip
         tokens = getattr(self.task, "block_size", None)
         counted = "flops_per_step" not in self.missing
-        micro = self.micro
         return Rehearsal(
             precision=self.precision_name,
             device=self.device_type,
@@ -264,8 +261,7 @@ class Stage:
             if counted else None,
             samples_per_step=self.split.batch,
             tokens_per_step=self.split.batch * tokens if tokens else None,
-            micro_batch=micro,
-            validation_batch=micro,  # validation runs the step's micro-batches
+            micro_batch=self.micro,
             processes=self.split.processes,
             missing=self.missing,
             host_reads=self.tracker.host_reads.get("train_step", 0),
@@ -306,7 +302,7 @@ def _speed_for(speed, cfg: DictConfig, device_type: str):
 def held_bytes(model, optimizer, tracker: LiveBytes, average=None) -> dict[str, int]:
     """What stays between steps, by kind, each storage counted once; the storages named, so that
     the lists of the largest tensors say whose they are."""
-    weights = [p for p in model.parameters()]
+    weights = list(model.parameters())
     names = {id(p): n for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         tracker.name(p, f"weight {n}")

@@ -4,6 +4,7 @@ would make a row that does not fit fit."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -14,11 +15,29 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mpexp import config
-from mpexp.plan.cli import UNPLANNED_KEYS, USABLE, combinations
 from mpexp.plan.rehearsal import Rehearsal, rehearse
 from mpexp.run.hydra_hooks import expand_home, register_resolvers
 
 GiB = 2**30
+# of the device's memory, what a planned peak may take and still fit: the rest is for the CUDA
+# context, cuBLAS and cuDNN workspaces and the caching allocator's fragmentation, none of which
+# torch.cuda.max_memory_allocated (what the plan is checked against) counts
+USABLE = 0.9
+# keys a preset sweeps that change nothing the plan measures
+UNPLANNED_KEYS = ("trainer.seed",)
+
+
+def combinations(overrides: list[str]) -> list[list[str]]:
+    """One list of plain overrides per combination of the comma lists' values."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = []
+    for text, override in zip(overrides, parsed, strict=True):
+        if override.is_sweep_override():
+            key = override.get_key_element()
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            choices.append([text])
+    return [list(combo) for combo in itertools.product(*choices)]
 
 
 def plan_rows(
@@ -102,7 +121,6 @@ def row(
         "tokens_per_step": rehearsal.tokens_per_step,
         "micro_batch": rehearsal.micro_batch,
         "processes": rehearsal.processes,
-        "validation_batch": rehearsal.validation_batch,
         "device_memory": memory,
         "fits": fits,
         "advice": advice(rehearsal, memory) if fits is False else [],

@@ -51,7 +51,7 @@ def table(rows: list[dict]) -> str:
             f"{name}: {row['samples_per_step']} samples a step in micro-batches of "
             f"{row['micro_batch']}"
             + (f", {row['tokens_per_step']:,} tokens" if row["tokens_per_step"] else "")
-            + f"; validation {row['validation_batch']} a forward; planned for {row['device']}"
+            + f"; validation in the same micro-batches; planned for {row['device']}"
             + (f", one of {row['processes']} processes" if row["processes"] > 1 else "")
         )
         for phase, largest in row["largest"].items():
