@@ -59,14 +59,14 @@ from torch.utils.data import DataLoader
 from mpexp.data import gpu_decode
 from mpexp.data.augment import CropFlip
 from mpexp.data.base import Batch, TrainingData
-from mpexp.data.image_cache import KINDS, CacheUnavailable, ResizedImages, store_name
+from mpexp.data.image_cache import KINDS
 from mpexp.data.image_folder import reading
 from mpexp.data.image_folder.layout import find_root, scan
-from mpexp.data.image_folder.reading import Split, Undecodable, least_side
+from mpexp.data.image_folder.reading import Split, Undecodable
+from mpexp.data.image_folder.stores import Stores, stored_side
 from mpexp.data.image_folder.val_split import val_files
 from mpexp.data.workers import WorkerLoader
-from mpexp.distributed import rank_zero_first
-from mpexp.errors import ConfigError, DataError
+from mpexp.errors import ConfigError
 from mpexp.tasks.classification import Classification
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class ImageFolderData(TrainingData):
         root = self._find_splits()
         self._undecodable = Undecodable(self.splits, self.classes, self.undecodable)
         if self.cache == "resized":
-            self._open_cache(root)
+            self.cache_ran = self._stores(root).attach()
         else:
             every = [os.fsdecode(f) for split in self.splits.values() for f in split.files]
             self.decode_on = gpu_decode.choose(self.decode, device, every)
@@ -205,62 +205,16 @@ class ImageFolderData(TrainingData):
         """Each split's store of resized images, built where missing, as a run with
         dataset.cache=resized would (`python -m mpexp.data.cache`); the stores. Raises DataError
         where the cache folder cannot hold them."""
-        try:
-            stores = self._open_stores(self._find_splits())
-        except CacheUnavailable as why:
-            raise DataError(
-                f"{why}. Point dataset.cache_dir (or MPEXP_DATA_DIR) at a writable folder with "
-                "room for the images."
-            ) from None
-        return [store.store for store in stores.values()]
+        return self._stores(self._find_splits()).build()
 
-    def _open_cache(self, root: Path) -> None:
-        """Read every split from its store of resized images, built where missing; a cache
-        folder that cannot be written costs the cache, not the run."""
-        try:
-            stores = self._open_stores(root)
-        except CacheUnavailable as why:
-            log.warning(
-                "dataset.cache=resized is NOT used: %s. This run decodes every image in its "
-                "workers instead (ran.data.cache records it). Point dataset.cache_dir (or "
-                "MPEXP_DATA_DIR) at a writable folder with room for the images to use it.",
-                why,
+    def _stores(self, root: Path) -> Stores:
+        sides = {
+            name: stored_side(
+                name, self.image_size, self.resize_size, self.crop_scale, self.cache_side
             )
-            self.cache_ran = {"kind": "none", "asked": "resized", "why": str(why)}
-            return
-        for name, store in stores.items():
-            self.splits[name].cache = store
-        self.cache_ran = {"kind": "resized", "side": self.cache_side_of("train")[0],
-                          "val_side": self.resize_size,
-                          "stores": [str(s.store) for s in stores.values()]}  # fmt: skip
-
-    def _open_stores(self, root: Path) -> dict[str, ResizedImages]:
-        """Each split's store (mpexp/data/image_cache.py), built where it is missing: by one
-        process of those asking together, by rank 0 under torchrun. Raises CacheUnavailable."""
-        stores = {}
-        # the files by their full paths: the same key whichever folder a run starts from
-        real = root.resolve()
-        with rank_zero_first():  # one build for all ranks: rank 0's, which the others then read
-            for name, split in self.splits.items():
-                paths = [os.path.join(real, os.fsdecode(f)) for f in split.files]
-                side, enlarge = self.cache_side_of(name)
-                stem = store_name(root, name, side)
-                # reading.decode as it is at the call, as Split.read looks it up (a test swaps it)
-                stores[name] = ResizedImages(
-                    paths, split.stats, side, enlarge, self.cache_dir, stem, reading.decode
-                ).open(self.num_workers)
-                split.stats = stores[name].stats  # as the store found them, if they changed
-        return stores
-
-    def cache_side_of(self, split: str) -> tuple[int, bool]:
-        """A split's stored shorter side, and whether smaller images are enlarged to it.
-        Validation's and test's images are stored as validation resizes them. Training's are
-        stored at most at `cache_side`, by default the side its random resized crop needs for
-        its smallest crop to keep every pixel (what the decoding workers decode at), and never
-        enlarged; without a random crop, as validation's."""
-        if split != "train" or (self.crop_scale is None and self.cache_side is None):
-            return self.resize_size, True
-        return self.cache_side or least_side(self.image_size, self.crop_scale), False
+            for name in self.splits
+        }
+        return Stores(root, self.splits, sides, self.cache_dir, self.num_workers)
 
     def _loader(
         self, split: str, keys: Keys, drop_last: bool, persistent: bool = True
