@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -62,28 +61,15 @@ from mpexp.data.base import Batch, TrainingData
 from mpexp.data.image_cache import KINDS
 from mpexp.data.image_folder import reading
 from mpexp.data.image_folder.layout import find_root, scan
+from mpexp.data.image_folder.loaders import GpuDecoding, Loaders
+from mpexp.data.image_folder.normalisation import measured
 from mpexp.data.image_folder.reading import Split, Undecodable
 from mpexp.data.image_folder.stores import Stores, stored_side
 from mpexp.data.image_folder.val_split import val_files
-from mpexp.data.workers import WorkerLoader
 from mpexp.errors import ConfigError
 from mpexp.tasks.classification import Classification
 
 log = logging.getLogger(__name__)
-
-
-class Keys:
-    """A DataLoader's sampler whose keys change from epoch to epoch: persistent workers keep the
-    DataLoader, and with it the sampler, across epochs."""
-
-    def __init__(self) -> None:
-        self.keys: list[tuple[int, int | None, int]] = []
-
-    def __iter__(self):
-        return iter(self.keys)
-
-    def __len__(self) -> int:
-        return len(self.keys)
 
 
 class ImageFolderData(TrainingData):
@@ -166,20 +152,22 @@ class ImageFolderData(TrainingData):
             for split in self.splits.values():
                 split.on_gpu, split.crop_scale = self.decode_on == "gpu", self.crop_scale
         self.memory_format = memory_format
-        self._device = device
-        self._pin = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._decoder = gpu_decode.Decoder(device) if self.decode_on == "gpu" else None
-        self._keys = {name: Keys() for name in self.splits}
-        self._loaders = {
-            # the test split's workers end with its one evaluation
-            name: self._loader(
-                name, self._keys[name], name == "train" and self.drop_last, name != "test"
-            )
-            for name in self.splits
-        }
+        self._gpu = (
+            GpuDecoding(device, self.image_size, self.resize_size)
+            if self.decode_on == "gpu"
+            else None
+        )
+        self._loaders = Loaders(
+            self.splits, self.batch_size, self.drop_last, self.num_workers, device, self.decode_on
+        )
         if self.mean is None or self.std is None:
-            self.mean, self.std = self._statistics()
+            self.mean, self.std = measured(
+                self.splits["train"],
+                lambda keys: self._host("train", self._loaders.once("train", keys)),
+                self.split_seed,
+                self.stats_images,
+            )
         # normalised as (x / 255 - mean) / std, with the 255 folded in
         shape = (1, 3, 1, 1)
         self._shift = torch.tensor(self.mean, device=device).mul(255).view(shape)
@@ -216,53 +204,6 @@ class ImageFolderData(TrainingData):
         }
         return Stores(root, self.splits, sides, self.cache_dir, self.num_workers)
 
-    def _loader(
-        self, split: str, keys: Keys, drop_last: bool, persistent: bool = True
-    ) -> DataLoader:
-        workers = self.num_workers
-        return WorkerLoader(
-            self.splits[split],
-            batch_size=self.batch_size,
-            sampler=keys,
-            drop_last=drop_last,
-            num_workers=workers,
-            pin_memory=self._pin,
-            # kept across epochs: no new processes, and no copy of the file list, each epoch
-            persistent_workers=persistent and workers > 0,
-            # the workers' seeds come from here, not from torch's global generator, which a
-            # checkpoint restores: a DataLoader's start must not shift the training's draws
-            generator=torch.Generator(),
-            collate_fn=gpu_decode.collate if self.decode_on == "gpu" else None,
-        )
-
-    def _statistics(self) -> tuple[list[float], list[float]]:
-        """Each channel's mean and standard deviation over `stats_images` training images (drawn
-        by split_seed), as validation sees them; logged, to be given next time."""
-        began = time.perf_counter()
-        train = self.splits["train"]
-        generator = torch.Generator().manual_seed(self.split_seed)
-        sample = torch.randperm(len(train), generator=generator)[: self.stats_images].tolist()
-        keys = Keys()
-        keys.keys = [(i, None, 0) for i in sorted(sample)]
-        sums = torch.zeros(2, 3, dtype=torch.float64)
-        loader = self._loader("train", keys, drop_last=False, persistent=False)
-        for images, _, _ in self._on_gpu("train", self._undecodable.checked("train", loader)):
-            pixels = images.double().div_(255).transpose(0, 1).flatten(1)
-            sums += torch.stack((pixels.sum(1), pixels.square().sum(1))).cpu()  # set-up: no step
-        count = len(sample) * self.image_size**2
-        mean = sums[0] / count
-        std = (sums[1] / count - mean.square()).clamp_(min=0).sqrt()
-        mean, std = [round(float(x), 4) for x in mean], [round(max(float(x), 1e-3), 4) for x in std]
-        log.info(
-            "Normalising by dataset.mean=[%s] dataset.std=[%s], computed from %d training images "
-            "in %.1f s; give both to skip this.",
-            ",".join(map(str, mean)),
-            ",".join(map(str, std)),
-            len(sample),
-            time.perf_counter() - began,
-        )
-        return mean, std
-
     # --- batches -------------------------------------------------------------------------------
 
     @property
@@ -275,11 +216,10 @@ class ImageFolderData(TrainingData):
     ) -> Iterator[Batch]:
         """The epoch's batches from batch `start` on; the images before it are not decoded."""
         order = self.epoch_order(seed, epoch, start)
-        self._keys["train"].keys = [(i, seed, epoch) for i in order.tolist()]
+        loader = self._loaders.read("train", [(i, seed, epoch) for i in order.tolist()])
         n = self.train_size
         draws = self.augment.draws(n, seed, epoch, device) if self.augment.active else None
-        batches = self._on_gpu("train", self._undecodable.checked("train", self._loaders["train"]),
-                               self._copy_stream)  # fmt: skip
+        batches = self._host("train", loader, self._copy_stream)
         yield from self._on_device(batches, device, static, draws)
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
@@ -291,23 +231,16 @@ class ImageFolderData(TrainingData):
         return self._evaluated("test", device) if "test" in self.splits else None
 
     def _evaluated(self, split: str, device: torch.device) -> Iterator[Batch]:
-        self._keys[split].keys = [(i, None, 0) for i in range(len(self.splits[split]))]
-        batches = self._undecodable.checked(split, self._loaders[split])
-        batches = self._on_gpu(split, batches, self._copy_stream)
-        return self._on_device(batches, device)
+        loader = self._loaders.read(split, [(i, None, 0) for i in range(len(self.splits[split]))])
+        return self._on_device(self._host(split, loader, self._copy_stream), device)
 
-    def _on_gpu(self, split: str, batches: Iterable, reader=None) -> Iterable:
-        """With dataset.decode=gpu, the batches' JPEGs decoded, cropped and resized on the device
-        (mpexp/data/gpu_decode.py), for the stream `reader` to read (the copy stream, which the
-        step's waits on; None: the current one); the batches as they are otherwise."""
-        if self._decoder is None:
-            yield from batches
-            return
-        for images, labels, index in batches:
-            paths = [self.splits[split].path(i) for i in index.tolist()]  # a host tensor
-            size, resize = self.image_size, self.resize_size
-            stream = reader or torch.cuda.current_stream(self._device)
-            yield self._decoder.batch(images, paths, size, resize, stream), labels, index
+    def _host(self, split: str, loader: DataLoader, reader=None) -> Iterable:
+        """The loader's batches, the images replaced in them noted (reading.Undecodable) and,
+        with dataset.decode=gpu, their JPEGs decoded on the device for the stream `reader`."""
+        batches = self._undecodable.checked(split, loader)
+        if self._gpu is None:
+            return batches
+        return self._gpu.batches(self.splits[split], batches, reader)
 
     def _on_device(
         self,
