@@ -60,6 +60,7 @@ from mpexp.data.augment import CropFlip
 from mpexp.data.base import Batch, TrainingData
 from mpexp.data.image_cache import KINDS
 from mpexp.data.image_folder import reading
+from mpexp.data.image_folder.device_batches import DeviceBatches
 from mpexp.data.image_folder.layout import find_root, scan
 from mpexp.data.image_folder.loaders import GpuDecoding, Loaders
 from mpexp.data.image_folder.normalisation import measured
@@ -151,8 +152,6 @@ class ImageFolderData(TrainingData):
             self.decode_on = gpu_decode.choose(self.decode, device, every)
             for split in self.splits.values():
                 split.on_gpu, split.crop_scale = self.decode_on == "gpu", self.crop_scale
-        self.memory_format = memory_format
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._gpu = (
             GpuDecoding(device, self.image_size, self.resize_size)
             if self.decode_on == "gpu"
@@ -168,11 +167,9 @@ class ImageFolderData(TrainingData):
                 self.split_seed,
                 self.stats_images,
             )
-        # normalised as (x / 255 - mean) / std, with the 255 folded in
-        shape = (1, 3, 1, 1)
-        self._shift = torch.tensor(self.mean, device=device).mul(255).view(shape)
-        self._scale = torch.tensor(self.std, device=device).mul(255).view(shape)
-        self._static: Batch | None = None
+        self._to_device = DeviceBatches(
+            device, memory_format, self.batch_size, self.augment, self.mean, self.std
+        )
         s = self.image_size
         self.task = Classification(channels=3, height=s, width=s, num_classes=len(self.classes))
         return self.task
@@ -219,8 +216,8 @@ class ImageFolderData(TrainingData):
         loader = self._loaders.read("train", [(i, seed, epoch) for i in order.tolist()])
         n = self.train_size
         draws = self.augment.draws(n, seed, epoch, device) if self.augment.active else None
-        batches = self._host("train", loader, self._copy_stream)
-        yield from self._on_device(batches, device, static, draws)
+        batches = self._host("train", loader, self._to_device.copy_stream)
+        yield from self._to_device.batches(batches, device, static, draws)
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
         """The validation images in a fixed order, each once, resized and centre-cropped."""
@@ -232,7 +229,8 @@ class ImageFolderData(TrainingData):
 
     def _evaluated(self, split: str, device: torch.device) -> Iterator[Batch]:
         loader = self._loaders.read(split, [(i, None, 0) for i in range(len(self.splits[split]))])
-        return self._on_device(self._host(split, loader, self._copy_stream), device)
+        batches = self._host(split, loader, self._to_device.copy_stream)
+        return self._to_device.batches(batches, device)
 
     def _host(self, split: str, loader: DataLoader, reader=None) -> Iterable:
         """The loader's batches, the images replaced in them noted (reading.Undecodable) and,
@@ -241,61 +239,6 @@ class ImageFolderData(TrainingData):
         if self._gpu is None:
             return batches
         return self._gpu.batches(self.splits[split], batches, reader)
-
-    def _on_device(
-        self,
-        batches: Iterator[tuple[torch.Tensor, ...]],
-        device: torch.device,
-        static: bool = False,
-        draws: torch.Tensor | None = None,
-    ) -> Iterator[Batch]:
-        """Host batches made what the step reads. On CUDA each batch is copied on a stream of its
-        own as soon as it is there, one batch ahead: the copy overlaps the step before it."""
-        if self._copy_stream is None:
-            for images, labels, index in batches:
-                yield self._finish(images, labels, index, static, draws)
-            return
-        pending = None
-        for batch in batches:
-            with torch.cuda.stream(self._copy_stream):
-                moved = [t.to(device, non_blocking=True) for t in batch]
-                copied = torch.cuda.Event()
-                copied.record(self._copy_stream)
-            if pending is not None:
-                yield self._arrived(*pending, static, draws)
-            pending = moved, copied
-        if pending is not None:
-            yield self._arrived(*pending, static, draws)
-
-    def _arrived(self, moved, copied, static: bool, draws) -> Batch:
-        step_stream = torch.cuda.current_stream(moved[0].device)
-        step_stream.wait_event(copied)
-        for tensor in moved:  # used on the step's stream: not reused until it is done with them
-            tensor.record_stream(step_stream)
-        return self._finish(*moved, static, draws)
-
-    def _finish(self, images, labels, index, static: bool, draws) -> Batch:
-        """uint8 images to float32 in the step's memory format (into the static batch where one
-        is asked for), cropped and flipped, then normalised."""
-        if static and len(labels) == self.batch_size:
-            if self._static is None:
-                self._static = (self._new_images(images), labels.new_empty(len(labels)))
-            out, targets = self._static
-            targets.copy_(labels)
-        else:
-            out, targets = self._new_images(images), labels
-        out.copy_(images)
-        if draws is not None:
-            self.augment.apply_(out, draws[index])
-        return out.sub_(self._shift).div_(self._scale), targets
-
-    def _new_images(self, images: torch.Tensor) -> torch.Tensor:
-        return torch.empty(
-            images.shape,
-            dtype=torch.float32,
-            device=images.device,
-            memory_format=self.memory_format,
-        )
 
     def faster_data_keys(self) -> list[str]:
         """More decoding workers; images stored resized (no decoding at all), or JPEGs decoded
