@@ -38,7 +38,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mpexp.data.image_folder import ImageFolderData, decode
+from mpexp.data.image_folder import ImageFolderData
+from mpexp.data.image_folder.reading import decode
 from mpexp.data.synthetic import SyntheticData
 
 CPU = torch.device("cpu")

@@ -15,7 +15,8 @@ from torchvision.transforms import v2
 
 from mpexp.data import gpu_decode
 from mpexp.data.augment import mixed_seed
-from mpexp.data.image_folder import ImageFolderData, decode
+from mpexp.data.image_folder import ImageFolderData
+from mpexp.data.image_folder.reading import decode
 from mpexp.errors import ConfigError
 from tests.test_image_folder import write_images
 

@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from mpexp.data import image_cache, image_folder
-from mpexp.data.image_folder import ImageFolderData, decode
+from mpexp.data import image_cache
+from mpexp.data.image_folder import ImageFolderData
+from mpexp.data.image_folder import reading as image_folder
+from mpexp.data.image_folder.reading import decode
 from mpexp.errors import ConfigError, DataError
 from mpexp.run.runner import train
 from mpexp.tracking.tracker import RunContext

@@ -18,8 +18,8 @@ import pytest
 import torch
 from PIL import Image
 
-from mpexp.data import image_folder
 from mpexp.data.image_folder import ImageFolderData
+from mpexp.data.image_folder import reading as image_folder
 from mpexp.errors import ConfigError, DataError
 from mpexp.run.runner import train
 from mpexp.run.validate import validate
