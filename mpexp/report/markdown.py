@@ -10,19 +10,11 @@ from collections.abc import Callable
 
 from mpexp.report import pure_advice
 from mpexp.report.axes import Curve, Panel, SweepAxis, kept_up_to, sweep_axis
+from mpexp.report.configuration import FP8, PURE, Config
+from mpexp.report.row import STATE_BYTES, Row, run_values
 from mpexp.report.sensitivity import curve_sensitivity
 from mpexp.report.stats import Estimate
-from mpexp.report.table import (
-    DATA_BOUND,
-    FP8,
-    MIN_TIMED_EPOCHS,
-    PURE,
-    STATE_BYTES,
-    Config,
-    Report,
-    Row,
-    run_values,
-)
+from mpexp.report.table import DATA_BOUND, MIN_TIMED_EPOCHS, Report
 from mpexp.tasks.base import Result
 
 PLOT_TITLES = {

@@ -39,8 +39,10 @@ from pathlib import Path
 
 from mpexp.errors import UserError
 from mpexp.report.axes import sweep_axis
+from mpexp.report.overrides import NOT_CONFIG
+from mpexp.report.row import MEMORY_KEYS
 from mpexp.report.runs import Run
-from mpexp.report.table import MEMORY_KEYS, NOT_CONFIG, Report
+from mpexp.report.table import Report
 from mpexp.report.wandb_run import wandb_target
 from mpexp.report.wandb_view_process import TIMEOUT, ViewNotCreated, save_view
 from mpexp.tasks.base import Result
