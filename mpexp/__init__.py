@@ -16,7 +16,7 @@ def __getattr__(name: str):
     if name == "log":
         import torch
 
-        from mpexp.tracking.tracker import log_values
+        from mpexp.tracking.user_logs import log_values
 
         # called from a model that torch.compile compiles, it runs as Python: a graph break that
         # is taken quietly, where tracing into it warned about the calls it cannot trace. Kept

@@ -44,7 +44,7 @@ from mpexp.run.hydra_hooks import (
 from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
 from mpexp.stopping import Preempted, preemption_signal
 from mpexp.tracking.records import record_end
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from mpexp.tracking.wandb_mode import sweep_group
 
 log = logging.getLogger("mpexp")

@@ -41,7 +41,7 @@ from mpexp.step.history import StepHistory
 from mpexp.step.loop import Stepper
 from mpexp.step.objective import Objective
 from mpexp.tasks.language_model import LanguageModelling
-from mpexp.tracking.tracker import NullTracker
+from mpexp.tracking.null_tracker import NullTracker
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -62,7 +62,7 @@ def child(case: str, width: int, run_dir: str, steps: int) -> dict:
 
     from mpexp import config
     from mpexp.run.runner import train
-    from mpexp.tracking.tracker import RunContext
+    from mpexp.tracking.run_context import RunContext
 
     config.register()
 

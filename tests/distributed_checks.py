@@ -21,7 +21,8 @@ from mpexp.precision.scaling import CalibratedLossScaler, LossScaler
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
 from mpexp.step.loop import Stepper
-from mpexp.tracking.tracker import Histogram, NullTracker
+from mpexp.tracking.histogram import Histogram
+from mpexp.tracking.null_tracker import NullTracker
 from tests.conftest import precision_of
 
 try:

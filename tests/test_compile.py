@@ -23,7 +23,7 @@ from mpexp.models.simplecnn import SimpleCNN
 from mpexp.run.runner import train
 from mpexp.step import performance
 from mpexp.step.loop import evaluate
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import CPU, TINY, make_cfg, precision_of
 
 # TINY's 64-sample batches; a validation set of 203 leaves a last batch of 11, a size that none of

@@ -298,7 +298,7 @@ def test_world4ai_is_the_tutorials_experiment_as_a_seeded_sweep():
         ("mpexp.scaling.LossScaler", "mpexp.precision.scaling.LossScaler"),
         ("mpexp.schedules.cosine", "mpexp.step.schedules.cosine"),
         ("mpexp.hydra_hooks.RunChecks", "mpexp.run.hydra_hooks.RunChecks"),
-        ("mpexp.tracking.Histogram", "mpexp.tracking.tracker.Histogram"),
+        ("mpexp.tracking.Histogram", "mpexp.tracking.histogram.Histogram"),
     ],
 )
 def test_paths_from_before_the_packages_still_name_the_same_objects(old, new):

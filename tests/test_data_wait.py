@@ -22,7 +22,7 @@ from mpexp.report import cli as report
 from mpexp.run.runner import train
 from mpexp.step import data_wait
 from mpexp.step.data_wait import CudaEvents, DeviceIdleClock, HostWaitClock, wait_clock
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import make_cfg
 from tests.test_report_numbers import make_run
 from tests.test_training import TINY, read_metrics

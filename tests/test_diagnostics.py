@@ -26,7 +26,8 @@ from mpexp.step.diagnostics import (
     fp16_counts,
 )
 from mpexp.tasks.classification import Classification
-from mpexp.tracking.tracker import RunContext, Tracker
+from mpexp.tracking.run_context import RunContext
+from mpexp.tracking.tracker import Tracker
 from tests.conftest import CPU, TINY, make_cfg, precision_of
 from tests.test_training import read_metrics
 from tests.test_wandb import history, leet_records

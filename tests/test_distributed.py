@@ -16,7 +16,7 @@ from mpexp.data.synthetic import SyntheticData
 from mpexp.distributed import World, hydra_overrides_for_rank, start_world
 from mpexp.errors import ConfigError
 from mpexp.run.runner import train
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
 

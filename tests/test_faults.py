@@ -76,7 +76,8 @@ from mpexp.run.validate import validate
 from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.tasks.classification import Classification
-from mpexp.tracking.tracker import RunContext, Tracker
+from mpexp.tracking.run_context import RunContext
+from mpexp.tracking.tracker import Tracker
 from tests.conftest import (
     ROOT,
     TINY,

@@ -14,7 +14,8 @@ from mpexp.models.deepcnn import DeepCNN
 from mpexp.run.runner import train
 from mpexp.step.flops import Throughput, device_peak_tflops, flops_per_sample, throughput
 from mpexp.tasks.classification import Classification
-from mpexp.tracking.tracker import RunContext, Tracker
+from mpexp.tracking.run_context import RunContext
+from mpexp.tracking.tracker import Tracker
 from tests.conftest import TINY, make_cfg
 from tests.test_training import read_metrics
 

@@ -21,7 +21,7 @@ from mpexp.run.build import build
 from mpexp.run.runner import train
 from mpexp.run.validate import validate
 from mpexp.step.diagnostics import fp8_count_keys, fp8_layer_counts
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import (
     CONF,
     CPU,

@@ -20,7 +20,8 @@ from mpexp.precision.scaling import DynamicLossScaler
 from mpexp.run.runner import train
 from mpexp.step.step_graph import WARMUP_STEPS
 from mpexp.tasks.classification import Classification
-from mpexp.tracking.tracker import RunContext, Tracker
+from mpexp.tracking.run_context import RunContext
+from mpexp.tracking.tracker import Tracker
 from tests.conftest import TINY, TINY_VIT, VIT_FP8_LAYERS, make_cfg, precision_of
 from tests.test_image_folder import SMALL, write_images
 from tests.test_step_cost import Dispatched
@@ -146,7 +147,7 @@ def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode, extra):
     from mpexp.step.history import StepHistory
     from mpexp.step.loop import Stepper
     from mpexp.step.performance import build_optimizer
-    from mpexp.tracking.tracker import NullTracker
+    from mpexp.tracking.null_tracker import NullTracker
 
     device = cuda()
     cfg = make_cfg(*TINY, f"precision={mode}", "trainer.device=cuda", *extra)

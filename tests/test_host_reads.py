@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mpexp
 from mpexp.models.simplecnn import SimpleCNN
 from mpexp.run.runner import train
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import make_cfg
 
 

@@ -25,7 +25,7 @@ from mpexp.data.image_folder import reading as image_folder
 from mpexp.data.image_folder.reading import decode
 from mpexp.errors import ConfigError, DataError
 from mpexp.run.runner import train
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import make_cfg, run_cli
 from tests.test_distributed import TORCHRUN, only_run_dir
 from tests.test_image_folder import epoch, write_images

@@ -23,7 +23,8 @@ from mpexp.run.runner import train
 from mpexp.step.flops import flops_per_sample
 from mpexp.step.performance import build_optimizer
 from mpexp.tasks.language_model import LanguageModelling
-from mpexp.tracking.tracker import RunContext, Validations
+from mpexp.tracking.run_context import RunContext
+from mpexp.tracking.validations import Validations
 from tests.conftest import CPU, make_cfg, one_line_failure, precision_of, run_cli
 from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed
 from tests.test_training import read_metrics

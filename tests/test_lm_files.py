@@ -15,7 +15,7 @@ import pytest
 from mpexp.data.tokens import SCAN
 from mpexp.errors import DataError
 from mpexp.run.runner import train
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import CPU, make_cfg, one_line_failure
 from tests.test_language_model import TINY_LM
 from tests.test_tokens import VOCAB, bin_pair, llmc_shard, token_stream, tokens_args, tokens_data

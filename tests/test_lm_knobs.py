@@ -16,7 +16,7 @@ from mpexp.models.gpt import GPT, causal_logit_absmax
 from mpexp.run.runner import train
 from mpexp.step import performance
 from mpexp.tasks.language_model import LanguageModelling
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import TINY, make_cfg
 from tests.test_compile import Backend
 from tests.test_language_model import tiny_lm

@@ -21,7 +21,7 @@ from mpexp.step.loop import evaluate
 from mpexp.step.objective import Objective
 from mpexp.tasks import cross_entropy as chunked
 from mpexp.tasks.language_model import LanguageModelling
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import CPU, make_cfg, precision_of
 from tests.test_compile import Backend
 from tests.test_language_model import tiny_lm

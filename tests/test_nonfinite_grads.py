@@ -13,7 +13,7 @@ from torch import nn
 
 from mpexp.errors import NumericsError
 from mpexp.run.runner import train
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import TINY, make_cfg
 
 

@@ -20,7 +20,7 @@ from mpexp.checkpoints import checkpoint, sharded
 from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.run.runner import train
 from mpexp.rundir import leftover_files
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_distributed import GLOBAL, TORCHRUN
 from tests.test_resume import status, wait_for

@@ -23,7 +23,7 @@ from mpexp.run.runner import train
 from mpexp.run.validate import validate
 from mpexp.step.loop import Fit
 from mpexp.stopping import Preempted
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import CPU, TINY, make_cfg
 from tests.pure_reference import PureUpdates
 from tests.test_bf16_pure import PURE

@@ -22,7 +22,7 @@ from mpexp.run.runner import train
 from mpexp.step.weight_average import WeightAverage
 from mpexp.tasks.classification import Classification
 from mpexp.tasks.language_model import LanguageModelling
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import TINY, make_cfg
 from tests.test_training import read_metrics
 

@@ -17,7 +17,7 @@ from mpexp.report import cli as report
 from mpexp.report.table import build_report
 from mpexp.run.runner import train
 from mpexp.tasks.base import ACCURACY
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_training import read_metrics
 from tests.test_wandb import final_run, final_summary, leet_records

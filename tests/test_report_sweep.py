@@ -24,7 +24,7 @@ from mpexp.report.table import build_report
 from mpexp.report.wandb_view import SPEC_FILE
 from mpexp.run.runner import train
 from mpexp.tasks.language_model import LanguageModelling
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import CONF, make_cfg
 from tests.test_report import PNG_SIGNATURE, read_table
 from tests.test_report_numbers import make_run

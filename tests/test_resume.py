@@ -22,7 +22,7 @@ from mpexp.config import to_dict
 from mpexp.errors import ConfigError, OutputError
 from mpexp.run.runner import train
 from mpexp.rundir import hydra_quoted
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import ROOT, TINY, make_cfg
 from tests.test_training import read_metrics
 

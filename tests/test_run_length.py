@@ -9,7 +9,7 @@ import pytest
 from mpexp.checkpoints.checkpoint import checkpoint_files, load
 from mpexp.errors import ConfigError
 from mpexp.run.runner import train
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import TINY, make_cfg
 from tests.test_language_model import tiny_lm
 from tests.test_resume import ARGS, assert_same_final_state, comparable, crashed_and_resumed

@@ -16,7 +16,7 @@ from mpexp.rundir import checkpoint_files
 from mpexp.sample import Draw, generate
 from mpexp.sample import main as sample_main
 from mpexp.tracking.records import record_end
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import make_cfg
 from tests.test_language_model import TINY_LM, tiny_lm
 from tests.test_lm_files import char_args, gpt2_like_tokenizer, shakespeare_char

@@ -33,7 +33,7 @@ from mpexp.step.loop import Stepper
 from mpexp.step.step_graph import WARMUP_STEPS
 from mpexp.tasks.classification import Classification
 from mpexp.tasks.language_model import LanguageModelling
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import CPU, TINY, make_cfg
 from tests.replay import RecordedGraph
 

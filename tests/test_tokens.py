@@ -21,7 +21,7 @@ from mpexp.run.runner import train
 from mpexp.sample import Draw, sample
 from mpexp.sample import main as sample_main
 from mpexp.tasks.language_model import LanguageModelling
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import CPU, TINY, make_cfg, run_cli
 from tests.test_language_model import TINY_LM, corpus, text_data, tiny_lm
 from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed

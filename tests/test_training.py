@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mpexp.data.synthetic import SyntheticData
 from mpexp.run.runner import train
 from mpexp.step.loop import evaluate
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import CPU, TINY, make_cfg, precision_of
 
 STEP_KEYS = {"step", "train/loss", "amp/scale", "amp/skipped_steps", "lr"}

@@ -24,7 +24,8 @@ from mpexp.step.history import StepHistory
 from mpexp.step.loop import Stepper, train_step
 from mpexp.step.rollback import BufferRollback
 from mpexp.step.schedules import build_schedule, cosine
-from mpexp.tracking.tracker import NullTracker, RunContext
+from mpexp.tracking.null_tracker import NullTracker
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import CPU, TINY, make_cfg, precision_of
 
 NONE = OmegaConf.create({"_target_": None})

@@ -28,7 +28,8 @@ from mpexp.models.simplecnn import SimpleCNN
 from mpexp.report.runs import load_run
 from mpexp.run.runner import train
 from mpexp.tasks.classification import Classification
-from mpexp.tracking.tracker import RunContext, Tracker
+from mpexp.tracking.run_context import RunContext
+from mpexp.tracking.tracker import Tracker
 from mpexp.tracking.wandb_process import WandbProcess
 from tests.conftest import ROOT, TINY, make_cfg, run_cli
 from tests.test_resume import ARGS, start_cli, status, wait_for
@@ -435,7 +436,7 @@ def test_the_training_process_never_imports_wandb(tmp_path):
     not in the training process, where they held up its start and first epoch."""
     code = (
         "import sys; from mpexp.run.runner import train; "
-        "from mpexp.tracking.tracker import RunContext; "
+        "from mpexp.tracking.run_context import RunContext; "
         "from tests.conftest import TINY, make_cfg; "
         "small = [*TINY, 'dataset.train_size=256', 'wandb.mode=offline']; "
         f"train(make_cfg(*small), RunContext({str(tmp_path)!r})); "

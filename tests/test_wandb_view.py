@@ -33,7 +33,7 @@ from mpexp.report.wandb_view import (
 from mpexp.report.wandb_view_process import to_workspace
 from mpexp.run.runner import train
 from mpexp.tasks.language_model import LanguageModelling
-from mpexp.tracking.tracker import RunContext
+from mpexp.tracking.run_context import RunContext
 from tests.conftest import TINY, make_cfg, run_cli
 from tests.test_wandb import final_run, leet_records
 

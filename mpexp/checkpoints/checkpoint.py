@@ -50,7 +50,7 @@ from mpexp.rundir import (
 )
 from mpexp.stopping import Preempted
 from mpexp.targets import rewrite_targets, spans_run
-from mpexp.tracking.tracker import flatten
+from mpexp.tracking.records import flatten
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ each precision is a curve of configurations along the key. The seed never is an 
 configuration's repeats, drawn as a band.
 
 Each configuration is still judged against its fp32 reference at the same values of every other
-key (table.py): a curve's points hold those verdicts, so that the report can say up to which
+key (configuration.py): a curve's points hold those verdicts, so that the report can say up to which
 value a precision keeps fp32's result (`kept_up_to`).
 """
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mpexp.report.table import PRECISION_KEYS, Config, _in, _key
+from mpexp.report.configuration import Config
+from mpexp.report.overrides import PRECISION_KEYS, in_groups, override_key
 
 # the key of the learning rate: a sweep over it also gets its LR sensitivity (sensitivity.py)
 LR_KEY = "optimizer.lr"
@@ -86,8 +87,10 @@ class SweepAxis:
 
 def _settings(config: Config) -> dict[str, str]:
     """A configuration's overrides as {key: value}, without precision and loss scaling."""
-    pairs = (o.split("=", 1) for o in config.overrides if "=" in o and not _in(o, PRECISION_KEYS))
-    return {_key(k): v for k, v in pairs}
+    pairs = (
+        o.split("=", 1) for o in config.overrides if "=" in o and not in_groups(o, PRECISION_KEYS)
+    )
+    return {override_key(k): v for k, v in pairs}
 
 
 def _number(text: str) -> float | None:
@@ -110,7 +113,7 @@ def varied_keys(configs: list[Config]) -> list[str]:
 def _override_order(config: Config) -> list[str]:
     """The keys in the order the command line gave them (the label keeps that order), then the
     rest of its settings."""
-    given = [_key(o) for o in config.first.run.overrides]
+    given = [override_key(o) for o in config.first.run.overrides]
     return [*given, *sorted(_settings(config))]
 
 
@@ -191,7 +194,9 @@ def short_labels(configs: list[Config]) -> list[str]:
     """Each configuration named by the keys whose values differ between them, each by its last
     dotted part (`bf16, lr=0.003, qk_norm=true`); precision and loss scaling by their value.
     For a legend of many lines, where whole override strings would fill the figure."""
-    settings = [{_key(o): o.split("=", 1)[1] for o in c.overrides if "=" in o} for c in configs]
+    settings = [
+        {override_key(o): o.split("=", 1)[1] for o in c.overrides if "=" in o} for c in configs
+    ]
     keys = dict.fromkeys(PRECISION_KEYS)
     keys.update(dict.fromkeys(k for c in configs for k in _override_order(c)))
     differing = [k for k in keys if len({s.get(k) for s in settings}) > 1]

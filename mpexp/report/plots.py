@@ -23,8 +23,10 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from mpexp.report.axes import Curve, SweepAxis, short_labels, sweep_axis
+from mpexp.report.configuration import Config
+from mpexp.report.row import Row
 from mpexp.report.sensitivity import curve_sensitivity
-from mpexp.report.table import Config, Report, Row
+from mpexp.report.table import Report
 
 LINE_STYLES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]

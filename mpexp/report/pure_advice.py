@@ -9,7 +9,7 @@ enough for one, the value itself for a single seed).
 
 from __future__ import annotations
 
-from mpexp.report.table import PURE, Config
+from mpexp.report.configuration import PURE, Config
 
 
 def advice(config: Config) -> str | None:

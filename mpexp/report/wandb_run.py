@@ -8,7 +8,8 @@ import shlex
 import shutil
 from pathlib import Path
 
-from mpexp.report.table import Report, run_values
+from mpexp.report.row import run_values
+from mpexp.report.table import Report
 
 log = logging.getLogger(__name__)
 

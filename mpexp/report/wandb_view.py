@@ -39,14 +39,17 @@ from pathlib import Path
 
 from mpexp.errors import UserError
 from mpexp.report.axes import sweep_axis
+from mpexp.report.overrides import NOT_CONFIG
+from mpexp.report.row import MEMORY_KEYS
 from mpexp.report.runs import Run
-from mpexp.report.table import MEMORY_KEYS, NOT_CONFIG, Report
+from mpexp.report.table import Report
 from mpexp.report.wandb_run import wandb_target
 from mpexp.report.wandb_view_process import TIMEOUT, ViewNotCreated, save_view
 from mpexp.tasks.base import Result
 from mpexp.tracking.records import write_json_atomically
-from mpexp.tracking.tracker import JOB_TYPE, OWN_KEYS, OWN_PREFIXES
+from mpexp.tracking.user_values import OWN_KEYS, OWN_PREFIXES
 from mpexp.tracking.wandb_mode import has_wandb_key, sweep_group
+from mpexp.tracking.wandb_setup import JOB_TYPE
 
 SPEC_FILE = "wandb-view.json"
 INSTALL = 'pip install -e ".[wandb-view]"'
@@ -253,7 +256,7 @@ def _bar(metric: str) -> dict:
 
 
 def _users(key: str) -> bool:
-    """A value the user logged with mpexp.log: none of mpexp's own names (tracker.OWN_*)."""
+    """A value the user logged with mpexp.log: none of mpexp's own names (user_values.OWN_*)."""
     return not (key in OWN_KEYS or key.startswith(OWN_PREFIXES))
 
 

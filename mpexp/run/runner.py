@@ -30,8 +30,10 @@ from mpexp.step.schedules import Schedule
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.system import resolve_device, seed_everything, set_deterministic
 from mpexp.targets import rewrite_targets
+from mpexp.tracking.null_tracker import NullTracker
 from mpexp.tracking.records import error_text, record_end
-from mpexp.tracking.tracker import NullTracker, RunContext, Tracker
+from mpexp.tracking.run_context import RunContext
+from mpexp.tracking.tracker import Tracker
 
 log = logging.getLogger("mpexp")
 

@@ -73,7 +73,8 @@ from mpexp.distributed import all_reduce, local_shard, shard_group
 from mpexp.precision.modes import Precision
 from mpexp.precision.scaling import LossScaler
 from mpexp.step.history import DeviceRows
-from mpexp.tracking.tracker import Histogram, Tracker
+from mpexp.tracking.histogram import Histogram
+from mpexp.tracking.tracker import Tracker
 
 log = logging.getLogger(__name__)
 

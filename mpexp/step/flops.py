@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from mpexp.tasks.base import Task
-from mpexp.tracking.tracker import user_logs_off
+from mpexp.tracking.user_logs import user_logs_off
 
 log = logging.getLogger(__name__)
 

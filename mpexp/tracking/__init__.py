@@ -2,6 +2,6 @@
 
 # `mpexp.tracking.Histogram` is the name users log histograms with (docs/wandb.md, "Your own
 # values")
-from mpexp.tracking.tracker import Histogram
+from mpexp.tracking.histogram import Histogram
 
 __all__ = ["Histogram"]

@@ -1,5 +1,6 @@
 """A run's summary.json outside the metric sink: written whole or not at all, and the status a run
-ends with, recorded also when it ends before a Tracker exists."""
+ends with, recorded also when it ends before a Tracker exists; nested records flattened (a
+summary for W&B, a saved config compared key by key)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,14 @@ def record_end(run_dir: Path, status: str, error: BaseException | None = None) -
         write_json_atomically(summary, path)
     except OSError as err:
         log.warning("Could not record the %s run in %s (%s).", status, path, err)
+
+
+def flatten(values: dict[str, Any], sep: str = "/", prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one level: {"ran": {"device": x}} -> {"ran/device": x}."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, sep, f"{prefix}{key}{sep}"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
