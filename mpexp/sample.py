@@ -234,8 +234,8 @@ def sample(
     """(the samples, from which checkpoint and how), for the run at `run_dir`."""
     from omegaconf import OmegaConf
 
+    from mpexp.build import build
     from mpexp.checkpoints import checkpoint
-    from mpexp.run.build import build
 
     summary = read_run(run_dir)
     ran = summary["ran"]

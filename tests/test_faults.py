@@ -63,6 +63,7 @@ import torch
 import torchvision
 
 import mpexp.train
+from mpexp.build import build_parts
 from mpexp.checkpoints import checkpoint
 from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
@@ -70,7 +71,6 @@ from mpexp.data.synthetic import SyntheticData
 from mpexp.data.workers import WorkerLoader
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, DataError, NumericsError, reason
-from mpexp.run.build import build_parts
 from mpexp.run.runner import stop_if_asked, train
 from mpexp.run.validate import validate
 from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files

@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
+from mpexp.build import with_objective
 from mpexp.data.mixing import BatchMixing
 from mpexp.errors import ConfigError
 from mpexp.models.resnet import resnet18, resnet18_cifar, resnet50
-from mpexp.run.build import with_objective
 from mpexp.run.runner import train
 from mpexp.step.weight_average import WeightAverage
 from mpexp.tasks.classification import Classification

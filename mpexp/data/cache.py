@@ -42,8 +42,8 @@ def stores(overrides: list[str]) -> list:
     from hydra.errors import HydraException
 
     from mpexp import config
+    from mpexp.build import build
     from mpexp.data.image_folder import ImageFolderData
-    from mpexp.run.build import build
     from mpexp.run.hydra_hooks import register_resolvers
     from mpexp.run.validate import validate
 

@@ -1,5 +1,5 @@
 """One training run from a composed config: `train(cfg, run)` builds what the config asks for
-(data, model, precision, loss scaler, optimizer, schedule: mpexp/run/build.py; tracker,
+(data, model, precision, loss scaler, optimizer, schedule: mpexp/build.py; tracker,
 checkpoints) and hands it to the loop (mpexp/step/loop.py). mpexp.train's command line calls it;
 it can be called from Python too.
 """
@@ -16,12 +16,12 @@ import torch
 from omegaconf import DictConfig
 
 from mpexp import __version__, config
+from mpexp.build import Built, build_parts, build_training
 from mpexp.checkpoints.checkpoint import Checkpointer, open_resume
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, reason
 from mpexp.plan.before_run import against_measured, plan_run
 from mpexp.precision import pure_updates
-from mpexp.run.build import Built, build_parts, build_training
 from mpexp.run.validate import validate, validate_run_length
 from mpexp.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
 from mpexp.step import performance
