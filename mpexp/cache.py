@@ -44,8 +44,8 @@ def stores(overrides: list[str]) -> list:
     from mpexp import config
     from mpexp.build import build
     from mpexp.data.image_folder import ImageFolderData
-    from mpexp.run.hydra_hooks import register_resolvers
-    from mpexp.run.validate import validate
+    from mpexp.resolvers import register_resolvers
+    from mpexp.validate import validate
 
     config.register()
     register_resolvers()

@@ -18,9 +18,9 @@ from mpexp.precision.pure_optimizers import PureAdam, PureSGD
 from mpexp.precision.pure_updates import CountUpdates, hold_in_bf16, round_stochastic
 from mpexp.report import cli as report
 from mpexp.run.runner import train
-from mpexp.run.validate import validate
 from mpexp.step.performance import build_optimizer, plan_speed
 from mpexp.tracking.tracker import RunContext
+from mpexp.validate import validate
 from tests.conftest import CPU, TINY, make_cfg
 from tests.test_report import read_table
 from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed, status

@@ -72,11 +72,11 @@ from mpexp.data.workers import WorkerLoader
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, DataError, NumericsError, reason
 from mpexp.run.runner import stop_if_asked, train
-from mpexp.run.validate import validate
 from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.tracker import RunContext, Tracker
+from mpexp.validate import validate
 from tests.conftest import (
     ROOT,
     TINY,

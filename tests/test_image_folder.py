@@ -22,8 +22,8 @@ from mpexp.data import image_folder
 from mpexp.data.image_folder import ImageFolderData
 from mpexp.errors import ConfigError, DataError
 from mpexp.run.runner import train
-from mpexp.run.validate import validate
 from mpexp.tracking.tracker import RunContext
+from mpexp.validate import validate
 from tests.conftest import make_cfg, run_cli
 from tests.test_distributed import TORCHRUN, losses, only_run_dir
 from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed

@@ -18,7 +18,7 @@ from mpexp.errors import ConfigError, DataError
 from mpexp.models.gpt import GPT
 from mpexp.precision.scaling import build_scaler
 from mpexp.report.table import build_report
-from mpexp.run.hydra_hooks import expand_home, result_direction
+from mpexp.resolvers import expand_home, result_direction
 from mpexp.run.runner import train
 from mpexp.step.flops import flops_per_sample
 from mpexp.step.performance import build_optimizer

@@ -20,10 +20,10 @@ from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.errors import ConfigError
 from mpexp.precision.pure_optimizers import PureAdam, PureSGD
 from mpexp.run.runner import train
-from mpexp.run.validate import validate
 from mpexp.step.loop import Fit
 from mpexp.stopping import Preempted
 from mpexp.tracking.tracker import RunContext
+from mpexp.validate import validate
 from tests.conftest import CPU, TINY, make_cfg
 from tests.pure_reference import PureUpdates
 from tests.test_bf16_pure import PURE

@@ -39,13 +39,13 @@ from mpexp.precision.fp32_modules import run_in_float32
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.pure_updates import COMPENSATION, hold_in_bf16
 from mpexp.precision.scaling import build_scaler
-from mpexp.run.validate import validate
 from mpexp.step import performance
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.loop import evaluate, train_step
 from mpexp.step.objective import Objective
 from mpexp.step.weight_average import weight_average
 from mpexp.targets import rewrite_targets
+from mpexp.validate import validate
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, reason
 from mpexp.plan.before_run import against_measured, plan_run
 from mpexp.precision import pure_updates
-from mpexp.run.validate import validate, validate_run_length
 from mpexp.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
 from mpexp.step import performance
 from mpexp.step.loop import Fit, Parts
@@ -32,6 +31,7 @@ from mpexp.system import resolve_device, seed_everything, set_deterministic
 from mpexp.targets import rewrite_targets
 from mpexp.tracking.records import error_text, record_end
 from mpexp.tracking.tracker import NullTracker, RunContext, Tracker
+from mpexp.validate import validate, validate_run_length
 
 log = logging.getLogger("mpexp")
 
