@@ -235,7 +235,7 @@ def sample(
     from omegaconf import OmegaConf
 
     from mpexp.build import build
-    from mpexp.checkpoints import checkpoint
+    from mpexp.checkpoints.files import load
 
     summary = read_run(run_dir)
     ran = summary["ran"]
@@ -246,7 +246,7 @@ def sample(
     if not ids:
         ids, start = codec.start()
     check_prompt(ids, vocab)
-    state = checkpoint.load(path)
+    state = load(path)
     cfg = OmegaConf.create(state["config"])
     weights = {}
     for key, value in state["model"].items():

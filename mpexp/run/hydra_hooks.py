@@ -93,13 +93,12 @@ class RunChecks(Callback):
         main = is_rank_zero()  # ranks > 0 write nothing (distributed.py)
         continues = bool(task.trainer.resume)  # a resume that cannot continue exits below
         if continues:
-            from mpexp.checkpoints import (
-                checkpoint,  # torch: only a resume needs it before the run starts
-            )
+            # torch: only a resume needs it before the run starts
+            from mpexp.checkpoints.resume import open_resume
 
             # checked before Hydra writes anything (a live run's folder refused before its
             # checkpoints are read); the run opens it again to train from it
-            _exit_on_user_error(lambda: checkpoint.open_resume(task, run_dir, mmap=True))
+            _exit_on_user_error(lambda: open_resume(task, run_dir, mmap=True))
         made = _outermost_missing(run_dir) if main and not continues else None
         _exit_on_user_error(lambda: check_writable(run_dir))
         if made is not None:

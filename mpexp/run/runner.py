@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 
 from mpexp import __version__, config
 from mpexp.build import Built, build_parts, build_training
-from mpexp.checkpoints.checkpoint import Checkpointer, open_resume
+from mpexp.checkpoints.checkpoint import Checkpointer
+from mpexp.checkpoints.resume import open_resume
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, reason
 from mpexp.plan.before_run import against_measured, plan_run
