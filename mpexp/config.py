@@ -5,7 +5,7 @@ People edit YAML; these dataclasses sit behind it (through `defaults:` entries n
 choice (`trainer.device=gpu`) is refused by Hydra itself, before a run directory exists. Hydra's `+`
 prefix can still add keys a schema does not have; `unknown_keys` finds those. Range and cross-field
 checks (a positive learning rate, a batch larger than the accumulation count) live in
-`mpexp.run.validate`.
+`mpexp.validate`.
 
 A group option without a schema (a user's own model YAML, say) is composed as Hydra always does.
 """
@@ -124,9 +124,7 @@ class TrainerConfig:
     # mpexp.step.performance.plan_speed
     channels_last: Optional[bool] = None
     compile: Optional[bool] = None
-    compile_mode: str = (
-        "default"  # torch.compile's names contain '-': checked in mpexp.run.validate
-    )
+    compile_mode: str = "default"  # torch.compile's names contain '-': checked in mpexp.validate
     cuda_graph: Optional[bool] = None
     eager: bool = False  # compile and cuda_graph off where they are null
     deterministic: bool = False

@@ -234,8 +234,8 @@ def sample(
     """(the samples, from which checkpoint and how), for the run at `run_dir`."""
     from omegaconf import OmegaConf
 
-    from mpexp.checkpoints import checkpoint
-    from mpexp.run.build import build
+    from mpexp.build import build
+    from mpexp.checkpoints.files import load
 
     summary = read_run(run_dir)
     ran = summary["ran"]
@@ -246,7 +246,7 @@ def sample(
     if not ids:
         ids, start = codec.start()
     check_prompt(ids, vocab)
-    state = checkpoint.load(path)
+    state = load(path)
     cfg = OmegaConf.create(state["config"])
     weights = {}
     for key, value in state["model"].items():

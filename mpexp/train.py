@@ -34,13 +34,8 @@ from omegaconf import DictConfig
 from mpexp import config
 from mpexp.errors import ConfigError, ResumeRefused, UserError
 from mpexp.launch import is_rank_zero, launched_processes
-from mpexp.run.hydra_hooks import (
-    expand_home,
-    put_back_run_record,
-    register_resolvers,
-    remove_unstarted_run_dir,
-    sweep_job_name,
-)
+from mpexp.resolvers import expand_home, register_resolvers
+from mpexp.run.hydra_hooks import put_back_run_record, remove_unstarted_run_dir, sweep_job_name
 from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
 from mpexp.stopping import Preempted, preemption_signal
 from mpexp.tracking.records import record_end

@@ -56,13 +56,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mpexp import config  # noqa: E402
+from mpexp.build import build  # noqa: E402
 from mpexp.data.mnist import MNISTData, write_mnist_files  # noqa: E402
 from mpexp.data.synthetic import SyntheticData  # noqa: E402
 from mpexp.models.deepcnn import DeepCNN  # noqa: E402
 from mpexp.precision.fp8 import convert_to_fp8  # noqa: E402
 from mpexp.precision.modes import setup_precision  # noqa: E402
 from mpexp.precision.scaling import build_scaler  # noqa: E402
-from mpexp.run.build import build  # noqa: E402
 from mpexp.step import performance  # noqa: E402
 from mpexp.step.flops import device_peak_tflops, flops_per_sample  # noqa: E402
 from mpexp.step.rollback import BufferRollback  # noqa: E402

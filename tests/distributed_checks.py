@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mpexp.distributed import dtensor_combines_overflow_flags, start_world
-from mpexp.precision.scaling import CalibratedLossScaler, LossScaler
+from mpexp.precision.loss_scaler import LossScaler
+from mpexp.precision.scaling import CalibratedLossScaler
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
 from mpexp.step.loop import Stepper

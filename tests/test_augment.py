@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from mpexp.data.base import InMemoryData
 from mpexp.errors import ConfigError
 from mpexp.run.runner import train
-from mpexp.run.validate import validate
 from mpexp.tracking.run_context import RunContext
+from mpexp.validate import validate
 from tests.conftest import TINY, make_cfg
 from tests.test_host_reads import HostReads
 from tests.test_training import read_metrics

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mpexp.checkpoints import checkpoint
+from mpexp.checkpoints import files
 from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.errors import ConfigError, ResumeRefused
 from mpexp.models.simplecnn import SimpleCNN
@@ -18,9 +18,9 @@ from mpexp.precision.pure_optimizers import PureAdam, PureSGD
 from mpexp.precision.pure_updates import CountUpdates, hold_in_bf16, round_stochastic
 from mpexp.report import cli as report
 from mpexp.run.runner import train
-from mpexp.run.validate import validate
 from mpexp.step.performance import build_optimizer, plan_speed
 from mpexp.tracking.run_context import RunContext
+from mpexp.validate import validate
 from tests.conftest import CPU, TINY, make_cfg
 from tests.test_report import read_table
 from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed, status
@@ -155,7 +155,7 @@ def test_a_run_records_bf16_pure_and_logs_its_lost_updates(tmp_path, one_thread)
     assert [r["step"] for r in lost] == [4, 8]  # at trainer.log_every
     assert all(0 < r["opt/updates_lost"] <= 1 for r in lost)
     assert all(0 <= r["diag/conv1/updates_lost"] <= 1 for r in lost)
-    final = checkpoint.load(checkpoint_files(tmp_path)[-1])
+    final = files.load(checkpoint_files(tmp_path)[-1])
     assert {v.dtype for v in final["model"].values()} == {torch.bfloat16}
 
 
@@ -191,7 +191,7 @@ def test_each_rounding_resumes_exactly_after_a_crash(
     assert status(killed) == "finished"
     # the Kahan buffers and the generator's state are in the optimizer's
     assert_same_final_state(whole, killed, ("model", "optimizer", "position"))
-    optimizer = checkpoint.load(checkpoint_files(whole)[-1])["optimizer"]
+    optimizer = files.load(checkpoint_files(whole)[-1])["optimizer"]
     assert ("update_rounding_generator" in optimizer) == (rounding == "stochastic")
     kahan = [s for s in optimizer["state"].values() if "kahan_compensation" in s]
     assert bool(kahan) == (rounding == "kahan")

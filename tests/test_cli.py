@@ -9,8 +9,8 @@ import torch
 
 from mpexp.errors import ConfigError
 from mpexp.run.runner import train
-from mpexp.run.validate import validate
 from mpexp.tracking.run_context import RunContext
+from mpexp.validate import validate
 from tests.conftest import TINY, make_cfg, one_line_failure, run_cli
 
 

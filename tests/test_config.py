@@ -10,6 +10,7 @@ import torch
 from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
 
+from mpexp.build import build
 from mpexp.config import (
     AdamConfig,
     Device,
@@ -22,7 +23,6 @@ from mpexp.data.base import TrainingData
 from mpexp.data.windows import TokenWindows
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
-from mpexp.run.build import build
 from mpexp.step.performance import optimizer_spec
 from mpexp.tasks.classification import Classification
 from mpexp.tasks.language_model import LanguageModelling

@@ -63,21 +63,21 @@ import torch
 import torchvision
 
 import mpexp.train
-from mpexp.checkpoints import checkpoint
+from mpexp.build import build_parts
+from mpexp.checkpoints import files
 from mpexp.data.cifar10 import CIFAR10Data
 from mpexp.data.mnist import FashionMNISTData, MNISTData, write_mnist_files
 from mpexp.data.synthetic import SyntheticData
 from mpexp.data.workers import WorkerLoader
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, DataError, NumericsError, reason
-from mpexp.run.build import build_parts
 from mpexp.run.runner import stop_if_asked, train
-from mpexp.run.validate import validate
 from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.run_context import RunContext
 from mpexp.tracking.tracker import Tracker
+from mpexp.validate import validate
 from tests.conftest import (
     ROOT,
     TINY,
@@ -242,7 +242,7 @@ def live_run_mid_replace(run_dir: Path) -> None:
     saved = run_dir / "checkpoints" / "step-00000004.pt"
     saved.parent.mkdir(parents=True)
     saved.write_bytes(b"the old checkpoint")
-    checkpoint.checksum_file(saved).write_text(f"{'0' * 64}  {saved.name}\n")
+    files.checksum_file(saved).write_text(f"{'0' * 64}  {saved.name}\n")
 
 
 def test_a_resume_of_a_live_run_is_refused_before_it_reads_the_checkpoints(tmp_path):
@@ -393,7 +393,7 @@ def test_a_stop_signal_that_no_run_answered_ends_the_command_with_one_line(monke
 # save that began before the first Ctrl-C is not slowed: the stop's own save comes after it.)
 SLOW_STOP_CHECKPOINT = """
 import runpy, sys, time
-from mpexp.checkpoints import checkpoint
+from mpexp.checkpoints import checkpoint, files
 from mpexp.stopping import StopSignals
 
 slow = False
@@ -403,12 +403,12 @@ def save(self, *args, _save=checkpoint.Checkpointer.save):
     slow = StopSignals.active().received is not None  # the loop saves for the stop
     return _save(self, *args)
 
-def sha256_of(path, _sha256_of=checkpoint.sha256_of):
+def sha256_of(path, _sha256_of=files.sha256_of):
     if slow:
         time.sleep(30)
     return _sha256_of(path)
 
-checkpoint.Checkpointer.save, checkpoint.sha256_of = save, sha256_of
+checkpoint.Checkpointer.save, files.sha256_of = save, sha256_of
 sys.argv = ["mpexp.train", *sys.argv[1:]]
 runpy.run_module("mpexp.train", run_name="__main__", alter_sys=True)
 """
@@ -974,7 +974,7 @@ def rewrite_checkpoint(path: Path, change) -> None:
     state = torch.load(path, weights_only=True)
     change(state)
     torch.save(state, path)
-    checkpoint.checksum_file(path).write_text(f"{checkpoint.sha256_of(path)}  {path.name}\n")
+    files.checksum_file(path).write_text(f"{files.sha256_of(path)}  {path.name}\n")
 
 
 def _narrower_first_conv(state: dict) -> None:
@@ -1028,7 +1028,7 @@ def test_a_checkpoint_with_flipped_bytes_is_called_corrupt(finished_run):
 
     older.unlink()
     with pytest.raises(ConfigError, match="keeps no other checkpoint"):
-        checkpoint.load(newest)
+        files.load(newest)
 
 
 def test_an_error_quoted_in_a_message_is_one_line():

@@ -12,16 +12,16 @@ import torch
 import yaml
 from torch import nn
 
+from mpexp.build import build
 from mpexp.errors import ConfigError
 from mpexp.precision import fp8_support
 from mpexp.precision.fp8 import check_fp8_rows, convert_to_fp8, linear_rows
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
-from mpexp.run.build import build
 from mpexp.run.runner import train
-from mpexp.run.validate import validate
 from mpexp.step.diagnostics import fp8_count_keys, fp8_layer_counts
 from mpexp.tracking.run_context import RunContext
+from mpexp.validate import validate
 from tests.conftest import (
     CONF,
     CPU,

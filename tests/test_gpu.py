@@ -141,8 +141,8 @@ def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode, extra):
     """The loop's whole per-step work, run in CUDA's sync-debug mode set to error."""
     if mode == "fp8" and torch.cuda.get_device_capability() < FP8_CAPABILITY:
         pytest.skip("fp8 needs compute capability 8.9 or newer")
+    from mpexp.build import build
     from mpexp.precision.scaling import build_scaler
-    from mpexp.run.build import build
     from mpexp.step.diagnostics import Diagnostics
     from mpexp.step.history import StepHistory
     from mpexp.step.loop import Stepper

@@ -335,7 +335,7 @@ def test_two_ranks_under_torchrun_build_a_new_cache_once(photos, tmp_path):
 
 
 def test_the_cache_command_builds_the_stores_a_run_then_reads(photos, tmp_path, capsys, caplog):
-    from mpexp.data import cache as command
+    from mpexp import cache as command
 
     cache = tmp_path / "cache"
     overrides = [f"dataset.path={photos}", "dataset.image_size=8", f"dataset.cache_dir={cache}",

@@ -22,8 +22,8 @@ from mpexp.data.image_folder import ImageFolderData
 from mpexp.data.image_folder import reading as image_folder
 from mpexp.errors import ConfigError, DataError
 from mpexp.run.runner import train
-from mpexp.run.validate import validate
 from mpexp.tracking.run_context import RunContext
+from mpexp.validate import validate
 from tests.conftest import make_cfg, run_cli
 from tests.test_distributed import TORCHRUN, losses, only_run_dir
 from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed

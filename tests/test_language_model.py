@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from mpexp.build import build_model
 from mpexp.data.text import TextData, TokenCache, path_source
 from mpexp.errors import ConfigError, DataError
 from mpexp.models.gpt import GPT
 from mpexp.precision.scaling import build_scaler
 from mpexp.report.table import build_report
-from mpexp.run.build import build_model
-from mpexp.run.hydra_hooks import expand_home, result_direction
+from mpexp.resolvers import expand_home, result_direction
 from mpexp.run.runner import train
 from mpexp.step.flops import flops_per_sample
 from mpexp.step.performance import build_optimizer
@@ -254,7 +254,7 @@ def test_a_model_without_a_context_length_is_refused_on_text(tmp_path):
 def test_tiny_shakespeare_reads_its_file_where_the_root_says(tmp_path):
     cfg = make_cfg("dataset=tiny_shakespeare", "model=gpt", f"dataset.root={tmp_path}",
                    "dataset.download=false", f"dataset.cache_dir={tmp_path / 'cache'}")  # fmt: skip
-    from mpexp.run.build import build
+    from mpexp.build import build
 
     with pytest.raises(DataError, match=r"dataset\.download=false"):
         build(cfg.dataset).setup(CPU)

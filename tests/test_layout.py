@@ -1,6 +1,9 @@
-"""The package's layout reads top-down: the run's shell (run/) stands above the loop (step/), the
-loop above the checkpoints, and what both need (the run directory's files, stop signals, the
-launch, `_target_` paths) below them all."""
+"""The package's layout reads top-down: the commands (train, sample, cache, report) stand above
+the run's shell (run/), which imports the plan a run makes of itself (plan/); both stand above
+the builder (build.py), the config's checks and resolvers (validate.py, resolvers.py), and the
+loop (step/); the loop above the checkpoints, and what both need (the run directory's files, stop
+signals, the launch, `_target_` paths) below them all. The data (data/) stands below the
+builder that builds it."""
 
 from __future__ import annotations
 
@@ -12,7 +15,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "mpexp"
 
 # each room, and the rooms above it, which it must not import
+COMMANDS = {"train", "sample", "cache", "report"}  # mpexp-plan: plan/__main__.py, in plan/
 ABOVE = {
+    "run": {"train", "cache", "report"},  # sample.py: run/ draws an LM run's samples with it
+    "plan": {"run"} | COMMANDS,
+    "build": {"run", "plan"} | COMMANDS,
+    "validate": {"run", "plan", "build"} | COMMANDS,
+    "resolvers": {"run", "plan", "build"} | COMMANDS,
+    "data": {"run", "plan", "build"} | COMMANDS,
     "step": {"run"},
     "checkpoints": {"run", "step"},
     "rundir": {"run", "step", "checkpoints"},

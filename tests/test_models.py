@@ -7,10 +7,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 from torchvision.models import ResNet18_Weights, ResNet50_Weights
 
+from mpexp.build import build, build_model
 from mpexp.errors import ConfigError
 from mpexp.models.deepcnn import DeepCNN
 from mpexp.models.vit import SelfAttention, vit
-from mpexp.run.build import build, build_model
 from mpexp.step import flops
 from mpexp.tasks.classification import Classification
 from tests.conftest import make_cfg

@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from mpexp import config
-from mpexp.plan.cli import main as plan_main
+from mpexp.plan.__main__ import main as plan_main
 from mpexp.plan.rows import plan_rows
 from tests.conftest import TINY, one_line_failure
 from tests.test_config import FOLDER_PRESETS

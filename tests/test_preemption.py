@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpexp.checkpoints import checkpoint, sharded
+from mpexp.checkpoints import files, sharded
 from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.run.runner import train
 from mpexp.rundir import leftover_files
@@ -193,7 +193,7 @@ def test_a_kill_while_a_sharded_checkpoint_is_replaced_leaves_a_whole_one(tmp_pa
 
     # a SIGKILL at that moment, which nothing catches: the resume puts the folder back
     os.replace(path, path.with_name(path.name + ".replaced"))
-    assert checkpoint.find_checkpoint(tmp_path) == path
+    assert files.find_checkpoint(tmp_path) == path
     assert sharded.load_common(path)["written"] == "second"
 
 

@@ -15,15 +15,15 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpexp.checkpoints import checkpoint
+from mpexp.checkpoints import files
 from mpexp.checkpoints.checkpoint import checkpoint_files
 from mpexp.errors import ConfigError
 from mpexp.precision.pure_optimizers import PureAdam, PureSGD
 from mpexp.run.runner import train
-from mpexp.run.validate import validate
 from mpexp.step.loop import Fit
 from mpexp.stopping import Preempted
 from mpexp.tracking.run_context import RunContext
+from mpexp.validate import validate
 from tests.conftest import CPU, TINY, make_cfg
 from tests.pure_reference import PureUpdates
 from tests.test_bf16_pure import PURE
@@ -366,7 +366,7 @@ def test_a_captured_stochastic_step_draws_as_the_eager_one_does(tmp_path):
     for name, graph in (("captured", "true"), ("eager", "false")):
         summary = train(make_cfg(*args, f"trainer.cuda_graph={graph}"), RunContext(tmp_path / name))
         assert summary["ran"]["cuda_graph"] is (graph == "true")
-        final = checkpoint.load(checkpoint_files(tmp_path / name)[-1])
+        final = files.load(checkpoint_files(tmp_path / name)[-1])
         runs[name] = final["optimizer"]["update_rounding_generator"]
     assert torch.equal(runs["captured"], runs["eager"])
 

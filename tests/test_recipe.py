@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 from torch import nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
+from mpexp.build import with_objective
 from mpexp.data.mixing import BatchMixing
 from mpexp.errors import ConfigError
 from mpexp.models.resnet import resnet18, resnet18_cifar, resnet50
-from mpexp.run.build import with_objective
 from mpexp.run.runner import train
 from mpexp.step.weight_average import WeightAverage
 from mpexp.tasks.classification import Classification
@@ -249,7 +249,7 @@ def test_a_slow_average_differs_from_the_weights_and_survives_a_resume(tmp_path)
 
 
 def test_an_average_under_fsdp_is_refused():
-    from mpexp.run.validate import validate
+    from mpexp.validate import validate
 
     with pytest.raises(ConfigError, match=r"trainer\.ema_decay under trainer\.strategy=fsdp"):
         validate(make_cfg(*TINY, "trainer.ema_decay=0.999", "trainer.strategy=fsdp"))

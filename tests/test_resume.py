@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpexp.checkpoints import checkpoint
+from mpexp.checkpoints import files
 from mpexp.checkpoints.checkpoint import Checkpointer, checkpoint_files
+from mpexp.checkpoints.resume import check_config
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError, OutputError
 from mpexp.run.runner import train
@@ -150,7 +151,7 @@ class SimulatedCrash(BaseException):
 
 def assert_same_final_state(whole: Path, resumed: Path, parts: tuple[str, ...]) -> None:
     """The newest checkpoints of two runs hold the same `parts`, bit for bit."""
-    final = [checkpoint.load(checkpoint_files(d)[-1]) for d in (whole, resumed)]
+    final = [files.load(checkpoint_files(d)[-1]) for d in (whole, resumed)]
     for part in parts:
         assert_bitwise_equal(final[0][part], final[1][part])
 
@@ -178,7 +179,7 @@ def test_a_stop_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, sign
     assert proc.returncode == 128 + signum, output
     assert "Traceback" not in output
     (path,) = checkpoint_files(run_dir)
-    position = checkpoint.load(path)["position"]
+    position = files.load(path)["position"]
     steps, _ = read_metrics(run_dir)
     assert steps[-1]["step"] == position["step"] < 16  # stopped early, every step logged
     assert status(run_dir) == "interrupted"
@@ -219,7 +220,7 @@ def test_resume_restores_the_loss_scale_and_growth_tracker_and_the_wandb_run(tmp
     part = tmp_path / "part"
     train(make_cfg(*FP16, "trainer.epochs=1", "wandb.mode=offline"), RunContext(part))
 
-    saved = checkpoint.load(checkpoint_files(part)[-1])["scaler"]
+    saved = files.load(checkpoint_files(part)[-1])["scaler"]
     # 8 clean steps from 4, doubling every 3: two doublings and two steps towards the next
     assert (saved["scale"], saved["_growth_tracker"]) == (16.0, 2)
 
@@ -280,7 +281,7 @@ def test_a_checkpoint_write_that_dies_halfway_leaves_the_previous_one(
     monkeypatch.undo()
 
     (previous,) = checkpoint_files(tmp_path)
-    assert checkpoint.load(previous)["position"]["step"] == 3  # intact: its checksum agrees
+    assert files.load(previous)["position"]["step"] == 3  # intact: its checksum agrees
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))  # no partial file filling the disk
     if raised is OutputError:
         message = str(err.value)
@@ -321,25 +322,25 @@ def test_a_kill_while_an_epochs_end_replaces_its_steps_checkpoint_leaves_it_resu
     monkeypatch.undo()
 
     (kept,) = checkpoint_files(tmp_path)
-    assert checkpoint.load(kept)["position"] == {"epoch": 1, "batch": 8, "step": 8}
+    assert files.load(kept)["position"] == {"epoch": 1, "batch": 8, "step": 8}
     train(make_cfg(*args, f"trainer.resume={tmp_path}"), RunContext(tmp_path))
     steps, epochs = read_metrics(tmp_path)
     assert [r["step"] for r in steps] == list(range(1, 17)) and len(epochs) == 2
     assert status(tmp_path) == "finished"
     (last,) = checkpoint_files(tmp_path)  # and its checksum file is back to one sum
-    assert len(checkpoint.checksum_file(last).read_text().splitlines()) == 1
+    assert len(files.checksum_file(last).read_text().splitlines()) == 1
 
 
 def test_a_checkpoint_replaced_beside_no_checksum_verifies_after_a_kill(tmp_path, monkeypatch):
     path = tmp_path / "checkpoints" / "step-00000008.pt"
     path.parent.mkdir()
-    checkpoint.write_atomically({"written": "first"}, path)
-    checkpoint.checksum_file(path).unlink()  # lost, or never written (an older mpexp's file)
+    files.write_atomically({"written": "first"}, path)
+    files.checksum_file(path).unlink()  # lost, or never written (an older mpexp's file)
     stop_before_renaming_over(path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.write_atomically({"written": "second"}, path)
+        files.write_atomically({"written": "second"}, path)
     monkeypatch.undo()
-    checkpoint.verify(path)  # the file in place is the first, and its sum is listed
+    files.verify(path)  # the file in place is the first, and its sum is listed
     assert torch.load(path, weights_only=True)["written"] == "first"
 
 
@@ -347,8 +348,8 @@ def test_a_replacing_save_that_cannot_trim_its_checksum_file_still_succeeds(tmp_
     # the new file is in place and listed: a full disk at the last rewrite must not fail the save
     # (with keep_checkpoints=1 the run would call itself without a checkpoint)
     path = tmp_path / "step-00000008.pt"
-    checkpoint.write_atomically({"written": "first"}, path)
-    real_write, writes = checkpoint._write_synced, []
+    files.write_atomically({"written": "first"}, path)
+    real_write, writes = files._write_synced, []
 
     def full_disk_the_second_time(where, text):
         writes.append(where)
@@ -356,10 +357,10 @@ def test_a_replacing_save_that_cannot_trim_its_checksum_file_still_succeeds(tmp_
             raise OSError(28, "No space left on device")
         real_write(where, text)
 
-    monkeypatch.setattr(checkpoint, "_write_synced", full_disk_the_second_time)
-    checkpoint.write_atomically({"written": "second"}, path)
+    monkeypatch.setattr(files, "_write_synced", full_disk_the_second_time)
+    files.write_atomically({"written": "second"}, path)
     monkeypatch.undo()
-    checkpoint.verify(path)
+    files.verify(path)
     assert torch.load(path, weights_only=True)["written"] == "second"
     assert not list(tmp_path.glob("*.tmp*"))
 
@@ -367,7 +368,6 @@ def test_a_replacing_save_that_cannot_trim_its_checksum_file_still_succeeds(tmp_
 def test_a_cosine_run_cannot_be_resumed_with_more_epochs():
     from omegaconf import OmegaConf
 
-    from mpexp.checkpoints.checkpoint import check_config
     from mpexp.errors import ConfigError
 
     def state(*overrides):
@@ -391,7 +391,7 @@ def test_files_in_checkpoints_that_mpexp_did_not_name_are_left_alone(tmp_path):
     # what a kill leaves between writing a checkpoint's checksum and renaming it into place,
     # and a write cut short
     lone = folder / "step-00000012.pt.sha256"
-    lone.write_text(checkpoint.checksum_file(first).read_text())
+    lone.write_text(files.checksum_file(first).read_text())
     (folder / "step-00000012.pt.tmp").write_bytes(b"half a checkpoint")
 
     # a resume reads the checkpoints, and the resumed run writes and prunes them
@@ -408,7 +408,7 @@ def test_an_empty_checksum_beside_a_checkpoint_is_warned_about(tmp_path, caplog)
     # a power loss after the rename of a checksum not yet on disk leaves it empty
     train(make_cfg(*ARGS, "trainer.epochs=1"), RunContext(tmp_path))
     (saved,) = checkpoint_files(tmp_path)
-    checkpoint.checksum_file(saved).write_text("")
+    files.checksum_file(saved).write_text("")
     with caplog.at_level(logging.WARNING):
         train(make_cfg(*ARGS, f"trainer.resume={tmp_path}"), RunContext(tmp_path))
     assert (
@@ -425,9 +425,9 @@ def test_a_run_from_before_a_key_existed_resumes_when_the_key_does_what_it_did()
     before = to_dict(cfg)
     del before["dataset"]["augment"]
     state = {"config": before, "overrides": []}
-    checkpoint.check_config(state, cfg, "run")  # no augmentation now either: the same run
+    check_config(state, cfg, "run")  # no augmentation now either: the same run
     with pytest.raises(ConfigError, match=r"dataset\.augment\.flip: absent in the run, True now"):
-        checkpoint.check_config(state, make_cfg(*ARGS, "dataset.augment.flip=true"), "run")
+        check_config(state, make_cfg(*ARGS, "dataset.augment.flip=true"), "run")
 
 
 def test_a_run_saved_under_the_former_target_paths_trains_and_resumes(tmp_path):
@@ -447,7 +447,7 @@ def test_a_run_saved_under_the_former_target_paths_trains_and_resumes(tmp_path):
     )
     state["config"]["loss_scaling"]["_target_"] = "mpexp.scaling.DynamicLossScaler"
     state["config"]["scheduler"]["_target_"] = "mpexp.schedules.step_decay"
-    checkpoint.write_atomically(state, saved)  # as a run from before the move saved it
+    files.write_atomically(state, saved)  # as a run from before the move saved it
 
     train(make_cfg(*args, f"trainer.resume={tmp_path}"), RunContext(tmp_path))
     assert status(tmp_path) == "finished"

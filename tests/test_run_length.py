@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from mpexp.checkpoints.checkpoint import checkpoint_files, load
+from mpexp.checkpoints.files import load
 from mpexp.errors import ConfigError
 from mpexp.run.runner import train
+from mpexp.rundir import checkpoint_files
 from mpexp.tracking.run_context import RunContext
 from tests.conftest import TINY, make_cfg
 from tests.test_language_model import tiny_lm

@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 import mpexp
+from mpexp.build import build
 from mpexp.data.synthetic import SyntheticData
 from mpexp.errors import LogError
 from mpexp.models.simplecnn import SimpleCNN
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
-from mpexp.run.build import build
 from mpexp.run.runner import train
 from mpexp.step import loop, performance
 from mpexp.step.diagnostics import Diagnostics

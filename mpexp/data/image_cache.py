@@ -31,8 +31,8 @@ killed leaves its partial folder; the next build of that store removes it (mpexp
 
 A cache folder that cannot be written (read-only, full) costs the cache, not the run:
 CacheUnavailable, which the image folder turns into a loud warning and a run that decodes as
-usual (`ran.data.cache` says which ran). `python -m mpexp.data.cache <dataset overrides>` builds
-the stores outside a training job (mpexp/data/cache.py).
+usual (`ran.data.cache` says which ran). `python -m mpexp.cache <dataset overrides>` builds
+the stores outside a training job (mpexp/cache.py).
 """
 
 from __future__ import annotations

@@ -24,14 +24,7 @@ from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mpexp.batches import BatchSplit
-from mpexp.errors import reason
-from mpexp.plan.live_bytes import LiveBytes
-from mpexp.precision.fp8 import convert_to_fp8
-from mpexp.precision.fp32_modules import run_in_float32
-from mpexp.precision.modes import setup_precision
-from mpexp.precision.pure_updates import COMPENSATION, hold_in_bf16
-from mpexp.precision.scaling import build_scaler
-from mpexp.run.build import (
+from mpexp.build import (
     build,
     checked,
     fake_tensor_limit,
@@ -39,13 +32,20 @@ from mpexp.run.build import (
     output_shape,
     with_objective,
 )
-from mpexp.run.validate import validate
+from mpexp.errors import reason
+from mpexp.plan.live_bytes import LiveBytes
+from mpexp.precision.fp8 import convert_to_fp8
+from mpexp.precision.fp32_modules import run_in_float32
+from mpexp.precision.modes import setup_precision
+from mpexp.precision.pure_updates import COMPENSATION, hold_in_bf16
+from mpexp.precision.scaling import build_scaler
 from mpexp.step import performance
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.loop import evaluate, train_step
 from mpexp.step.objective import Objective
 from mpexp.step.weight_average import weight_average
 from mpexp.targets import rewrite_targets
+from mpexp.validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class Stage:
 
     def build(self, meta: torch.nn.Module, precision, what: str) -> None:
         """The model as the run has it when its first step starts, its loss scaler and
-        optimizer (mpexp/run/build.py's order)."""
+        optimizer (mpexp/build.py's order)."""
         cfg, task = self.cfg, self.task
         self.precision_name = precision.mode
         bf16 = torch.bfloat16 if precision.pure is not None else None

@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from mpexp import config
 from mpexp.plan.rehearsal import Rehearsal, rehearse
-from mpexp.run.hydra_hooks import expand_home, register_resolvers
+from mpexp.resolvers import expand_home, register_resolvers
 
 GiB = 2**30
 # of the device's memory, what a planned peak may take and still fit: the rest is for the CUDA

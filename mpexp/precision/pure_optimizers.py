@@ -497,7 +497,7 @@ def _chunks(tensors: list[torch.Tensor | None], size: int):
         yield [None if t is None else t[start : start + size] for t in flat]
 
 
-# torch's optimizers that pure bf16 steps with its own (mpexp/run/validate.py refuses the
+# torch's optimizers that pure bf16 steps with its own (mpexp/validate.py refuses the
 # settings these do not take)
 PURE_OPTIMIZERS = {
     "torch.optim.Adam": (PureAdam, {"decoupled": False}),

@@ -1,5 +1,5 @@
 """One training run from a composed config: `train(cfg, run)` builds what the config asks for
-(data, model, precision, loss scaler, optimizer, schedule: mpexp/run/build.py; tracker,
+(data, model, precision, loss scaler, optimizer, schedule: mpexp/build.py; tracker,
 checkpoints) and hands it to the loop (mpexp/step/loop.py). mpexp.train's command line calls it;
 it can be called from Python too.
 """
@@ -16,13 +16,13 @@ import torch
 from omegaconf import DictConfig
 
 from mpexp import __version__, config
-from mpexp.checkpoints.checkpoint import Checkpointer, open_resume
+from mpexp.build import Built, build_parts, build_training
+from mpexp.checkpoints.checkpoint import Checkpointer
+from mpexp.checkpoints.resume import open_resume
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, reason
 from mpexp.plan.before_run import against_measured, plan_run
 from mpexp.precision import pure_updates
-from mpexp.run.build import Built, build_parts, build_training
-from mpexp.run.validate import validate, validate_run_length
 from mpexp.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
 from mpexp.step import performance
 from mpexp.step.loop import Fit, Parts
@@ -34,6 +34,7 @@ from mpexp.tracking.null_tracker import NullTracker
 from mpexp.tracking.records import error_text, record_end
 from mpexp.tracking.run_context import RunContext
 from mpexp.tracking.tracker import Tracker
+from mpexp.validate import validate, validate_run_length
 
 log = logging.getLogger("mpexp")
 

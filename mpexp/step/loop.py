@@ -25,7 +25,8 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from mpexp.batches import BatchSplit
-from mpexp.checkpoints.checkpoint import Checkpointer, Position, Resume
+from mpexp.checkpoints.checkpoint import Checkpointer, Position
+from mpexp.checkpoints.resume import Resume
 from mpexp.config import run_length
 from mpexp.data.base import Batch, TrainingData
 from mpexp.data.mixing import batch_mixing

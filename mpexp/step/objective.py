@@ -7,7 +7,7 @@ forward pass, so the compiler fuses the two; `Objective` does the same for any m
 without the model knowing its task: called with a batch, it gives the task's training loss in
 training mode (as its terms, `Task.loss_terms`) and validation's sums (`Task.val_sums`) in eval
 mode, and the loop compiles it
-whole (mpexp/run/build.py).
+whole (mpexp/build.py).
 
 It holds no weights of its own: checkpoints, diagnostics and optimizers keep using the model.
 """

@@ -35,7 +35,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError
-from mpexp.precision.scaling import LossScaler
+from mpexp.precision.loss_scaler import LossScaler
 from mpexp.targets import spans_run
 
 log = logging.getLogger(__name__)

@@ -143,7 +143,7 @@ class ImageFolderData(TrainingData):
 
     def build_cache(self) -> list[Path]:
         """Each split's store of resized images, built where missing, as a run with
-        dataset.cache=resized would (`python -m mpexp.data.cache`); the stores. Raises DataError
+        dataset.cache=resized would (`python -m mpexp.cache`); the stores. Raises DataError
         where the cache folder cannot hold them."""
         return self._stores(self._find_splits()).build()
 

@@ -1,8 +1,8 @@
-"""`python -m mpexp.data.cache [overrides]` (or `mpexp-cache`): build an image folder's resized
+"""`python -m mpexp.cache [overrides]` (or `mpexp-cache`): build an image folder's resized
 stores (`dataset.cache=resized`, mpexp/data/image_cache.py) before any training job, e.g. once
 before a sweep whose jobs then only read them:
 
-    python -m mpexp.data.cache dataset.path=~/data/imagenet dataset.num_workers=16
+    python -m mpexp.cache dataset.path=~/data/imagenet dataset.num_workers=16
 
 The overrides are a training run's (`dataset=image_folder` is the default here); only the dataset's
 keys matter: the folder, the sizes (`image_size`, `resize_size`, `cache_side`, `crop_scale`), the
@@ -42,10 +42,10 @@ def stores(overrides: list[str]) -> list:
     from hydra.errors import HydraException
 
     from mpexp import config
+    from mpexp.build import build
     from mpexp.data.image_folder import ImageFolderData
-    from mpexp.run.build import build
-    from mpexp.run.hydra_hooks import register_resolvers
-    from mpexp.run.validate import validate
+    from mpexp.resolvers import register_resolvers
+    from mpexp.validate import validate
 
     config.register()
     register_resolvers()

@@ -20,9 +20,10 @@ from mpexp.distributed import World
 from mpexp.errors import ConfigError, reason
 from mpexp.precision.fp8 import check_fp8_rows, convert_to_fp8, linear_rows
 from mpexp.precision.fp32_modules import run_in_float32
+from mpexp.precision.loss_scaler import LossScaler
 from mpexp.precision.modes import Precision, check_fp16_convolutions_on_cpu, setup_precision
 from mpexp.precision.pure_updates import hold_in_bf16
-from mpexp.precision.scaling import LossScaler, build_scaler
+from mpexp.precision.scaling import build_scaler
 from mpexp.step import flops, performance
 from mpexp.step.flops import Throughput
 from mpexp.step.objective import Objective

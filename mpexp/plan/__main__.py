@@ -1,4 +1,5 @@
-"""`mpexp-plan`: what a run needs in memory and compute, per precision, before it runs.
+"""`mpexp-plan` (or `python -m mpexp.plan`): what a run needs in memory and compute, per precision,
+before it runs.
 
     mpexp-plan experiment=gpt2_small precision=fp32,bf16,fp16,fp8,bf16_pure_kahan
     mpexp-plan model=resnet50 dataset=image_folder dataset.path=~/data/imagenet \\
