@@ -1,5 +1,5 @@
 """One optimizer step, `train_step`: the same code for every precision, loss-scaling strategy
-and task. The loop's Stepper runs it, with its bookkeeping on the device."""
+and task. The Stepper (mpexp/step/stepper.py) runs it with its bookkeeping on the device."""
 
 from __future__ import annotations
 
