@@ -14,7 +14,6 @@ import contextlib
 import logging
 import signal
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -30,14 +29,12 @@ from mpexp.data.mixing import batch_mixing
 from mpexp.distributed import World
 from mpexp.errors import NumericsError, UserError, reason
 from mpexp.precision.modes import Precision
-from mpexp.precision.scaling import LossScaler
 from mpexp.step.data_wait import STARVED_SHARE, wait_clock
 from mpexp.step.diagnostics import Diagnostics
-from mpexp.step.flops import Throughput
 from mpexp.step.history import OwnRows, StepHistory
 from mpexp.step.objective import Objective, objective_of
-from mpexp.step.performance import Compilations, Speed
-from mpexp.step.schedules import Schedule
+from mpexp.step.parts import Parts
+from mpexp.step.performance import Compilations
 from mpexp.step.step_log import StepLog
 from mpexp.step.stepper import Stepper
 from mpexp.step.weight_average import weight_average
@@ -108,24 +105,6 @@ class Interval:
     samples: int = 0  # samples trained on (this rank's)
     counted: int = 0  # of those, already in the run's samples_seen
     waited: float = 0.0  # seconds waited for batches
-
-
-@dataclass
-class Parts:
-    """What the loop trains: built once by mpexp.train, never re-decided here."""
-
-    model: torch.nn.Module  # the module whose weights are saved (DDP/FSDP-wrapped if so)
-    # what the loop calls: the model with its task's loss (mpexp/step/objective.py), or its
-    # torch.compile wrapper, which compiles the two together
-    forward: torch.nn.Module
-    data: TrainingData  # set up: `data.task` says what its batches mean
-    optimizer: torch.optim.Optimizer
-    scaler: LossScaler
-    precision: Precision
-    # FLOPs per sample, counted once in the background from setup on, and the device's peak
-    throughput: Future[Throughput]
-    speed: Speed | None = None  # the speed switches decided at setup (None: all off)
-    schedule: Schedule | None = None  # the learning-rate schedule (None: a constant rate)
 
 
 class Fit:
