@@ -31,10 +31,11 @@ from mpexp.errors import NumericsError, UserError, reason
 from mpexp.precision.modes import Precision
 from mpexp.step.data_wait import STARVED_SHARE, wait_clock
 from mpexp.step.diagnostics import Diagnostics
-from mpexp.step.history import OwnRows, StepHistory
+from mpexp.step.history import StepHistory
 from mpexp.step.objective import Objective, objective_of
 from mpexp.step.parts import Parts
 from mpexp.step.performance import Compilations
+from mpexp.step.readback import Readback
 from mpexp.step.step_log import StepLog
 from mpexp.step.stepper import Stepper
 from mpexp.step.weight_average import weight_average
@@ -135,7 +136,6 @@ class Fit:
             reduce_loss=world.mean if world.distributed else None,
             terms=parts.data.task.term_names,
         )
-        self.own = OwnRows()  # the user's tensors from mpexp.log
         self.memory = PeakMemory(self.device)
         self.steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss, parts.scaler)
         self.diagnostics = Diagnostics(
@@ -187,6 +187,7 @@ class Fit:
         self.warned_starved = False  # the data-wait warning is given once a run
         # how long the step waited for data: the GPU's idle time, or a CPU's wait for batches
         self.waiting = wait_clock(self.device)
+        self.readback = Readback(tracker, self.history, self.steps, self.diagnostics, self.waiting)
         # a classifier's recipe: mixed training batches, an fp32 average of the weights
         self.mixing = batch_mixing(cfg.trainer, parts.data.task, cfg.trainer.seed)
         self.average = weight_average(cfg.trainer, parts.model)
@@ -223,7 +224,7 @@ class Fit:
             tested = self._test()
             tested.update(self._compute_only())
         except Exception:
-            self._write_own_values()
+            self.readback.write_own_values()
             raise
         steps = self.steps
         return {
@@ -286,7 +287,7 @@ class Fit:
             bar.update()
             flush = step % self.trainer.log_every == 0
             if flush:
-                self._flush()
+                self.readback.flush()
                 self._show_progress(bar, interval.start)
             last = step >= self.total_steps
             if last or (self.eval_every and step % self.eval_every == 0):
@@ -302,7 +303,7 @@ class Fit:
             if self.saver.due(step) or stopping:
                 # a stop's own flush leaves the lost updates' window open: the checkpoint keeps
                 # its counts, so that the resumed run logs the rows the whole run would have
-                self._flush(wait=True, close_windows=self.saver.due(step))
+                self.readback.flush(wait=True, close_windows=self.saver.due(step))
                 began = time.perf_counter()
                 self._checkpoint(Position(epoch, batch, step), began - interval.start, stopping)
                 interval.start += time.perf_counter() - began  # checkpoints are not training time
@@ -343,7 +344,7 @@ class Fit:
         # perf/compile_s has them
         setup = self.stepper.setup_s - interval.setup_s
         seconds = time.perf_counter() - interval.start - setup
-        self._flush(wait=True)
+        self.readback.flush(wait=True)
         timed = self.stepper.timed_steps - interval.timed_steps
         self.samples_seen += (interval.samples - interval.counted) * self.world.size
         interval.counted = interval.samples
@@ -554,32 +555,6 @@ class Fit:
             100 * share,
             self.parts.data.faster_data_hint(),
         )
-
-    def _flush(self, wait: bool = False, close_windows: bool = True) -> None:
-        """Read back what the device has gathered (all of it with wait=True: one sync);
-        `close_windows=False` leaves the diagnostics' counting windows open."""
-        # the user's tensors are queued for the host before the history's copy, whose wait then
-        # covers them too
-        self.own.start(self.tracker.take_waiting())
-        rows = self.history.flush(wait)
-        self.waiting.read()  # the device's idle gaps that it has passed
-        # before the step rows, which may stop the run: values logged up to a non-finite loss are
-        # what explains it
-        for row in self.own.done(wait):
-            self.tracker.log(row)
-        self.steps.write(rows)
-        self.diagnostics.flush(wait, close_windows)
-
-    def _write_own_values(self) -> None:
-        """The user's values on their way to the host, written as the run fails: the values that
-        lead up to a failure explain it (the tracker writes those logged since, at its end)."""
-        try:
-            rows = self.own.done(wait=True)
-        except RuntimeError as err:  # a device that failed: the error that ends the run says so
-            log.warning("mpexp.log's values of the last steps could not be read (%s).", err)
-            return
-        for row in rows:
-            self.tracker.log(row)
 
     def _show_progress(self, bar: tqdm, start: float) -> None:
         if self.steps.losses:
