@@ -27,15 +27,15 @@ from mpexp.config import run_length
 from mpexp.data.base import Batch, TrainingData
 from mpexp.data.mixing import batch_mixing
 from mpexp.distributed import World
-from mpexp.errors import NumericsError, UserError, reason
+from mpexp.errors import NumericsError, UserError
 from mpexp.precision.modes import Precision
 from mpexp.step.data_wait import STARVED_SHARE, wait_clock
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
 from mpexp.step.objective import Objective, objective_of
 from mpexp.step.parts import Parts
-from mpexp.step.performance import Compilations
 from mpexp.step.readback import Readback
+from mpexp.step.speed_record import SpeedRecord
 from mpexp.step.step_log import StepLog
 from mpexp.step.stepper import Stepper
 from mpexp.step.weight_average import weight_average
@@ -165,13 +165,9 @@ class Fit:
             loss_fn=None,  # the objective computes it, compiled with the model
             schedule=parts.schedule,
         )
-        # every compilation, in training and in validation: timed, and survived by the eager model
-        self.compiles = Compilations()
-        self.val_compile_s = 0.0  # the time validation spent compiling
-        if speed is not None and speed.compile:
-            self.stepper.setup_steps = max(self.stepper.setup_steps, 1)
-            self.stepper.on_compile_error = self._compile_failed
-            self.stepper.compiles = self.compiles
+        self.speed_record = SpeedRecord(
+            parts, self.objective, self.stepper, self.history, tracker, world, cfg.trainer
+        )
         progress = cfg.trainer.progress
         self.hide_bar = (None if progress is None else not progress) if world.is_main else True
         self.position = Position()  # where training stands: the next epoch, batches done in it
@@ -183,7 +179,6 @@ class Fit:
         self.last_epoch, self.total_steps = run_length(cfg.trainer, parts.data.steps_per_epoch())
         self.eval_every = cfg.trainer.eval_every_steps
         self.interval: Interval | None = None  # the steps since the last validation
-        self.compile_failed = False
         self.warned_starved = False  # the data-wait warning is given once a run
         # how long the step waited for data: the GPU's idle time, or a CPU's wait for batches
         self.waiting = wait_clock(self.device)
@@ -191,7 +186,6 @@ class Fit:
         # a classifier's recipe: mixed training batches, an fp32 average of the weights
         self.mixing = batch_mixing(cfg.trainer, parts.data.task, cfg.trainer.seed)
         self.average = weight_average(cfg.trainer, parts.model)
-        self.last_batch: Batch | None = None  # what compute_only_steps time the step on
         self.rows = 0  # validation rows this process has logged
 
     def restore(self, resume: Resume) -> None:
@@ -214,15 +208,15 @@ class Fit:
     def run(self) -> dict:
         """Train the remaining epochs; return the final metrics."""
         self.parts.model.train()
-        compiled = self.parts.forward is not self.objective
+        record = self.speed_record
         try:
-            with self.compiles if compiled else contextlib.nullcontext():
+            with record.compiles if record.compiled else contextlib.nullcontext():
                 for epoch in range(self.position.epoch, self.last_epoch + 1):
                     self._epoch(epoch)
                     if self.position.step >= self.total_steps:
                         break
             tested = self._test()
-            tested.update(self._compute_only())
+            tested.update(record.compute_only(self.position.step))
         except Exception:
             self.readback.write_own_values()
             raise
@@ -234,7 +228,7 @@ class Fit:
             # after the last update: the scale the next step would use (one read, at the end)
             "amp/final_scale": float(self.parts.scaler.scale_tensor()),
             **steps.outcome(),
-            **self._setup_time(),
+            **record.setup_time(),
         }
 
     def check_it_trained(self) -> None:
@@ -282,7 +276,7 @@ class Fit:
             if self.stepper.steps_taken <= self.stepper.setup_steps:
                 waiting.forget()  # a set-up step synchronises: the gap after it is the host's
             if self.trainer.compute_only_steps:
-                self.last_batch = inputs, targets
+                self.speed_record.last_batch = inputs, targets
             interval.samples += len(targets)  # on the host: a shape, no device read
             bar.update()
             flush = step % self.trainer.log_every == 0
@@ -356,33 +350,8 @@ class Fit:
             self._open_interval()
 
     def speed_ran(self) -> dict:
-        """The speed switches as they took effect: a model that could not be compiled, or a
-        step that could not be captured, ran eagerly."""
-        speed = self.parts.speed
-        if speed is None:
-            return {}
-        ran = self.stepper.describe()
-        if speed.compile and self.compile_failed:
-            ran["compile"] = False
-        return ran
-
-    def _setup_time(self) -> dict:
-        """Set-up time of the run's steps (compilation, CUDA graph capture) and validation's
-        compilation, when it had any."""
-        if not self.stepper.setup_steps:
-            return {}
-        return {"perf/compile_s": self.stepper.setup_s + self.val_compile_s}
-
-    def _compile_failed(self, err: Exception) -> torch.nn.Module:
-        """The model cannot be compiled: warn once and train (and evaluate) it eagerly."""
-        log.warning(
-            "torch.compile could not compile the model (%s); training it eagerly instead "
-            "(recorded as compile: false). trainer.compile=false skips the attempt.",
-            reason(err),
-        )
-        self.parts.forward = self.objective
-        self.compile_failed = True
-        return self.objective
+        """The speed switches as they took effect (mpexp/step/speed_record.py)."""
+        return self.speed_record.ran()
 
     def _test(self) -> dict[str, float]:
         """The test set's metrics (`test/...`), evaluated once, after the last epoch, eagerly,
@@ -419,35 +388,6 @@ class Fit:
             )
         return {f"val_ema/{key.split('/', 1)[1]}": value for key, value in metrics.items()}
 
-    def _compute_only(self) -> dict[str, float]:
-        """The step's own rate (`perf/compute_only_samples_per_s`), timed after training on the
-        last batch, kept on the device, for `trainer.compute_only_steps` steps: with the data
-        path out of the way, each precision's speedup is the step's. These steps change the
-        weights after the last checkpoint; their history rows are read and dropped."""
-        steps = self.trainer.compute_only_steps
-        if not steps or self.last_batch is None:
-            return {}
-        inputs, targets = self.last_batch
-        step = self.position.step
-        synchronize(self.device)
-        began = time.perf_counter()
-        for i in range(1, steps + 1):
-            self.stepper.step(step + i, inputs, targets)
-            if i % self.trainer.log_every == 0:
-                self.history.flush()  # the ring holds log_every rows: read, not logged
-        synchronize(self.device)
-        seconds = time.perf_counter() - began
-        self.history.flush(wait=True)
-        rate = steps * len(targets) * self.world.size / seconds
-        measured = {"perf/compute_only_samples_per_s": rate}
-        self.tracker.log({"step": step, **measured})
-        log.info(
-            "Compute only (%d steps on one batch kept on the device): %.0f samples/s",
-            steps,
-            rate,
-        )
-        return measured
-
     def _validate(self) -> tuple[dict[str, float], float]:
         """The validation metrics, and the time spent compiling for them (the first validation
         compiles the model's graph in eval mode). A compiled model pads a last, smaller batch, so
@@ -458,19 +398,20 @@ class Fit:
         if p.forward is self.objective:  # eager (or compiled no longer): the plain evaluation
             metrics = evaluate(self.objective, p.data, self.device, p.precision, micro_batch=micro)
             return metrics, 0.0
-        started, seconds = self.compiles.count, self.compiles.seconds
+        compiles = self.speed_record.compiles
+        started, seconds = compiles.count, compiles.seconds
         try:
             metrics = evaluate(p.forward, p.data, self.device, p.precision, True, micro_batch=micro)
         except UserError:
             raise
         except Exception as err:
-            if self.compiles.count == started:  # it compiled nothing: no compiler failure
+            if compiles.count == started:  # it compiled nothing: no compiler failure
                 raise
             self.stepper.on_compile_error = None
-            self.stepper.model = self._compile_failed(err)
+            self.stepper.model = self.speed_record.train_eagerly(err)
             metrics = evaluate(self.objective, p.data, self.device, p.precision, micro_batch=micro)
-        compiling = self.compiles.seconds - seconds
-        self.val_compile_s += compiling
+        compiling = compiles.seconds - seconds
+        self.speed_record.val_compile_s += compiling
         return metrics, compiling
 
     def _epoch_row(
