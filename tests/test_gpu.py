@@ -183,7 +183,7 @@ def test_evaluation_waits_on_the_gpu_once(pad):
     import warnings
 
     from mpexp.data.synthetic import SyntheticData
-    from mpexp.step.loop import evaluate
+    from mpexp.step.validation import evaluate
 
     device = cuda()
     data = SyntheticData(train_size=8, val_size=100, batch_size=32, seed=0)

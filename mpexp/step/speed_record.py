@@ -67,6 +67,12 @@ class SpeedRecord:
         self.compile_failed = True
         return self.objective
 
+    def stop_compiling(self, err: Exception) -> None:
+        """Validation's compilation failed: the model trains (and is evaluated) eagerly from
+        here on."""
+        self.stepper.on_compile_error = None
+        self.stepper.model = self.train_eagerly(err)
+
     def ran(self) -> dict:
         """The speed switches as they took effect: a model that could not be compiled, or a
         step that could not be captured, ran eagerly."""
