@@ -14,7 +14,6 @@ import contextlib
 import logging
 import signal
 import time
-from dataclasses import dataclass
 
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -29,6 +28,7 @@ from mpexp.errors import NumericsError
 from mpexp.step.data_wait import STARVED_SHARE, wait_clock
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
+from mpexp.step.loop_state import Interval, LoopState
 from mpexp.step.objective import Objective
 from mpexp.step.parts import Parts
 from mpexp.step.readback import Readback
@@ -42,18 +42,6 @@ from mpexp.system import PeakMemory, synchronize
 from mpexp.tracking.tracker import Tracker
 
 log = logging.getLogger("mpexp")
-
-
-@dataclass
-class Interval:
-    """The steps since the last validation (an epoch's, by default): what its row reports."""
-
-    start: float  # perf_counter() at its start, less what it had taken before a resume
-    setup_s: float  # the stepper's set-up time at its start
-    timed_steps: int  # and its set-up steps
-    samples: int = 0  # samples trained on (this rank's)
-    counted: int = 0  # of those, already in the run's samples_seen
-    waited: float = 0.0  # seconds waited for batches
 
 
 class Fit:
@@ -118,15 +106,10 @@ class Fit:
         )
         progress = cfg.trainer.progress
         self.hide_bar = (None if progress is None else not progress) if world.is_main else True
-        self.position = Position()  # where training stands: the next epoch, batches done in it
-        self.row: dict | None = None  # the last validation's metrics (an epoch's, by default)
-        self.resumed_time = 0.0  # time the interval in progress had taken before a checkpoint
-        self.resumed_samples: int | None = 0  # and the samples it had trained on
-        self.samples_seen = 0  # training samples so far, over all ranks
+        self.state = LoopState()
         # how long the run trains and when it validates: every epoch, or every N steps
         self.last_epoch, self.total_steps = run_length(cfg.trainer, parts.data.steps_per_epoch())
         self.eval_every = cfg.trainer.eval_every_steps
-        self.interval: Interval | None = None  # the steps since the last validation
         self.warned_starved = False  # the data-wait warning is given once a run
         # how long the step waited for data: the GPU's idle time, or a CPU's wait for batches
         self.waiting = wait_clock(self.device)
@@ -143,17 +126,17 @@ class Fit:
         """Continue from a checkpoint: weights, optimizer, scaler, schedule, RNGs and the log."""
         p = self.parts
         schedule = self.saver.schedule
-        self.position = resume.restore(p.model, p.optimizer, p.scaler, self.world, schedule)
+        self.state.position = resume.restore(p.model, p.optimizer, p.scaler, self.world, schedule)
         carried = resume.log_state
         self.steps.load_state(carried)
-        self.row = carried["epoch_row"]
-        self.resumed_time = carried["elapsed"]
-        self.resumed_samples = carried.get("interval_samples")
+        self.state.row = carried["epoch_row"]
+        self.state.resumed_time = carried["elapsed"]
+        self.state.resumed_samples = carried.get("interval_samples")
         if self.average is not None:
             self.average.load_state(carried["weight_average"])
         data = self.parts.data
-        self.samples_seen = carried.get(
-            "samples_seen", self.position.step * data.batch_size * self.world.size
+        self.state.samples_seen = carried.get(
+            "samples_seen", self.state.position.step * data.batch_size * self.world.size
         )
 
     def run(self) -> dict:
@@ -162,18 +145,18 @@ class Fit:
         record = self.speed_record
         try:
             with record.compiles if record.compiled else contextlib.nullcontext():
-                for epoch in range(self.position.epoch, self.last_epoch + 1):
+                for epoch in range(self.state.position.epoch, self.last_epoch + 1):
                     self._epoch(epoch)
-                    if self.position.step >= self.total_steps:
+                    if self.state.position.step >= self.total_steps:
                         break
-            tested = self.validation.test(self.position.step)
-            tested.update(record.compute_only(self.position.step))
+            tested = self.validation.test(self.state.position.step)
+            tested.update(record.compute_only(self.state.position.step))
         except Exception:
             self.readback.write_own_values()
             raise
         steps = self.steps
         return {
-            **self.row,
+            **self.state.row,
             **tested,
             "amp/skipped_steps": steps.skipped,
             # after the last update: the scale the next step would use (one read, at the end)
@@ -184,7 +167,7 @@ class Fit:
 
     def check_it_trained(self) -> None:
         """A run whose every step was skipped trained nothing: it ends failed, saying why."""
-        steps = self.position.step
+        steps = self.state.position.step
         if steps and self.steps.skipped >= steps:
             raise NumericsError(
                 f"No optimizer step was taken: all {steps} steps were skipped because their "
@@ -199,10 +182,11 @@ class Fit:
         """Train epoch `epoch` (the rest of it after a resume), validating, logging a row and
         checkpointing at its end, or every `trainer.eval_every_steps` steps and at the run's
         last step."""
-        data, step = self.parts.data, self.position.step
-        done = self.position.batch if epoch == self.position.epoch else 0  # trained before a resume
+        data, position = self.parts.data, self.state.position
+        step = position.step
+        done = position.batch if epoch == position.epoch else 0  # trained before a resume
         steps_per_epoch = data.steps_per_epoch()
-        if self.interval is None:  # this process's first: a resume may carry one on
+        if self.state.interval is None:  # this process's first: a resume may carry one on
             self._open_interval(done=done)
         bar = tqdm(
             total=steps_per_epoch,
@@ -215,7 +199,7 @@ class Fit:
         if self.mixing is not None:
             batches = self.mixing.batches(batches, epoch, done, data.rank)
         waiting = self.waiting
-        interval = self.interval
+        interval = self.state.interval
         for batch, (inputs, targets) in enumerate(waiting.batches(batches), start=done + 1):
             step += 1
             self.tracker.step = step  # where the user's own mpexp.log() calls log
@@ -239,7 +223,7 @@ class Fit:
                 interval.waited += waiting.take()
                 at = Position(epoch + 1, 0, step) if batch == steps_per_epoch else None
                 self._close_interval(epoch, at or Position(epoch, batch, step))
-                interval = self.interval
+                interval = self.state.interval
                 if last:
                     break
                 continue
@@ -258,32 +242,32 @@ class Fit:
                 interval.waited += waiting.take()
                 self._close_interval(epoch, Position(epoch + 1, 0, step))
             else:  # the interval goes on into the next epoch, and so does the clock's count
-                self.position = Position(epoch + 1, 0, step)
+                self.state.position = Position(epoch + 1, 0, step)
         bar.close()
 
     def _open_interval(self, done: int = 0) -> None:
         """Start timing the steps up to the next validation. After a resume they may continue
         an interval that a checkpoint interrupted (`done` batches into its epoch): its time and
         samples carry over."""
-        samples = self.resumed_samples
+        samples = self.state.resumed_samples
         if samples is None:  # a checkpoint from before intervals: its epoch's batches so far
             samples = done * self.parts.data.batch_size
-        if not (samples or self.resumed_time):
+        if not (samples or self.state.resumed_time):
             self.steps.new_epoch()
         self.memory.reset()
         self.waiting.forget()  # validation and checkpoints since the last step are no data wait
-        self.interval = Interval(
-            start=time.perf_counter() - self.resumed_time,
+        self.state.interval = Interval(
+            start=time.perf_counter() - self.state.resumed_time,
             setup_s=self.stepper.setup_s,
             timed_steps=self.stepper.timed_steps,
             samples=samples,
             counted=samples,  # in samples_seen already, as the checkpoint kept it
         )
-        self.resumed_time, self.resumed_samples = 0.0, 0
+        self.state.resumed_time, self.state.resumed_samples = 0.0, 0
 
     def _close_interval(self, epoch: int, position: Position) -> None:
         """Validate, log the interval's row, checkpoint at `position`, and open the next."""
-        interval = self.interval
+        interval = self.state.interval
         synchronize(self.device)
         # compilation and the CUDA graph's warm-up and capture are set-up, not training time:
         # perf/compile_s has them
@@ -291,12 +275,12 @@ class Fit:
         seconds = time.perf_counter() - interval.start - setup
         self.readback.flush(wait=True)
         timed = self.stepper.timed_steps - interval.timed_steps
-        self.samples_seen += (interval.samples - interval.counted) * self.world.size
+        self.state.samples_seen += (interval.samples - interval.counted) * self.world.size
         interval.counted = interval.samples
-        self.row = self._epoch_row(epoch, position.step, seconds, (timed, setup), interval)
-        self.position = position
+        self.state.row = self._epoch_row(epoch, position.step, seconds, (timed, setup), interval)
+        self.state.position = position
         self._checkpoint(position, 0.0, self._stop_agreed())
-        self.interval = None
+        self.state.interval = None
         if position.step < self.total_steps:
             self._open_interval()
 
@@ -325,7 +309,7 @@ class Fit:
             "train/epoch_loss": self.steps.epoch_loss(),
             **metrics,
             "perf/epoch_time_s": epoch_time,
-            "samples": self.samples_seen,
+            "samples": self.state.samples_seen,
             # the set-up steps' samples are left out with their time
             "perf/samples_per_s": (interval.samples - setup[0] * p.data.batch_size) / epoch_time,
             self.memory.key: self.memory.read_mib(),
@@ -337,7 +321,7 @@ class Fit:
         row = self.world.reduce_epoch(row)
         # from the samples/s already computed (summed over ranks): no device read of its own
         row.update(task.throughput(row["perf/samples_per_s"]))
-        row.update(task.progress(self.samples_seen))
+        row.update(task.progress(self.state.samples_seen))
         row.update(p.throughput.result().metrics(row["perf/samples_per_s"]))
         self.tracker.log(row)
         self.rows += 1
@@ -397,16 +381,16 @@ class Fit:
         return self.world.any(bool(self.stop.received))
 
     def _checkpoint(self, position: Position, elapsed: float, stopping: bool) -> None:
-        at_interval_end = self.interval is None or elapsed == 0.0
+        at_interval_end = self.state.interval is None or elapsed == 0.0
         log_state = {
             **self.steps.state(),
             "elapsed": elapsed,
-            "epoch_row": self.row,
+            "epoch_row": self.state.row,
             **({"weight_average": self.average.state()} if self.average is not None else {}),
             # the interval in progress (none at a validation): its samples, and all of them
-            "interval_samples": 0 if at_interval_end else self.interval.samples,
-            "samples_seen": self.samples_seen
-            + (0 if at_interval_end else self.interval.samples - self.interval.counted)
+            "interval_samples": 0 if at_interval_end else self.state.interval.samples,
+            "samples_seen": self.state.samples_seen
+            + (0 if at_interval_end else self.state.interval.samples - self.state.interval.counted)
             * self.world.size,
         }
         # one at the end lets it finish
