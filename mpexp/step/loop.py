@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 import time
 
 from omegaconf import DictConfig
@@ -25,6 +24,7 @@ from mpexp.config import run_length
 from mpexp.data.mixing import batch_mixing
 from mpexp.distributed import World
 from mpexp.errors import NumericsError
+from mpexp.step.checkpointing import LoopCheckpoints
 from mpexp.step.data_wait import wait_clock
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.epoch_row import EpochRows
@@ -120,6 +120,17 @@ class Fit:
         self.validation = Validation(
             parts, self.speed_record, self.device, self.micro_batch, tracker, self.average
         )
+        self.checkpoints = LoopCheckpoints(
+            parts,
+            saver,
+            stop,
+            world,
+            self.steps,
+            self.average,
+            self.state,
+            self.last_epoch,
+            self.total_steps,
+        )
         self.epoch_rows = EpochRows(
             parts,
             self.validation,
@@ -133,20 +144,7 @@ class Fit:
 
     def restore(self, resume: Resume) -> None:
         """Continue from a checkpoint: weights, optimizer, scaler, schedule, RNGs and the log."""
-        p = self.parts
-        schedule = self.saver.schedule
-        self.state.position = resume.restore(p.model, p.optimizer, p.scaler, self.world, schedule)
-        carried = resume.log_state
-        self.steps.load_state(carried)
-        self.state.row = carried["epoch_row"]
-        self.state.resumed_time = carried["elapsed"]
-        self.state.resumed_samples = carried.get("interval_samples")
-        if self.average is not None:
-            self.average.load_state(carried["weight_average"])
-        data = self.parts.data
-        self.state.samples_seen = carried.get(
-            "samples_seen", self.state.position.step * data.batch_size * self.world.size
-        )
+        self.checkpoints.restore(resume)
 
     def run(self) -> dict:
         """Train the remaining epochs; return the final metrics."""
@@ -243,7 +241,9 @@ class Fit:
                 # its counts, so that the resumed run logs the rows the whole run would have
                 self.readback.flush(wait=True, close_windows=self.saver.due(step))
                 began = time.perf_counter()
-                self._checkpoint(Position(epoch, batch, step), began - interval.start, stopping)
+                self.checkpoints.save(
+                    Position(epoch, batch, step), began - interval.start, stopping
+                )
                 interval.start += time.perf_counter() - began  # checkpoints are not training time
                 waiting.forget()  # nor is the device's wait through one
         else:
@@ -290,7 +290,7 @@ class Fit:
             epoch, position.step, seconds, (timed, setup), interval
         )
         self.state.position = position
-        self._checkpoint(position, 0.0, self._stop_agreed())
+        self.checkpoints.save(position, 0.0, self._stop_agreed())
         self.state.interval = None
         if position.step < self.total_steps:
             self._open_interval()
@@ -309,30 +309,3 @@ class Fit:
     def _stop_agreed(self) -> bool:
         """Whether a signal asks to stop; all ranks of a distributed run decide alike."""
         return self.world.any(bool(self.stop.received))
-
-    def _checkpoint(self, position: Position, elapsed: float, stopping: bool) -> None:
-        at_interval_end = self.state.interval is None or elapsed == 0.0
-        log_state = {
-            **self.steps.state(),
-            "elapsed": elapsed,
-            "epoch_row": self.state.row,
-            **({"weight_average": self.average.state()} if self.average is not None else {}),
-            # the interval in progress (none at a validation): its samples, and all of them
-            "interval_samples": 0 if at_interval_end else self.state.interval.samples,
-            "samples_seen": self.state.samples_seen
-            + (0 if at_interval_end else self.state.interval.samples - self.state.interval.counted)
-            * self.world.size,
-        }
-        # one at the end lets it finish
-        stops = stopping and position.step < self.total_steps and position.epoch <= self.last_epoch
-        signum = self.stop.received or signal.SIGTERM  # another rank may have got it
-        if stops and self.world.is_main:  # said at once: a big checkpoint takes a while to write
-            log.info(
-                "%s received: writing a checkpoint at step %d, then stopping.%s",
-                signal.Signals(signum).name,
-                position.step,
-                " Ctrl-C again quits at once, without it." if signum == signal.SIGINT else "",
-            )
-        path = self.saver.save(position, log_state)  # every rank: FSDP's all write their shards
-        if stops:
-            raise self.saver.stopped(signum, path, position, self.parts.data.steps_per_epoch())
