@@ -29,7 +29,8 @@ from mpexp.step.data_wait import wait_clock
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.epoch_row import EpochRows
 from mpexp.step.history import StepHistory
-from mpexp.step.loop_state import Interval, LoopState
+from mpexp.step.interval_clock import IntervalClock
+from mpexp.step.loop_state import LoopState
 from mpexp.step.objective import Objective
 from mpexp.step.parts import Parts
 from mpexp.step.readback import Readback
@@ -39,7 +40,7 @@ from mpexp.step.stepper import Stepper
 from mpexp.step.validation import Validation
 from mpexp.step.weight_average import weight_average
 from mpexp.stopping import StopSignals
-from mpexp.system import PeakMemory, synchronize
+from mpexp.system import PeakMemory
 from mpexp.tracking.tracker import Tracker
 
 log = logging.getLogger("mpexp")
@@ -131,6 +132,15 @@ class Fit:
             self.last_epoch,
             self.total_steps,
         )
+        self.clock = IntervalClock(
+            self.state,
+            self.stepper,
+            self.steps,
+            self.memory,
+            self.waiting,
+            parts.data.batch_size,
+            self.device,
+        )
         self.epoch_rows = EpochRows(
             parts,
             self.validation,
@@ -194,7 +204,7 @@ class Fit:
         done = position.batch if epoch == position.epoch else 0  # trained before a resume
         steps_per_epoch = data.steps_per_epoch()
         if self.state.interval is None:  # this process's first: a resume may carry one on
-            self._open_interval(done=done)
+            self.clock.open(done=done)
         bar = tqdm(
             total=steps_per_epoch,
             initial=done,
@@ -254,46 +264,19 @@ class Fit:
                 self.state.position = Position(epoch + 1, 0, step)
         bar.close()
 
-    def _open_interval(self, done: int = 0) -> None:
-        """Start timing the steps up to the next validation. After a resume they may continue
-        an interval that a checkpoint interrupted (`done` batches into its epoch): its time and
-        samples carry over."""
-        samples = self.state.resumed_samples
-        if samples is None:  # a checkpoint from before intervals: its epoch's batches so far
-            samples = done * self.parts.data.batch_size
-        if not (samples or self.state.resumed_time):
-            self.steps.new_epoch()
-        self.memory.reset()
-        self.waiting.forget()  # validation and checkpoints since the last step are no data wait
-        self.state.interval = Interval(
-            start=time.perf_counter() - self.state.resumed_time,
-            setup_s=self.stepper.setup_s,
-            timed_steps=self.stepper.timed_steps,
-            samples=samples,
-            counted=samples,  # in samples_seen already, as the checkpoint kept it
-        )
-        self.state.resumed_time, self.state.resumed_samples = 0.0, 0
-
     def _close_interval(self, epoch: int, position: Position) -> None:
         """Validate, log the interval's row, checkpoint at `position`, and open the next."""
         interval = self.state.interval
-        synchronize(self.device)
-        # compilation and the CUDA graph's warm-up and capture are set-up, not training time:
-        # perf/compile_s has them
-        setup = self.stepper.setup_s - interval.setup_s
-        seconds = time.perf_counter() - interval.start - setup
+        seconds, setup = self.clock.read()
         self.readback.flush(wait=True)
-        timed = self.stepper.timed_steps - interval.timed_steps
         self.state.samples_seen += (interval.samples - interval.counted) * self.world.size
         interval.counted = interval.samples
-        self.state.row = self.epoch_rows.write(
-            epoch, position.step, seconds, (timed, setup), interval
-        )
+        self.state.row = self.epoch_rows.write(epoch, position.step, seconds, setup, interval)
         self.state.position = position
         self.checkpoints.save(position, 0.0, self._stop_agreed())
         self.state.interval = None
         if position.step < self.total_steps:
-            self._open_interval()
+            self.clock.open()
 
     def speed_ran(self) -> dict:
         """The speed switches as they took effect (mpexp/step/speed_record.py)."""
