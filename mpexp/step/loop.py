@@ -15,7 +15,6 @@ import logging
 import time
 
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from mpexp.batches import BatchSplit
 from mpexp.checkpoints.checkpoint import Checkpointer, Position
@@ -33,6 +32,7 @@ from mpexp.step.interval_clock import IntervalClock
 from mpexp.step.loop_state import LoopState
 from mpexp.step.objective import Objective
 from mpexp.step.parts import Parts
+from mpexp.step.progress import Progress
 from mpexp.step.readback import Readback
 from mpexp.step.speed_record import SpeedRecord
 from mpexp.step.step_log import StepLog
@@ -107,7 +107,8 @@ class Fit:
             parts, self.objective, self.stepper, self.history, tracker, world, cfg.trainer
         )
         progress = cfg.trainer.progress
-        self.hide_bar = (None if progress is None else not progress) if world.is_main else True
+        hide = (None if progress is None else not progress) if world.is_main else True
+        self.progress = Progress(self.steps, parts.data.batch_size, hide)
         self.state = LoopState()
         # how long the run trains and when it validates: every epoch, or every N steps
         self.last_epoch, self.total_steps = run_length(cfg.trainer, parts.data.steps_per_epoch())
@@ -205,12 +206,7 @@ class Fit:
         steps_per_epoch = data.steps_per_epoch()
         if self.state.interval is None:  # this process's first: a resume may carry one on
             self.clock.open(done=done)
-        bar = tqdm(
-            total=steps_per_epoch,
-            initial=done,
-            desc=f"epoch {epoch}/{self.last_epoch}",
-            disable=self.hide_bar,
-        )
+        bar = self.progress.bar(epoch, self.last_epoch, steps_per_epoch, done)
         static = self.stepper.graph is not None  # a captured step reads its batch in place
         batches = data.train_batches(epoch, self.trainer.seed, self.device, static, start=done)
         if self.mixing is not None:
@@ -234,7 +230,7 @@ class Fit:
             flush = step % self.trainer.log_every == 0
             if flush:
                 self.readback.flush()
-                self._show_progress(bar, interval.start)
+                self.progress.show(bar, interval.start)
             last = step >= self.total_steps
             if last or (self.eval_every and step % self.eval_every == 0):
                 interval.waited += waiting.take()
@@ -281,13 +277,6 @@ class Fit:
     def speed_ran(self) -> dict:
         """The speed switches as they took effect (mpexp/step/speed_record.py)."""
         return self.speed_record.ran()
-
-    def _show_progress(self, bar: tqdm, start: float) -> None:
-        if self.steps.losses:
-            rate = (
-                len(self.steps.losses) * self.parts.data.batch_size / (time.perf_counter() - start)
-            )
-            bar.set_postfix(loss=f"{self.steps.losses[-1]:.4f}", samples_s=f"{rate:.0f}")
 
     def _stop_agreed(self) -> bool:
         """Whether a signal asks to stop; all ranks of a distributed run decide alike."""
