@@ -22,7 +22,6 @@ from mpexp.checkpoints.resume import Resume
 from mpexp.config import run_length
 from mpexp.data.mixing import batch_mixing
 from mpexp.distributed import World
-from mpexp.errors import NumericsError
 from mpexp.step.checkpointing import LoopCheckpoints
 from mpexp.step.data_wait import wait_clock
 from mpexp.step.diagnostics import Diagnostics
@@ -185,16 +184,7 @@ class Fit:
 
     def check_it_trained(self) -> None:
         """A run whose every step was skipped trained nothing: it ends failed, saying why."""
-        steps = self.state.position.step
-        if steps and self.steps.skipped >= steps:
-            raise NumericsError(
-                f"No optimizer step was taken: all {steps} steps were skipped because their "
-                "gradients (or losses) were not finite, so the weights are as they were "
-                "initialised. Under loss scaling a too-high loss_scaling.init_scale skips steps "
-                "until the scale has come down (lower it, e.g. 65536, or train longer); otherwise "
-                "lower the learning rate, clip gradients (trainer.clip_grad_norm=1.0) or use bf16. "
-                "diagnostics.overflow_attribution=true names the parameters that overflow."
-            )
+        self.steps.check_any_taken(self.state.position.step)
 
     def _epoch(self, epoch: int) -> None:
         """Train epoch `epoch` (the rest of it after a resume), validating, logging a row and

@@ -84,6 +84,19 @@ class StepLog:
                 totals["amp/nonfinite_grad_steps"] = self.nonfinite_grads
         return totals
 
+    def check_any_taken(self, steps: int) -> None:
+        """A run whose every step (of `steps`) was skipped trained nothing: it ends failed,
+        saying why."""
+        if steps and self.skipped >= steps:
+            raise NumericsError(
+                f"No optimizer step was taken: all {steps} steps were skipped because their "
+                "gradients (or losses) were not finite, so the weights are as they were "
+                "initialised. Under loss scaling a too-high loss_scaling.init_scale skips steps "
+                "until the scale has come down (lower it, e.g. 65536, or train longer); otherwise "
+                "lower the learning rate, clip gradients (trainer.clip_grad_norm=1.0) or use bf16. "
+                "diagnostics.overflow_attribution=true names the parameters that overflow."
+            )
+
     def _nonfinite_grads_error(self, row: StepRow) -> NumericsError:
         return NumericsError(
             f"The gradients became inf/NaN at step {row.step} while the loss was finite "
