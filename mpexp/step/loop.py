@@ -29,7 +29,6 @@ from mpexp.step.epoch_row import EpochRows
 from mpexp.step.history import StepHistory
 from mpexp.step.interval_clock import IntervalClock
 from mpexp.step.loop_state import LoopState
-from mpexp.step.objective import Objective
 from mpexp.step.parts import Parts
 from mpexp.step.progress import Progress
 from mpexp.step.readback import Readback
@@ -57,99 +56,54 @@ class Fit:
         world: World,
         stop: StopSignals,
     ):
-        self.trainer = cfg.trainer
-        self.parts, self.tracker, self.saver, self.world, self.stop = (
-            parts,
-            tracker,
-            saver,
-            world,
-            stop,
-        )
-        self.device = world.device
+        trainer = self.trainer = cfg.trainer
+        self.parts, self.tracker, self.saver = parts, tracker, saver
+        self.world, self.stop, self.device = world, stop, world.device
         # in a distributed run each flush averages the losses over ranks (one collective per flush)
-        self.history = StepHistory(
-            capacity=cfg.trainer.log_every,
+        history = StepHistory(
+            capacity=trainer.log_every,
             device=self.device,
             reduce_loss=world.mean if world.distributed else None,
             terms=parts.data.task.term_names,
         )
-        self.memory = PeakMemory(self.device)
-        self.steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss, parts.scaler)
-        self.diagnostics = Diagnostics(
+        memory = PeakMemory(self.device)
+        steps = self.steps = StepLog(tracker, trainer.on_nonfinite_loss, parts.scaler)
+        diagnostics = Diagnostics(
             cfg.diagnostics, parts.model, parts.scaler, tracker, parts.precision, parts.optimizer
-        )
-        speed = parts.speed
-        make = Stepper.with_graph if speed is not None and speed.cuda_graph else Stepper
-        # the model with its loss, eager: `forward` itself, or what a compiled `forward` wraps,
-        # which runs where compiling fails
-        forward = parts.forward
-        self.objective = (
-            forward if isinstance(forward, Objective) else Objective(parts.model, parts.data.task)
         )
         # this process's micro-batches; validation and diagnostics run the same ones: a whole
         # batch at once could need many times the step's memory
-        split = BatchSplit(cfg.dataset.batch_size, cfg.trainer.accumulate, world.size)
-        self.micro_batch = split.micro_batch
-        self.stepper = make(
-            parts.forward,
-            parts.optimizer,
-            parts.scaler,
-            parts.precision,
-            self.history,
-            self.diagnostics,
-            split.accumulate_per_process,
-            cfg.trainer.clip_grad_norm,
-            loss_fn=None,  # the objective computes it, compiled with the model
-            schedule=parts.schedule,
+        split = BatchSplit(cfg.dataset.batch_size, trainer.accumulate, world.size)
+        self.stepper = Stepper.for_parts(
+            parts, history, diagnostics, split.accumulate_per_process, trainer.clip_grad_norm
         )
-        self.speed_record = SpeedRecord(
-            parts, self.objective, self.stepper, self.history, tracker, world, cfg.trainer
+        record = self.speed_record = SpeedRecord(
+            parts, self.stepper, history, tracker, world, trainer
         )
-        progress = cfg.trainer.progress
+        progress = trainer.progress
         hide = (None if progress is None else not progress) if world.is_main else True
-        self.progress = Progress(self.steps, parts.data.batch_size, hide)
-        self.state = LoopState()
+        self.progress = Progress(steps, parts.data.batch_size, hide)
+        state = self.state = LoopState()
         # how long the run trains and when it validates: every epoch, or every N steps
-        self.last_epoch, self.total_steps = run_length(cfg.trainer, parts.data.steps_per_epoch())
-        self.eval_every = cfg.trainer.eval_every_steps
+        self.last_epoch, self.total_steps = run_length(trainer, parts.data.steps_per_epoch())
+        self.eval_every = trainer.eval_every_steps
         # how long the step waited for data: the GPU's idle time, or a CPU's wait for batches
         self.waiting = wait_clock(self.device)
-        self.readback = Readback(tracker, self.history, self.steps, self.diagnostics, self.waiting)
+        self.readback = Readback(tracker, history, steps, diagnostics, self.waiting)
         # a classifier's recipe: mixed training batches, an fp32 average of the weights
-        self.mixing = batch_mixing(cfg.trainer, parts.data.task, cfg.trainer.seed)
-        self.average = weight_average(cfg.trainer, parts.model)
-        self.validation = Validation(
-            parts, self.speed_record, self.device, self.micro_batch, tracker, self.average
+        self.mixing = batch_mixing(trainer, parts.data.task, trainer.seed)
+        average = self.average = weight_average(trainer, parts.model)
+        validation = self.validation = Validation(
+            parts, record, self.device, split.micro_batch, tracker, average
         )
         self.checkpoints = LoopCheckpoints(
-            parts,
-            saver,
-            stop,
-            world,
-            self.steps,
-            self.average,
-            self.state,
-            self.last_epoch,
-            self.total_steps,
+            parts, saver, stop, world, steps, average, state, self.last_epoch, self.total_steps
         )
         self.clock = IntervalClock(
-            self.state,
-            self.stepper,
-            self.steps,
-            self.memory,
-            self.waiting,
-            parts.data.batch_size,
-            self.device,
+            state, self.stepper, steps, memory, self.waiting, parts.data.batch_size, self.device
         )
         self.epoch_rows = EpochRows(
-            parts,
-            self.validation,
-            tracker,
-            world,
-            self.steps,
-            self.memory,
-            self.state,
-            self.total_steps,
+            parts, validation, tracker, world, steps, memory, state, self.total_steps
         )
 
     def restore(self, resume: Resume) -> None:

@@ -30,9 +30,6 @@ class SpeedRecord:
     """The speed switches' record for one run, and a compiled model's way back to eager."""
 
     parts: Parts
-    # the model with its loss, eager: `forward` itself, or what a compiled `forward` wraps,
-    # which runs where compiling fails
-    objective: Objective
     stepper: Stepper
     history: StepHistory
     tracker: Tracker
@@ -43,9 +40,16 @@ class SpeedRecord:
     val_compile_s: float = 0.0  # the time validation spent compiling
     compile_failed: bool = False
     last_batch: Batch | None = None  # what compute_only_steps time the step on
+    # the model with its loss, eager: `forward` itself, or what a compiled `forward` wraps,
+    # which runs where compiling fails
+    objective: Objective = field(init=False)
 
     def __post_init__(self) -> None:
-        speed = self.parts.speed
+        parts, forward = self.parts, self.parts.forward
+        self.objective = (
+            forward if isinstance(forward, Objective) else Objective(parts.model, parts.data.task)
+        )
+        speed = parts.speed
         if speed is not None and speed.compile:
             self.stepper.setup_steps = max(self.stepper.setup_steps, 1)
             self.stepper.on_compile_error = self.train_eagerly

@@ -16,6 +16,7 @@ from mpexp.precision.modes import Precision
 from mpexp.precision.scaling import LossScaler
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
+from mpexp.step.parts import Parts
 from mpexp.step.performance import Compilations
 from mpexp.step.rollback import BufferRollback
 from mpexp.step.schedules import DeviceSchedule, Schedule
@@ -71,6 +72,32 @@ class Stepper:
         )
         stepper.setup_steps = max(stepper.setup_steps, WARMUP_STEPS + 1)
         return stepper
+
+    @classmethod
+    def for_parts(
+        cls,
+        parts: Parts,
+        history: StepHistory,
+        diagnostics: Diagnostics,
+        accumulate: int,
+        clip_grad_norm: float | None,
+    ) -> Stepper:
+        """The run's Stepper: of `parts.forward`, the model with its loss, captured where the
+        speed switches say so."""
+        speed = parts.speed
+        make = cls.with_graph if speed is not None and speed.cuda_graph else cls
+        return make(
+            parts.forward,
+            parts.optimizer,
+            parts.scaler,
+            parts.precision,
+            history,
+            diagnostics,
+            accumulate,
+            clip_grad_norm,
+            loss_fn=None,  # the objective computes it, compiled with the model
+            schedule=parts.schedule,
+        )
 
     def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """The optimizer step, its history row and the scale update; a skipped step leaves the
