@@ -1,8 +1,13 @@
-"""The training loop, in three layers a reader can take one at a time:
+"""The training loop: `Fit` drives a run's epochs and calls its parts, each in a file of its own:
 
-- `train_step`: one optimizer step, the same code for every precision and loss-scaling strategy;
-- `Stepper`: a step plus its bookkeeping on the device (history row, scale update, diagnostics);
-- `Fit`: the run's epochs: metric flushes, validation, checkpoints and stop signals.
+- the step: `train_step` (train_step.py), which the `Stepper` (stepper.py) runs eagerly,
+  compiled or captured as a CUDA graph, with its bookkeeping on the device;
+- what the steps measured, read back at each flush (readback.py) and written as rows
+  (step_log.py);
+- the epoch's bookkeeping: where training stands (loop_state.py), the interval between two
+  validations (interval_clock.py), its row (epoch_row.py), the progress bar (progress.py);
+- validation (validation.py), checkpoints and stops (checkpointing.py), and what the speed
+  switches came to (speed_record.py).
 
 Nothing here reads a device value on the host per step: values are gathered on the device and read
 back every `trainer.log_every` steps (see mpexp/step/history.py).
@@ -11,7 +16,6 @@ back every `trainer.log_every` steps (see mpexp/step/history.py).
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 
 from omegaconf import DictConfig
@@ -40,8 +44,6 @@ from mpexp.step.weight_average import weight_average
 from mpexp.stopping import StopSignals
 from mpexp.system import PeakMemory
 from mpexp.tracking.tracker import Tracker
-
-log = logging.getLogger("mpexp")
 
 
 class Fit:
