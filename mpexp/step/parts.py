@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from mpexp.data.base import TrainingData
+from mpexp.precision.loss_scaler import LossScaler
 from mpexp.precision.modes import Precision
-from mpexp.precision.scaling import LossScaler
 from mpexp.step.flops import Throughput
 from mpexp.step.performance import Speed
 from mpexp.step.schedules import Schedule

@@ -7,7 +7,8 @@ import logging
 import math
 
 from mpexp.errors import NumericsError
-from mpexp.precision.scaling import LossScaler, min_scale_error
+from mpexp.precision.loss_scaler import LossScaler
+from mpexp.precision.scaling import min_scale_error
 from mpexp.step.history import StepRow
 from mpexp.tracking.tracker import Tracker
 

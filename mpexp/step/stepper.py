@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from mpexp.errors import UserError
+from mpexp.precision.loss_scaler import LossScaler
 from mpexp.precision.modes import Precision
-from mpexp.precision.scaling import LossScaler
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
 from mpexp.step.parts import Parts

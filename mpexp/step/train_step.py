@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from mpexp.precision.loss_scaler import LossScaler
 from mpexp.precision.modes import Precision
-from mpexp.precision.scaling import LossScaler
 from mpexp.step.schedules import Schedule
 
 
