@@ -1,4 +1,4 @@
-"""The parts a run trains, built once by mpexp/run/ and handed to the loop."""
+"""The parts a run trains: built once (mpexp/build.py), handed to the loop by run/runner.py."""
 
 from __future__ import annotations
 
