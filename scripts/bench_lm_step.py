@@ -38,8 +38,8 @@ from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
-from mpexp.step.loop import Stepper
 from mpexp.step.objective import Objective
+from mpexp.step.stepper import Stepper
 from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.null_tracker import NullTracker
 

@@ -36,7 +36,7 @@ from bench import bare_parts  # noqa: E402  (scripts/bench.py: what a run builds
 
 from mpexp.step.diagnostics import Diagnostics  # noqa: E402
 from mpexp.step.history import StepHistory  # noqa: E402
-from mpexp.step.loop import Stepper  # noqa: E402
+from mpexp.step.stepper import Stepper  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
 
 

@@ -21,7 +21,7 @@ from mpexp.precision.loss_scaler import LossScaler
 from mpexp.precision.scaling import CalibratedLossScaler
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
-from mpexp.step.loop import Stepper
+from mpexp.step.stepper import Stepper
 from mpexp.tracking.histogram import Histogram
 from mpexp.tracking.null_tracker import NullTracker
 from tests.conftest import precision_of

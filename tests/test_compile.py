@@ -22,7 +22,7 @@ from mpexp.data.text import TextData
 from mpexp.models.simplecnn import SimpleCNN
 from mpexp.run.runner import train
 from mpexp.step import performance
-from mpexp.step.loop import evaluate
+from mpexp.step.validation import evaluate
 from mpexp.tracking.run_context import RunContext
 from tests.conftest import CPU, TINY, make_cfg, precision_of
 

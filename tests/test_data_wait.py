@@ -235,7 +235,7 @@ def test_the_warning_of_a_starved_image_folder_run_names_its_keys(tmp_path, capl
             for i in range(4):
                 Image.new("RGB", (12, 12), (40 * i, 0, 0)).save(folder / f"{i}.png")
     monkeypatch.setattr(data_wait, "STARVED_SHARE", -1.0)  # whatever it waited, it is told
-    monkeypatch.setattr("mpexp.step.loop.STARVED_SHARE", -1.0)
+    monkeypatch.setattr("mpexp.step.epoch_row.STARVED_SHARE", -1.0)
     cfg = make_cfg(
         "dataset=image_folder",
         f"dataset.path={tmp_path / 'images'}",

@@ -145,8 +145,8 @@ def test_a_training_step_never_waits_on_the_gpu(tmp_path, mode, extra):
     from mpexp.precision.scaling import build_scaler
     from mpexp.step.diagnostics import Diagnostics
     from mpexp.step.history import StepHistory
-    from mpexp.step.loop import Stepper
     from mpexp.step.performance import build_optimizer
+    from mpexp.step.stepper import Stepper
     from mpexp.tracking.null_tracker import NullTracker
 
     device = cuda()
@@ -183,7 +183,7 @@ def test_evaluation_waits_on_the_gpu_once(pad):
     import warnings
 
     from mpexp.data.synthetic import SyntheticData
-    from mpexp.step.loop import evaluate
+    from mpexp.step.validation import evaluate
 
     device = cuda()
     data = SyntheticData(train_size=8, val_size=100, batch_size=32, seed=0)

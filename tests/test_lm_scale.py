@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpexp.models.gpt import GPT
 from mpexp.run.runner import train
-from mpexp.step.loop import evaluate
 from mpexp.step.objective import Objective
+from mpexp.step.validation import evaluate
 from mpexp.tasks import cross_entropy as chunked
 from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.run_context import RunContext

@@ -16,7 +16,7 @@ from mpexp.precision.scaling import (
     build_scaler,
     calibrated_scale,
 )
-from mpexp.step.loop import train_step
+from mpexp.step.train_step import train_step
 from tests.conftest import CPU, precision_of, scaling_cfg
 
 

@@ -23,7 +23,7 @@ from mpexp.precision.scaling import build_scaler
 from mpexp.step import performance
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
-from mpexp.step.loop import Stepper
+from mpexp.step.stepper import Stepper
 from tests.conftest import CPU, make_cfg
 
 

@@ -26,11 +26,11 @@ from mpexp.models.simplecnn import SimpleCNN
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.scaling import build_scaler
 from mpexp.run.runner import train
-from mpexp.step import loop, performance
+from mpexp.step import performance
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
-from mpexp.step.loop import Stepper
 from mpexp.step.step_graph import WARMUP_STEPS
+from mpexp.step.stepper import Stepper
 from mpexp.tasks.classification import Classification
 from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.run_context import RunContext
@@ -197,7 +197,7 @@ def _graph_run(monkeypatch, tmp_path, name: str, graphed: bool, *overrides: str)
             "plan_speed",
             lambda cfg, device: performance.replace(plan(cfg, device), cuda_graph=True),
         )
-        monkeypatch.setattr(loop, "CudaGraph", RecordedGraph)
+        monkeypatch.setattr("mpexp.step.stepper.CudaGraph", RecordedGraph)
     cfg = make_cfg(*TINY, "optimizer.fused=true", *overrides)
     summary = train(cfg, RunContext(tmp_path / name))
     monkeypatch.undo()
@@ -356,7 +356,7 @@ def _mocked_cuda_run(monkeypatch, tmp_path, name: str, *overrides: str):
     its summary, per-step losses and log."""
     plan = performance.plan_speed
     monkeypatch.setattr(performance, "plan_speed", lambda cfg, device: plan(cfg, CUDA))
-    monkeypatch.setattr(loop, "CudaGraph", RecordedGraph)
+    monkeypatch.setattr("mpexp.step.stepper.CudaGraph", RecordedGraph)
     cfg = make_cfg(*TINY, "model._target_=tests.test_step_graph.PythonRandomDepth",
                    "dataset.train_size=512", "trainer.epochs=1", "trainer.compile=false",
                    "trainer.channels_last=false", "optimizer.fused=true", *overrides)  # fmt: skip

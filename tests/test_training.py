@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpexp.data.synthetic import SyntheticData
 from mpexp.run.runner import train
-from mpexp.step.loop import evaluate
+from mpexp.step.validation import evaluate
 from mpexp.tracking.run_context import RunContext
 from tests.conftest import CPU, TINY, make_cfg, precision_of
 

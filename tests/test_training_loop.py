@@ -21,9 +21,10 @@ from mpexp.precision.scaling import build_scaler
 from mpexp.run.runner import train
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
-from mpexp.step.loop import Stepper, train_step
 from mpexp.step.rollback import BufferRollback
 from mpexp.step.schedules import build_schedule, cosine
+from mpexp.step.stepper import Stepper
+from mpexp.step.train_step import train_step
 from mpexp.tracking.null_tracker import NullTracker
 from mpexp.tracking.run_context import RunContext
 from tests.conftest import CPU, TINY, make_cfg, precision_of

@@ -41,8 +41,9 @@ from mpexp.precision.pure_updates import COMPENSATION, hold_in_bf16
 from mpexp.precision.scaling import build_scaler
 from mpexp.step import performance
 from mpexp.step.diagnostics import Diagnostics
-from mpexp.step.loop import evaluate, train_step
 from mpexp.step.objective import Objective
+from mpexp.step.train_step import train_step
+from mpexp.step.validation import evaluate
 from mpexp.step.weight_average import weight_average
 from mpexp.targets import rewrite_targets
 from mpexp.validate import validate

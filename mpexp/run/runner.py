@@ -25,7 +25,8 @@ from mpexp.plan.before_run import against_measured, plan_run
 from mpexp.precision import pure_updates
 from mpexp.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
 from mpexp.step import performance
-from mpexp.step.loop import Fit, Parts
+from mpexp.step.loop import Fit
+from mpexp.step.parts import Parts
 from mpexp.step.schedules import Schedule
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.system import resolve_device, seed_everything, set_deterministic

@@ -1,8 +1,13 @@
-"""The training loop, in three layers a reader can take one at a time:
+"""The training loop: `Fit` drives a run's epochs and calls its parts, each in a file of its own:
 
-- `train_step`: one optimizer step, the same code for every precision and loss-scaling strategy;
-- `Stepper`: a step plus its bookkeeping on the device (history row, scale update, diagnostics);
-- `Fit`: the run's epochs: metric flushes, validation, checkpoints and stop signals.
+- the step: `train_step` (train_step.py), which the `Stepper` (stepper.py) runs eagerly,
+  compiled or captured as a CUDA graph, with its bookkeeping on the device;
+- what the steps measured, read back at each flush (readback.py) and written as rows
+  (step_log.py);
+- the epoch's bookkeeping: where training stands (loop_state.py), the interval between two
+  validations (interval_clock.py), its row (epoch_row.py), the progress bar (progress.py);
+- validation (validation.py), checkpoints and stops (checkpointing.py), and what the speed
+  switches came to (speed_record.py).
 
 Nothing here reads a device value on the host per step: values are gathered on the device and read
 back every `trainer.log_every` steps (see mpexp/step/history.py).
@@ -11,514 +16,34 @@ back every `trainer.log_every` steps (see mpexp/step/history.py).
 from __future__ import annotations
 
 import contextlib
-import logging
-import math
-import signal
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from mpexp.batches import BatchSplit
 from mpexp.checkpoints.checkpoint import Checkpointer, Position
 from mpexp.checkpoints.resume import Resume
 from mpexp.config import run_length
-from mpexp.data.base import Batch, TrainingData
 from mpexp.data.mixing import batch_mixing
 from mpexp.distributed import World
-from mpexp.errors import NumericsError, UserError, reason
-from mpexp.precision.modes import Precision
-from mpexp.precision.scaling import LossScaler, min_scale_error
-from mpexp.step.data_wait import STARVED_SHARE, wait_clock
+from mpexp.step.checkpointing import LoopCheckpoints
+from mpexp.step.data_wait import wait_clock
 from mpexp.step.diagnostics import Diagnostics
-from mpexp.step.flops import Throughput
-from mpexp.step.history import OwnRows, StepHistory, StepRow
-from mpexp.step.objective import Objective, objective_of
-from mpexp.step.performance import Compilations, Speed
-from mpexp.step.rollback import BufferRollback
-from mpexp.step.schedules import DeviceSchedule, Schedule
-from mpexp.step.step_graph import WARMUP_STEPS, CudaGraph, StepGraph
+from mpexp.step.epoch_row import EpochRows
+from mpexp.step.history import StepHistory
+from mpexp.step.interval_clock import IntervalClock
+from mpexp.step.loop_state import LoopState
+from mpexp.step.parts import Parts
+from mpexp.step.progress import Progress
+from mpexp.step.readback import Readback
+from mpexp.step.speed_record import SpeedRecord
+from mpexp.step.step_log import StepLog
+from mpexp.step.stepper import Stepper
+from mpexp.step.validation import Validation
 from mpexp.step.weight_average import weight_average
 from mpexp.stopping import StopSignals
-from mpexp.system import PeakMemory, synchronize
+from mpexp.system import PeakMemory
 from mpexp.tracking.tracker import Tracker
-
-log = logging.getLogger("mpexp")
-
-
-def train_step(
-    model,
-    inputs,
-    targets,
-    optimizer,
-    scaler: LossScaler,
-    precision: Precision,
-    accumulate: int = 1,
-    clip_grad_norm: float | None = None,
-    inspect=None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = F.cross_entropy,
-    schedule: Schedule | None = None,
-):
-    """One optimizer step; the same code for every precision, loss-scaling strategy and task.
-
-    `loss_fn(output, targets)` is the task's loss (mpexp/tasks/), a batch mean; with None,
-    `model(inputs, targets)` gives that loss itself, as the terms that add up to it (an
-    Objective, mpexp/step/objective.py: the model and its loss compiled together, as the loop
-    runs them). Returns the batch's loss terms, detached (one where the loss has no others). The
-    batch is
-    split into `accumulate` micro-batches, each scaled and back-propagated on its own; their
-    losses are weighted by size so the gradients add up to the whole batch's. `inspect`, if given,
-    sees the gradients in true units before clipping (diagnostics). A `schedule` on the device
-    counts the step unless it was skipped and sets the next step's rate.
-
-    Gradients are unscaled before the step only when something reads them there (`inspect`,
-    clipping, a calibrating scaler). Otherwise `scaler.step` unscales them: a fused optimizer
-    does it inside its update kernel, sparing a separate multiply over every gradient.
-    """
-    if accumulate == 1:  # the common case, straight: no chunks, no weights, no accumulator
-        with precision.autocast(cache=False):  # forward only: backward runs outside autocast
-            terms = _loss_terms(model, loss_fn, inputs, targets)
-        scaler.scale(terms.sum()).backward()
-        total = terms.detach()
-    else:
-        total = 0.0
-        chunks = list(zip(inputs.chunk(accumulate), targets.chunk(accumulate), strict=True))
-        for i, (x, y) in enumerate(chunks):
-            # under DDP, all-reduce the gradients once, with the last micro-batch's backward
-            last = i == len(chunks) - 1
-            with _no_grad_sync(model, last):
-                with precision.autocast(cache=False):
-                    terms = _loss_terms(model, loss_fn, x, y) * (len(y) / len(targets))
-                scaler.scale(terms.sum()).backward()
-            total = total + terms.detach()
-    if inspect is not None or clip_grad_norm is not None or scaler.needs_true_units():
-        scaler.unscale_(optimizer)  # once, after the last micro-batch: true units from here on
-    if inspect is not None:
-        inspect()
-    if clip_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-    scaler.step(optimizer)  # skipped when the gradients (or the loss) are not finite
-    if schedule is not None:
-        schedule.after_step(scaler.found_inf())
-    return total
-
-
-def _loss_terms(model, loss_fn, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    if loss_fn is None:
-        return model(inputs, targets)
-    return loss_fn(model(inputs), targets).reshape(1)
-
-
-def _no_grad_sync(model, last: bool) -> contextlib.AbstractContextManager:
-    if last or not hasattr(model, "no_sync"):  # DDP has no_sync; a plain module needs none
-        return contextlib.nullcontext()
-    return model.no_sync()
-
-
-@dataclass
-class Stepper:
-    """What one training step touches; `step` is the loop's whole per-step work.
-
-    The step's device work (`_device_work`) is the same code eagerly and in a CUDA graph: with
-    `graph`, it is captured once after the warm-up steps and replayed for every step that can be
-    (see mpexp/step/step_graph.py); the others run it eagerly.
-    """
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: LossScaler
-    precision: Precision
-    history: StepHistory
-    diagnostics: Diagnostics
-    accumulate: int = 1
-    clip_grad_norm: float | None = None
-    graph: StepGraph | None = None
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy  # the task's
-    schedule: Schedule | None = None
-    # eager steps whose time is set-up, not training: compilation at the first, the CUDA graph's
-    # warm-up and capture (timed with a synchronisation each, so few)
-    setup_steps: int = 0
-
-    def __post_init__(self) -> None:
-        # a skipped step must leave BatchNorm's statistics alone where training goes on after it
-        self.buffers = BufferRollback.for_step(
-            self.model, can_skip=self.scaler.continues_after_skip()
-        )
-        self.setup_s = 0.0  # time taken by the set-up steps so far, and by later compilations
-        self.steps_taken = 0
-        # with a compiled model: what trains eagerly instead when it cannot be compiled, and
-        # what counts its compilations
-        self.on_compile_error: Callable[[Exception], torch.nn.Module] | None = None
-        self.compiles: Compilations | None = None
-        self._shapes: set[torch.Size] = set()  # the input shapes compiled for so far
-
-    @classmethod
-    def with_graph(cls, *args, **kwargs) -> Stepper:
-        """A Stepper whose steps are captured once and replayed (`new_graph`: the graph type)."""
-        new_graph = kwargs.pop("new_graph", CudaGraph)
-        stepper = cls(*args, **kwargs)
-        stepper.graph = StepGraph(
-            stepper._captured_work, stepper._forget_step, stepper.history.before_replay, new_graph
-        )
-        stepper.setup_steps = max(stepper.setup_steps, WARMUP_STEPS + 1)
-        return stepper
-
-    def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """The optimizer step, its history row and the scale update; a skipped step leaves the
-        model's buffers (BatchNorm statistics) as they were. No host-device synchronisation: a
-        GPU test runs this in CUDA's sync-debug error mode."""
-        # read first: a real step advances the schedule (a device schedule's rate: in the row)
-        on_device = isinstance(self.schedule, DeviceSchedule)
-        self.history.note(step, None if on_device else self.optimizer.param_groups[0]["lr"])
-        inspect = self.diagnostics.inspector(step)
-        if inspect is not None:
-            self.diagnostics.measure_attention(step, inputs.chunk(self.accumulate))
-        timed = self.steps_taken < self.setup_steps
-        compiled_s = self.compiles.seconds if self.compiles is not None else 0.0
-        if timed:
-            synchronize(inputs.device)
-            began = time.perf_counter()
-        if not self._replayed(inputs, targets, inspect):
-            self._eager(inputs, targets, inspect)
-        if inspect is not None:
-            self.diagnostics.after_update(step)
-        if timed:
-            synchronize(inputs.device)
-            self.setup_s += time.perf_counter() - began
-        elif self.compiles is not None:
-            # a later step that compiled (a batch of a new shape): its compilation is set-up too,
-            # as the compiler's host time (no synchronisation in an untimed step)
-            self.setup_s += self.compiles.seconds - compiled_s
-        self.steps_taken += 1
-
-    def _replayed(self, inputs, targets, inspect) -> bool:
-        """Whether the step ran as a replay of the captured graph."""
-        if self.graph is None or inspect is not None or not self.scaler.capturable():
-            return False
-        return self.graph.run(inputs, targets)
-
-    def _eager(self, inputs, targets, inspect) -> None:
-        if self.graph is not None and self.graph.captured:
-            # the graph's gradients are its own: an eager step starts from none, as it would
-            self.optimizer.zero_grad(set_to_none=True)
-        warming = self.graph is not None and not self.graph.captured and not self.graph.failed
-        with self.graph.warmup_stream() if warming else contextlib.nullcontext():
-            if self.on_compile_error is not None:
-                self._compiled(inputs, targets, inspect)
-            else:
-                self._device_work(inputs, targets, inspect)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.graph is not None:
-            self.graph.warmed_up()
-
-    def _compiled(self, inputs, targets, inspect) -> None:
-        """A step of the compiled model; one whose compilation fails trains eagerly, as does
-        every step after it.
-
-        The first step compiles, and so does one whose batch has a shape not seen before (a
-        last, smaller batch): the model's buffers are saved before those, so that a failed one
-        leaves no trace. A failure in any step that started a compilation (one that a change in
-        the model's Python state recompiles) is taken for the compiler's too, but BatchNorm
-        statistics that its forward pass updated before the failure stay as they are."""
-        first = self.steps_taken == 0
-        saved = None
-        if inputs.shape not in self._shapes:
-            self._shapes.add(inputs.shape)
-            saved = BufferRollback(list(self.model.buffers()))
-            saved.save()
-        started = self.compiles.count if self.compiles is not None else 0
-        try:
-            self._device_work(inputs, targets, inspect)
-        except UserError:  # a mistake in the user's code (mpexp.log's): eager would make it too
-            raise
-        except Exception as err:
-            compiling = self.compiles is not None and self.compiles.count > started
-            # the first step's failure is the compiler's, whatever it raised (torch.compile's
-            # wrapper defers all of its work to that call); a later one only if it compiled
-            if not (first or compiling):
-                raise
-            if saved is not None:
-                saved.restore_if(torch.ones((), device=inputs.device))
-            self._forget_step()
-            fall_back, self.on_compile_error = self.on_compile_error, None
-            self.model = fall_back(err)
-            self._device_work(inputs, targets, inspect)
-
-    def _device_work(self, inputs, targets, inspect, captured: bool = False) -> None:
-        """Everything the step does on the device: the same kernels eager or replayed."""
-        self.buffers.save()
-        lr = self.schedule.lr() if self.schedule is not None else None  # the rate it steps with
-        terms = train_step(
-            self.model,
-            inputs,
-            targets,
-            self.optimizer,
-            self.scaler,
-            self.precision,
-            self.accumulate,
-            self.clip_grad_norm,
-            inspect=inspect,
-            loss_fn=self.loss_fn,
-            schedule=self.schedule,
-        )
-        skipped = self.scaler.found_inf()
-        self.buffers.restore_if(skipped)
-        # between step() and update(): the scale this step used and whether it was skipped
-        before_update = torch.stack((terms[0], self.scaler.scale_tensor(), skipped))
-        self.scaler.update()
-        record = self.history.record_captured if captured else self.history.record
-        record(before_update, self.scaler.floor_hit(), lr, terms[1:])
-
-    def _captured_work(self, inputs, targets) -> None:
-        self._device_work(inputs, targets, None, captured=True)
-
-    def _forget_step(self) -> None:
-        """Undo the host side of a step that did not finish (its device work never ran)."""
-        self.scaler.reset_step()
-        # what GradScaler.step hands a fused optimizer and removes after its step: left over, a
-        # never-computed scale would multiply into the next step's
-        for name in ("grad_scale", "found_inf"):
-            if hasattr(self.optimizer, name):
-                delattr(self.optimizer, name)
-        self.optimizer.zero_grad(set_to_none=True)
-
-    @property
-    def timed_steps(self) -> int:
-        """Set-up steps taken so far."""
-        return min(self.steps_taken, self.setup_steps)
-
-    def describe(self) -> dict:
-        """What the steps ran as, for the run record (after training)."""
-        graph = self.graph
-        ran = {
-            "cuda_graph": bool(graph is not None and graph.captured and not graph.failed),
-            "graph_replays": graph.replays if graph is not None else 0,
-        }
-        if graph is not None and graph.failed:
-            ran["cuda_graph_off"] = graph.failure
-        return ran
-
-
-@torch.no_grad()
-def evaluate(
-    model,
-    data: TrainingData,
-    device,
-    precision: Precision,
-    pad: bool = False,
-    batches=None,
-    micro_batch: int | None = None,
-) -> dict[str, float]:
-    """The validation metrics of the data's task, summed on the device and read once; of
-    `batches` (the test set's, say) where given, else of the validation set. `model` is the
-    model, or its Objective (mpexp/step/objective.py), compiled or not.
-
-    Each batch runs in micro-batches of `micro_batch` items (default: whole batches), the
-    training step's: a pass over a whole optimizer batch of a large model would hold its
-    activations and output for all of it at once (GPT-2 small's logits for 480 windows are 49 GB
-    in bf16). With `pad` (a compiled model), a last, smaller micro-batch is padded to the full
-    size, so that it runs through the graph compiled for full ones rather than compiling one of
-    its own; its padding counts nowhere (`Task.padded_targets`)."""
-    task = data.task
-    objective = objective_of(model, task)
-    size = micro_batch or data.batch_size
-    objective.eval()
-    total = None
-    count = 0  # on the host: a batch's size is known there, and a tensor of it would be a copy
-    try:
-        for inputs, targets in batches if batches is not None else data.val_batches(device):
-            count += task.val_count(targets)
-            for x, y in zip(inputs.split(size), targets.split(size), strict=True):
-                if pad and len(y) < size:
-                    x, y = _padded(x, y, size, task)
-                with precision.autocast():
-                    sums = objective(x, y)
-                total = sums if total is None else total + sums
-    finally:  # a compiler's failure, which the loop survives, leaves the model training
-        objective.train()
-    return task.val_metrics(total.tolist(), count)
-
-
-def _padded(inputs: torch.Tensor, targets: torch.Tensor, size: int, task) -> Batch:
-    """A batch lengthened to `size` items by repeating its last. The inputs keep their strides
-    (a full batch's: a slice of the same data), which the compiled graph's guards check as they
-    check the shape: a text window cut from a longer one, an image stored channels-last."""
-    padded = inputs.new_empty_strided((size, *inputs.shape[1:]), inputs.stride())
-    padded[: len(inputs)] = inputs
-    padded[len(inputs) :] = inputs[-1:]
-    return padded, task.padded_targets(targets, size)
-
-
-class StepLog:
-    """Writes flushed step rows as metrics; keeps the running skip count and the epoch's losses.
-
-    A non-finite loss stops the run (trainer.on_nonfinite_loss=raise) or is counted (skip: the
-    scaler has already skipped that step on the device). So do non-finite gradients of a finite
-    loss without loss scaling (where they are no overflow that a scale answers): the guard has
-    skipped the step; under raise the run stops here, under skip they are counted as
-    amp/nonfinite_grad_steps. A loss scale that wanted to back off below its floor stops the run
-    (loss_scaling.on_min_scale=raise) or is counted.
-    """
-
-    def __init__(
-        self, tracker: Tracker, on_nonfinite_loss: str = "raise", scaler: LossScaler | None = None
-    ):
-        self.tracker = tracker
-        self.skip_nonfinite = on_nonfinite_loss == "skip"
-        self.scaler = scaler
-        self.watch_floor = scaler is not None and scaler.min_scale > 0
-        self.unscaled = scaler is not None and not scaler.scales_loss
-        self.floor_hits = 0
-        self.nonfinite_grads = 0
-        self.skipped = 0
-        self.nonfinite_losses = 0
-        self.last_finite: tuple[int, float] | None = None
-        self.losses: list[float] = []  # this epoch's
-        self.epoch_skipped = 0  # this epoch's skipped steps
-
-    def write(self, rows: list[StepRow]) -> None:
-        for r in rows:
-            if math.isfinite(r.loss) and r.skipped and self.unscaled:
-                if not self.skip_nonfinite:
-                    raise self._nonfinite_grads_error(r)
-                self.nonfinite_grads += 1
-            if math.isfinite(r.loss):
-                self.last_finite = (r.step, r.loss)
-            elif self.skip_nonfinite:
-                self.nonfinite_losses += 1
-            else:
-                raise self._nonfinite_error(r)
-            if r.floor_hit and self.watch_floor:
-                self._on_floor(r.step)
-            self.skipped += r.skipped
-            self.epoch_skipped += r.skipped
-            self.losses.append(r.loss)
-            row = {
-                "step": r.step,
-                "train/loss": r.loss,
-                "amp/scale": r.scale,
-                "amp/skipped_steps": self.skipped,
-                "lr": r.lr,
-                **r.terms,
-            }
-            if self.skip_nonfinite:
-                row["amp/nonfinite_loss_steps"] = self.nonfinite_losses
-                if self.unscaled:
-                    row["amp/nonfinite_grad_steps"] = self.nonfinite_grads
-            self.tracker.log(row)
-
-    def new_epoch(self) -> None:
-        self.losses, self.epoch_skipped = [], 0
-
-    def outcome(self) -> dict:
-        """Totals for the run summary."""
-        totals = {"amp/floor_hits": self.floor_hits} if self.watch_floor else {}
-        if self.skip_nonfinite:
-            totals["amp/nonfinite_loss_steps"] = self.nonfinite_losses
-            if self.unscaled:
-                totals["amp/nonfinite_grad_steps"] = self.nonfinite_grads
-        return totals
-
-    def _nonfinite_grads_error(self, row: StepRow) -> NumericsError:
-        return NumericsError(
-            f"The gradients became inf/NaN at step {row.step} while the loss was finite "
-            f"({row.loss:.4g}); that step was not applied. Without loss scaling this is no "
-            "overflow that a scale could answer: the backward pass itself produced it, e.g. a "
-            "function whose derivative is infinite where it was taken (sqrt or log at 0) or "
-            "values beyond the format's range. diagnostics.overflow_attribution=true names the "
-            "parameters; trainer.clip_grad_norm does not help (the norm is inf); "
-            "trainer.on_nonfinite_loss=skip skips such steps and counts them "
-            "(amp/nonfinite_grad_steps)."
-        )
-
-    def _on_floor(self, step: int) -> None:
-        if self.scaler.on_min_scale == "raise":
-            raise min_scale_error(step, self.scaler.min_scale)
-        if self.floor_hits == 0:
-            log.warning(
-                "Loss scale at its floor loss_scaling.min_scale=%g at step %d and gradients "
-                "still overflow; continuing (loss_scaling.on_min_scale=continue): such steps are "
-                "skipped.",
-                self.scaler.min_scale,
-                step,
-            )
-        self.floor_hits += 1
-
-    def epoch_loss(self) -> float:
-        finite = [x for x in self.losses if math.isfinite(x)]
-        return sum(finite) / len(finite) if finite else float("nan")
-
-    def state(self) -> dict:
-        """What a checkpoint keeps of it (the epoch's losses included)."""
-        return {
-            "skipped": self.skipped,
-            "nonfinite_losses": self.nonfinite_losses,
-            "last_finite": self.last_finite,
-            "losses": self.losses,
-            "epoch_skipped": self.epoch_skipped,
-            "floor_hits": self.floor_hits,
-            "nonfinite_grads": self.nonfinite_grads,
-        }
-
-    def load_state(self, state: dict) -> None:
-        self.skipped = state["skipped"]
-        self.nonfinite_losses = state["nonfinite_losses"]
-        self.last_finite = tuple(state["last_finite"]) if state["last_finite"] else None
-        self.losses = state["losses"]
-        self.epoch_skipped = state.get("epoch_skipped", 0)
-        self.floor_hits = state.get("floor_hits", 0)
-        self.nonfinite_grads = state.get("nonfinite_grads", 0)
-
-    def _nonfinite_error(self, row: StepRow) -> NumericsError:
-        last = (
-            f"the last finite loss was {self.last_finite[1]:.4g} at step {self.last_finite[0]}"
-            if self.last_finite
-            else "no earlier step had a finite loss"
-        )
-        return NumericsError(
-            f"The training loss became {row.loss} at step {row.step}; {last}. The loss is computed "
-            "before loss scaling, so scaling neither caused this nor can fix it: the forward pass "
-            "itself produced inf/NaN (diverging weights, or activations beyond the format's "
-            "range). Lower the learning rate (optimizer.lr=...), clip gradients "
-            "(trainer.clip_grad_norm=1.0), run sensitive layers in float32 "
-            "(precision.fp32_modules=[...]) or use bf16 (precision=bf16); "
-            "trainer.on_nonfinite_loss=skip skips such steps and counts them instead."
-        )
-
-
-@dataclass
-class Interval:
-    """The steps since the last validation (an epoch's, by default): what its row reports."""
-
-    start: float  # perf_counter() at its start, less what it had taken before a resume
-    setup_s: float  # the stepper's set-up time at its start
-    timed_steps: int  # and its set-up steps
-    samples: int = 0  # samples trained on (this rank's)
-    counted: int = 0  # of those, already in the run's samples_seen
-    waited: float = 0.0  # seconds waited for batches
-
-
-@dataclass
-class Parts:
-    """What the loop trains: built once by mpexp.train, never re-decided here."""
-
-    model: torch.nn.Module  # the module whose weights are saved (DDP/FSDP-wrapped if so)
-    # what the loop calls: the model with its task's loss (mpexp/step/objective.py), or its
-    # torch.compile wrapper, which compiles the two together
-    forward: torch.nn.Module
-    data: TrainingData  # set up: `data.task` says what its batches mean
-    optimizer: torch.optim.Optimizer
-    scaler: LossScaler
-    precision: Precision
-    # FLOPs per sample, counted once in the background from setup on, and the device's peak
-    throughput: Future[Throughput]
-    speed: Speed | None = None  # the speed switches decided at setup (None: all off)
-    schedule: Schedule | None = None  # the learning-rate schedule (None: a constant rate)
 
 
 class Fit:
@@ -533,157 +58,107 @@ class Fit:
         world: World,
         stop: StopSignals,
     ):
-        self.trainer = cfg.trainer
-        self.parts, self.tracker, self.saver, self.world, self.stop = (
-            parts,
-            tracker,
-            saver,
-            world,
-            stop,
-        )
-        self.device = world.device
+        trainer = self.trainer = cfg.trainer
+        self.parts, self.tracker, self.saver = parts, tracker, saver
+        self.world, self.stop, self.device = world, stop, world.device
         # in a distributed run each flush averages the losses over ranks (one collective per flush)
-        self.history = StepHistory(
-            capacity=cfg.trainer.log_every,
+        history = StepHistory(
+            capacity=trainer.log_every,
             device=self.device,
             reduce_loss=world.mean if world.distributed else None,
             terms=parts.data.task.term_names,
         )
-        self.own = OwnRows()  # the user's tensors from mpexp.log
-        self.memory = PeakMemory(self.device)
-        self.steps = StepLog(tracker, cfg.trainer.on_nonfinite_loss, parts.scaler)
-        self.diagnostics = Diagnostics(
+        memory = PeakMemory(self.device)
+        steps = self.steps = StepLog(tracker, trainer.on_nonfinite_loss, parts.scaler)
+        diagnostics = Diagnostics(
             cfg.diagnostics, parts.model, parts.scaler, tracker, parts.precision, parts.optimizer
-        )
-        speed = parts.speed
-        make = Stepper.with_graph if speed is not None and speed.cuda_graph else Stepper
-        # the model with its loss, eager: `forward` itself, or what a compiled `forward` wraps,
-        # which runs where compiling fails
-        forward = parts.forward
-        self.objective = (
-            forward if isinstance(forward, Objective) else Objective(parts.model, parts.data.task)
         )
         # this process's micro-batches; validation and diagnostics run the same ones: a whole
         # batch at once could need many times the step's memory
-        split = BatchSplit(cfg.dataset.batch_size, cfg.trainer.accumulate, world.size)
-        self.micro_batch = split.micro_batch
-        self.stepper = make(
-            parts.forward,
-            parts.optimizer,
-            parts.scaler,
-            parts.precision,
-            self.history,
-            self.diagnostics,
-            split.accumulate_per_process,
-            cfg.trainer.clip_grad_norm,
-            loss_fn=None,  # the objective computes it, compiled with the model
-            schedule=parts.schedule,
+        split = BatchSplit(cfg.dataset.batch_size, trainer.accumulate, world.size)
+        self.stepper = Stepper.for_parts(
+            parts, history, diagnostics, split.accumulate_per_process, trainer.clip_grad_norm
         )
-        # every compilation, in training and in validation: timed, and survived by the eager model
-        self.compiles = Compilations()
-        self.val_compile_s = 0.0  # the time validation spent compiling
-        if speed is not None and speed.compile:
-            self.stepper.setup_steps = max(self.stepper.setup_steps, 1)
-            self.stepper.on_compile_error = self._compile_failed
-            self.stepper.compiles = self.compiles
-        progress = cfg.trainer.progress
-        self.hide_bar = (None if progress is None else not progress) if world.is_main else True
-        self.position = Position()  # where training stands: the next epoch, batches done in it
-        self.row: dict | None = None  # the last validation's metrics (an epoch's, by default)
-        self.resumed_time = 0.0  # time the interval in progress had taken before a checkpoint
-        self.resumed_samples: int | None = 0  # and the samples it had trained on
-        self.samples_seen = 0  # training samples so far, over all ranks
+        record = self.speed_record = SpeedRecord(
+            parts, self.stepper, history, tracker, world, trainer
+        )
+        progress = trainer.progress
+        hide = (None if progress is None else not progress) if world.is_main else True
+        self.progress = Progress(steps, parts.data.batch_size, hide)
+        state = self.state = LoopState()
         # how long the run trains and when it validates: every epoch, or every N steps
-        self.last_epoch, self.total_steps = run_length(cfg.trainer, parts.data.steps_per_epoch())
-        self.eval_every = cfg.trainer.eval_every_steps
-        self.interval: Interval | None = None  # the steps since the last validation
-        self.compile_failed = False
-        self.warned_starved = False  # the data-wait warning is given once a run
+        self.last_epoch, self.total_steps = run_length(trainer, parts.data.steps_per_epoch())
+        self.eval_every = trainer.eval_every_steps
         # how long the step waited for data: the GPU's idle time, or a CPU's wait for batches
         self.waiting = wait_clock(self.device)
+        self.readback = Readback(tracker, history, steps, diagnostics, self.waiting)
         # a classifier's recipe: mixed training batches, an fp32 average of the weights
-        self.mixing = batch_mixing(cfg.trainer, parts.data.task, cfg.trainer.seed)
-        self.average = weight_average(cfg.trainer, parts.model)
-        self.last_batch: Batch | None = None  # what compute_only_steps time the step on
-        self.rows = 0  # validation rows this process has logged
+        self.mixing = batch_mixing(trainer, parts.data.task, trainer.seed)
+        average = self.average = weight_average(trainer, parts.model)
+        validation = self.validation = Validation(
+            parts, record, self.device, split.micro_batch, tracker, average
+        )
+        self.checkpoints = LoopCheckpoints(
+            parts, saver, stop, world, steps, average, state, self.last_epoch, self.total_steps
+        )
+        self.clock = IntervalClock(
+            state, self.stepper, steps, memory, self.waiting, parts.data.batch_size, self.device
+        )
+        self.epoch_rows = EpochRows(
+            parts, validation, tracker, world, steps, memory, state, self.total_steps
+        )
 
     def restore(self, resume: Resume) -> None:
         """Continue from a checkpoint: weights, optimizer, scaler, schedule, RNGs and the log."""
-        p = self.parts
-        schedule = self.saver.schedule
-        self.position = resume.restore(p.model, p.optimizer, p.scaler, self.world, schedule)
-        carried = resume.log_state
-        self.steps.load_state(carried)
-        self.row = carried["epoch_row"]
-        self.resumed_time = carried["elapsed"]
-        self.resumed_samples = carried.get("interval_samples")
-        if self.average is not None:
-            self.average.load_state(carried["weight_average"])
-        data = self.parts.data
-        self.samples_seen = carried.get(
-            "samples_seen", self.position.step * data.batch_size * self.world.size
-        )
+        self.checkpoints.restore(resume)
 
     def run(self) -> dict:
         """Train the remaining epochs; return the final metrics."""
         self.parts.model.train()
-        compiled = self.parts.forward is not self.objective
+        record = self.speed_record
         try:
-            with self.compiles if compiled else contextlib.nullcontext():
-                for epoch in range(self.position.epoch, self.last_epoch + 1):
+            with record.compiles if record.compiled else contextlib.nullcontext():
+                for epoch in range(self.state.position.epoch, self.last_epoch + 1):
                     self._epoch(epoch)
-                    if self.position.step >= self.total_steps:
+                    if self.state.position.step >= self.total_steps:
                         break
-            tested = self._test()
-            tested.update(self._compute_only())
+            tested = self.validation.test(self.state.position.step)
+            tested.update(record.compute_only(self.state.position.step))
         except Exception:
-            self._write_own_values()
+            self.readback.write_own_values()
             raise
         steps = self.steps
         return {
-            **self.row,
+            **self.state.row,
             **tested,
             "amp/skipped_steps": steps.skipped,
             # after the last update: the scale the next step would use (one read, at the end)
             "amp/final_scale": float(self.parts.scaler.scale_tensor()),
             **steps.outcome(),
-            **self._setup_time(),
+            **record.setup_time(),
         }
 
     def check_it_trained(self) -> None:
         """A run whose every step was skipped trained nothing: it ends failed, saying why."""
-        steps = self.position.step
-        if steps and self.steps.skipped >= steps:
-            raise NumericsError(
-                f"No optimizer step was taken: all {steps} steps were skipped because their "
-                "gradients (or losses) were not finite, so the weights are as they were "
-                "initialised. Under loss scaling a too-high loss_scaling.init_scale skips steps "
-                "until the scale has come down (lower it, e.g. 65536, or train longer); otherwise "
-                "lower the learning rate, clip gradients (trainer.clip_grad_norm=1.0) or use bf16. "
-                "diagnostics.overflow_attribution=true names the parameters that overflow."
-            )
+        self.steps.check_any_taken(self.state.position.step)
 
     def _epoch(self, epoch: int) -> None:
         """Train epoch `epoch` (the rest of it after a resume), validating, logging a row and
         checkpointing at its end, or every `trainer.eval_every_steps` steps and at the run's
         last step."""
-        data, step = self.parts.data, self.position.step
-        done = self.position.batch if epoch == self.position.epoch else 0  # trained before a resume
+        data, position = self.parts.data, self.state.position
+        step = position.step
+        done = position.batch if epoch == position.epoch else 0  # trained before a resume
         steps_per_epoch = data.steps_per_epoch()
-        if self.interval is None:  # this process's first: a resume may carry one on
-            self._open_interval(done=done)
-        bar = tqdm(
-            total=steps_per_epoch,
-            initial=done,
-            desc=f"epoch {epoch}/{self.last_epoch}",
-            disable=self.hide_bar,
-        )
+        if self.state.interval is None:  # this process's first: a resume may carry one on
+            self.clock.open(done=done)
+        bar = self.progress.bar(epoch, self.last_epoch, steps_per_epoch, done)
         static = self.stepper.graph is not None  # a captured step reads its batch in place
         batches = data.train_batches(epoch, self.trainer.seed, self.device, static, start=done)
         if self.mixing is not None:
             batches = self.mixing.batches(batches, epoch, done, data.rank)
         waiting = self.waiting
-        interval = self.interval
+        interval = self.state.interval
         for batch, (inputs, targets) in enumerate(waiting.batches(batches), start=done + 1):
             step += 1
             self.tracker.step = step  # where the user's own mpexp.log() calls log
@@ -695,19 +170,19 @@ class Fit:
             if self.stepper.steps_taken <= self.stepper.setup_steps:
                 waiting.forget()  # a set-up step synchronises: the gap after it is the host's
             if self.trainer.compute_only_steps:
-                self.last_batch = inputs, targets
+                self.speed_record.last_batch = inputs, targets
             interval.samples += len(targets)  # on the host: a shape, no device read
             bar.update()
             flush = step % self.trainer.log_every == 0
             if flush:
-                self._flush()
-                self._show_progress(bar, interval.start)
+                self.readback.flush()
+                self.progress.show(bar, interval.start)
             last = step >= self.total_steps
             if last or (self.eval_every and step % self.eval_every == 0):
                 interval.waited += waiting.take()
                 at = Position(epoch + 1, 0, step) if batch == steps_per_epoch else None
                 self._close_interval(epoch, at or Position(epoch, batch, step))
-                interval = self.interval
+                interval = self.state.interval
                 if last:
                     break
                 continue
@@ -716,9 +191,11 @@ class Fit:
             if self.saver.due(step) or stopping:
                 # a stop's own flush leaves the lost updates' window open: the checkpoint keeps
                 # its counts, so that the resumed run logs the rows the whole run would have
-                self._flush(wait=True, close_windows=self.saver.due(step))
+                self.readback.flush(wait=True, close_windows=self.saver.due(step))
                 began = time.perf_counter()
-                self._checkpoint(Position(epoch, batch, step), began - interval.start, stopping)
+                self.checkpoints.save(
+                    Position(epoch, batch, step), began - interval.start, stopping
+                )
                 interval.start += time.perf_counter() - began  # checkpoints are not training time
                 waiting.forget()  # nor is the device's wait through one
         else:
@@ -726,309 +203,27 @@ class Fit:
                 interval.waited += waiting.take()
                 self._close_interval(epoch, Position(epoch + 1, 0, step))
             else:  # the interval goes on into the next epoch, and so does the clock's count
-                self.position = Position(epoch + 1, 0, step)
+                self.state.position = Position(epoch + 1, 0, step)
         bar.close()
-
-    def _open_interval(self, done: int = 0) -> None:
-        """Start timing the steps up to the next validation. After a resume they may continue
-        an interval that a checkpoint interrupted (`done` batches into its epoch): its time and
-        samples carry over."""
-        samples = self.resumed_samples
-        if samples is None:  # a checkpoint from before intervals: its epoch's batches so far
-            samples = done * self.parts.data.batch_size
-        if not (samples or self.resumed_time):
-            self.steps.new_epoch()
-        self.memory.reset()
-        self.waiting.forget()  # validation and checkpoints since the last step are no data wait
-        self.interval = Interval(
-            start=time.perf_counter() - self.resumed_time,
-            setup_s=self.stepper.setup_s,
-            timed_steps=self.stepper.timed_steps,
-            samples=samples,
-            counted=samples,  # in samples_seen already, as the checkpoint kept it
-        )
-        self.resumed_time, self.resumed_samples = 0.0, 0
 
     def _close_interval(self, epoch: int, position: Position) -> None:
         """Validate, log the interval's row, checkpoint at `position`, and open the next."""
-        interval = self.interval
-        synchronize(self.device)
-        # compilation and the CUDA graph's warm-up and capture are set-up, not training time:
-        # perf/compile_s has them
-        setup = self.stepper.setup_s - interval.setup_s
-        seconds = time.perf_counter() - interval.start - setup
-        self._flush(wait=True)
-        timed = self.stepper.timed_steps - interval.timed_steps
-        self.samples_seen += (interval.samples - interval.counted) * self.world.size
+        interval = self.state.interval
+        seconds, setup = self.clock.read()
+        self.readback.flush(wait=True)
+        self.state.samples_seen += (interval.samples - interval.counted) * self.world.size
         interval.counted = interval.samples
-        self.row = self._epoch_row(epoch, position.step, seconds, (timed, setup), interval)
-        self.position = position
-        self._checkpoint(position, 0.0, self._stop_agreed())
-        self.interval = None
+        self.state.row = self.epoch_rows.write(epoch, position.step, seconds, setup, interval)
+        self.state.position = position
+        self.checkpoints.save(position, 0.0, self._stop_agreed())
+        self.state.interval = None
         if position.step < self.total_steps:
-            self._open_interval()
+            self.clock.open()
 
     def speed_ran(self) -> dict:
-        """The speed switches as they took effect: a model that could not be compiled, or a
-        step that could not be captured, ran eagerly."""
-        speed = self.parts.speed
-        if speed is None:
-            return {}
-        ran = self.stepper.describe()
-        if speed.compile and self.compile_failed:
-            ran["compile"] = False
-        return ran
-
-    def _setup_time(self) -> dict:
-        """Set-up time of the run's steps (compilation, CUDA graph capture) and validation's
-        compilation, when it had any."""
-        if not self.stepper.setup_steps:
-            return {}
-        return {"perf/compile_s": self.stepper.setup_s + self.val_compile_s}
-
-    def _compile_failed(self, err: Exception) -> torch.nn.Module:
-        """The model cannot be compiled: warn once and train (and evaluate) it eagerly."""
-        log.warning(
-            "torch.compile could not compile the model (%s); training it eagerly instead "
-            "(recorded as compile: false). trainer.compile=false skips the attempt.",
-            reason(err),
-        )
-        self.parts.forward = self.objective
-        self.compile_failed = True
-        return self.objective
-
-    def _test(self) -> dict[str, float]:
-        """The test set's metrics (`test/...`), evaluated once, after the last epoch, eagerly,
-        and written as a row of their own; none where the data has no test set."""
-        p = self.parts
-        batches = p.data.test_batches(self.device)
-        if batches is None:
-            return {}
-        metrics = evaluate(
-            self.objective,
-            p.data,
-            self.device,
-            p.precision,
-            batches=batches,
-            micro_batch=self.micro_batch,
-        )
-        tested = {f"test/{key.split('/', 1)[1]}": value for key, value in metrics.items()}
-        # a row of the step it followed, without `epoch`: readers take rows with one as epochs'
-        self.tracker.log({"step": self.position.step, **tested})
-        log.info(
-            "Test set (held out, evaluated once): %s",
-            ", ".join(f"{key} {value:.4f}" for key, value in tested.items()),
-        )
-        return tested
-
-    def _validate_average(self) -> dict[str, float]:
-        """The validation metrics of the weights' moving average (`val_ema/...`), on the path
-        that validated the weights themselves (compiled, once `_validate` has compiled it)."""
-        p = self.parts
-        compiled = p.forward is not self.objective
-        with self.average.swapped_in():  # in the step's micro-batches, as _validate runs them
-            metrics = evaluate(
-                p.forward, p.data, self.device, p.precision, compiled, micro_batch=self.micro_batch
-            )
-        return {f"val_ema/{key.split('/', 1)[1]}": value for key, value in metrics.items()}
-
-    def _compute_only(self) -> dict[str, float]:
-        """The step's own rate (`perf/compute_only_samples_per_s`), timed after training on the
-        last batch, kept on the device, for `trainer.compute_only_steps` steps: with the data
-        path out of the way, each precision's speedup is the step's. These steps change the
-        weights after the last checkpoint; their history rows are read and dropped."""
-        steps = self.trainer.compute_only_steps
-        if not steps or self.last_batch is None:
-            return {}
-        inputs, targets = self.last_batch
-        step = self.position.step
-        synchronize(self.device)
-        began = time.perf_counter()
-        for i in range(1, steps + 1):
-            self.stepper.step(step + i, inputs, targets)
-            if i % self.trainer.log_every == 0:
-                self.history.flush()  # the ring holds log_every rows: read, not logged
-        synchronize(self.device)
-        seconds = time.perf_counter() - began
-        self.history.flush(wait=True)
-        rate = steps * len(targets) * self.world.size / seconds
-        measured = {"perf/compute_only_samples_per_s": rate}
-        self.tracker.log({"step": step, **measured})
-        log.info(
-            "Compute only (%d steps on one batch kept on the device): %.0f samples/s",
-            steps,
-            rate,
-        )
-        return measured
-
-    def _validate(self) -> tuple[dict[str, float], float]:
-        """The validation metrics, and the time spent compiling for them (the first validation
-        compiles the model's graph in eval mode). A compiled model pads a last, smaller batch, so
-        that no batch compiles a graph of its own; one whose compilation fails here is evaluated
-        eagerly, and trains eagerly from here on, as when its first step fails to compile."""
-        p = self.parts
-        micro = self.micro_batch
-        if p.forward is self.objective:  # eager (or compiled no longer): the plain evaluation
-            metrics = evaluate(self.objective, p.data, self.device, p.precision, micro_batch=micro)
-            return metrics, 0.0
-        started, seconds = self.compiles.count, self.compiles.seconds
-        try:
-            metrics = evaluate(p.forward, p.data, self.device, p.precision, True, micro_batch=micro)
-        except UserError:
-            raise
-        except Exception as err:
-            if self.compiles.count == started:  # it compiled nothing: no compiler failure
-                raise
-            self.stepper.on_compile_error = None
-            self.stepper.model = self._compile_failed(err)
-            metrics = evaluate(self.objective, p.data, self.device, p.precision, micro_batch=micro)
-        compiling = self.compiles.seconds - seconds
-        self.val_compile_s += compiling
-        return metrics, compiling
-
-    def _epoch_row(
-        self,
-        epoch: int,
-        step: int,
-        epoch_time: float,
-        setup: tuple[int, float],
-        interval: Interval,
-    ) -> dict:
-        """The row of an epoch (or of the steps since the last validation, with
-        `trainer.eval_every_steps`): `setup` is its set-up steps and their time, both left out
-        of its speed; `interval` its samples and the seconds it waited for them."""
-        data_wait = interval.waited
-        p = self.parts
-        task = p.data.task
-        metrics, val_compile_s = self._validate()
-        if self.average is not None:
-            metrics.update(self._validate_average())
-        row = {
-            "epoch": epoch,
-            "step": step,
-            "train/epoch_loss": self.steps.epoch_loss(),
-            **metrics,
-            "perf/epoch_time_s": epoch_time,
-            "samples": self.samples_seen,
-            # the set-up steps' samples are left out with their time
-            "perf/samples_per_s": (interval.samples - setup[0] * p.data.batch_size) / epoch_time,
-            self.memory.key: self.memory.read_mib(),
-            "perf/data_wait_s": data_wait,
-            "perf/data_wait_share": min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
-        }
-        if setup[0] or setup[1] or val_compile_s:
-            row["perf/compile_s"] = setup[1] + val_compile_s
-        row = self.world.reduce_epoch(row)
-        # from the samples/s already computed (summed over ranks): no device read of its own
-        row.update(task.throughput(row["perf/samples_per_s"]))
-        row.update(task.progress(self.samples_seen))
-        row.update(p.throughput.result().metrics(row["perf/samples_per_s"]))
-        self.tracker.log(row)
-        self.rows += 1
-        self._warn_if_starved(row)
-        steps = len(self.steps.losses)
-        if steps and self.steps.epoch_skipped == steps:
-            log.warning(
-                "Epoch %d took no optimizer step: all %d of its steps were skipped (non-finite "
-                "gradients or losses), so the weights did not change in it.%s",
-                epoch,
-                steps,
-                " Under loss scaling, a scale still coming down from a high "
-                "loss_scaling.init_scale does this."
-                if p.scaler.scales_loss
-                else "",
-            )
-        log.info(
-            "Epoch: %d, Loss: %.4f, Elapsed Time: %.2fsec, %s, Peak Mem: %.0f MiB, "
-            "Skipped Steps: %d",
-            epoch,
-            row["train/epoch_loss"],
-            row["perf/epoch_time_s"],
-            task.epoch_text(row),
-            row[self.memory.key],
-            self.steps.skipped,
-        )
-        return row
-
-    def _warn_if_starved(self, row: dict) -> None:
-        """Once a run, when the step waited on its data for more than a tenth of an epoch's
-        time: a precision comparison would then time the data path. The first epoch is left
-        out unless it is the last (workers starting, files first read)."""
-        share = row["perf/data_wait_share"]
-        first = self.rows == 1 and row["step"] < self.total_steps
-        if self.warned_starved or first or share <= STARVED_SHARE or not self.world.is_main:
-            return
-        self.warned_starved = True
-        log.warning(
-            "Epoch %d waited %.2f s of its %.2f s (%.0f %%) for data: the step outruns its "
-            "data, so its speed is the data path's, not the precision's. %s",
-            row["epoch"],
-            row["perf/data_wait_s"],
-            row["perf/epoch_time_s"],
-            100 * share,
-            self.parts.data.faster_data_hint(),
-        )
-
-    def _flush(self, wait: bool = False, close_windows: bool = True) -> None:
-        """Read back what the device has gathered (all of it with wait=True: one sync);
-        `close_windows=False` leaves the diagnostics' counting windows open."""
-        # the user's tensors are queued for the host before the history's copy, whose wait then
-        # covers them too
-        self.own.start(self.tracker.take_waiting())
-        rows = self.history.flush(wait)
-        self.waiting.read()  # the device's idle gaps that it has passed
-        # before the step rows, which may stop the run: values logged up to a non-finite loss are
-        # what explains it
-        for row in self.own.done(wait):
-            self.tracker.log(row)
-        self.steps.write(rows)
-        self.diagnostics.flush(wait, close_windows)
-
-    def _write_own_values(self) -> None:
-        """The user's values on their way to the host, written as the run fails: the values that
-        lead up to a failure explain it (the tracker writes those logged since, at its end)."""
-        try:
-            rows = self.own.done(wait=True)
-        except RuntimeError as err:  # a device that failed: the error that ends the run says so
-            log.warning("mpexp.log's values of the last steps could not be read (%s).", err)
-            return
-        for row in rows:
-            self.tracker.log(row)
-
-    def _show_progress(self, bar: tqdm, start: float) -> None:
-        if self.steps.losses:
-            rate = (
-                len(self.steps.losses) * self.parts.data.batch_size / (time.perf_counter() - start)
-            )
-            bar.set_postfix(loss=f"{self.steps.losses[-1]:.4f}", samples_s=f"{rate:.0f}")
+        """The speed switches as they took effect (mpexp/step/speed_record.py)."""
+        return self.speed_record.ran()
 
     def _stop_agreed(self) -> bool:
         """Whether a signal asks to stop; all ranks of a distributed run decide alike."""
         return self.world.any(bool(self.stop.received))
-
-    def _checkpoint(self, position: Position, elapsed: float, stopping: bool) -> None:
-        at_interval_end = self.interval is None or elapsed == 0.0
-        log_state = {
-            **self.steps.state(),
-            "elapsed": elapsed,
-            "epoch_row": self.row,
-            **({"weight_average": self.average.state()} if self.average is not None else {}),
-            # the interval in progress (none at a validation): its samples, and all of them
-            "interval_samples": 0 if at_interval_end else self.interval.samples,
-            "samples_seen": self.samples_seen
-            + (0 if at_interval_end else self.interval.samples - self.interval.counted)
-            * self.world.size,
-        }
-        # one at the end lets it finish
-        stops = stopping and position.step < self.total_steps and position.epoch <= self.last_epoch
-        signum = self.stop.received or signal.SIGTERM  # another rank may have got it
-        if stops and self.world.is_main:  # said at once: a big checkpoint takes a while to write
-            log.info(
-                "%s received: writing a checkpoint at step %d, then stopping.%s",
-                signal.Signals(signum).name,
-                position.step,
-                " Ctrl-C again quits at once, without it." if signum == signal.SIGINT else "",
-            )
-        path = self.saver.save(position, log_state)  # every rank: FSDP's all write their shards
-        if stops:
-            raise self.saver.stopped(signum, path, position, self.parts.data.steps_per_epoch())

@@ -309,7 +309,7 @@ def compile_model(model: nn.Module, speed: Speed) -> nn.Module:
     if not speed.compile:
         return model
     # shapes static: a batch of a new shape compiles a graph of its own rather than one for any
-    # batch size (validation pads its last batch to the full size, mpexp.step.loop.evaluate)
+    # batch size (validation pads its last batch to the full size, mpexp.step.validation.evaluate)
     return torch.compile(model, mode=speed.compile_mode, dynamic=False)
 
 

@@ -110,7 +110,7 @@ class UserRows:
 
     def take_waiting(self) -> list[dict[str, Any]]:
         """The user's rows held since the last call, in call order, their tensors still on the
-        device: the loop reads them with its own values and logs them (mpexp/step/loop.py)."""
+        device: the loop reads them with its own values and logs them (mpexp/step/readback.py)."""
         rows, self._waiting = self._waiting, []
         return rows
 
