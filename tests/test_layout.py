@@ -66,3 +66,30 @@ def test_the_former_modules_are_gone_and_their_paths_still_name_the_same_objects
     for former, current in FORMER_MODULES.items():
         assert not (PACKAGE / f"{former.removeprefix('mpexp.')}.py").exists()
         assert get_object(former) is get_object(current)
+
+
+# one idea a room: a file that grows past these holds more than one idea (step/ and data/, the
+# rooms contributors change most, are held to less)
+MOST_LINES = {"step": 500, "data": 500}
+MOST_LINES_ELSEWHERE = 600
+MOST_CLASS_LINES = 250
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: p.relative_to(PACKAGE).as_posix())
+def test_no_room_holds_more_than_one_ideas_worth_of_lines(path):
+    room = path.relative_to(PACKAGE).parts[0]
+    most = MOST_LINES.get(room, MOST_LINES_ELSEWHERE)
+    lines = path.read_text().count("\n")
+    assert lines <= most, (
+        f"{path.relative_to(PACKAGE)} has {lines} lines (at most {most}): split it by idea"
+    )
+    big = {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MOST_CLASS_LINES
+    }
+    assert not big, f"classes over {MOST_CLASS_LINES} lines in {path.relative_to(PACKAGE)}: {big}"

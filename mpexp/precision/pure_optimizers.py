@@ -322,12 +322,16 @@ class PureOptimizer(torch.optim.Optimizer):
         if self.generator is not None and saved_generator is not None:
             self.generator.set_state(saved_generator)
 
-    def _zeros(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(p, dtype=self.states_dtype, memory_format=torch.preserve_format)
 
-    def _kahan(self, p: torch.Tensor, state: dict) -> None:
-        if self.rounding == "kahan":
-            state[COMPENSATION] = torch.zeros_like(p, memory_format=torch.preserve_format)
+def _zeros(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A state of `p`'s shape and layout in `dtype`, zeroed."""
+    return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+
+def _kahan(p: torch.Tensor, state: dict, rounding: str) -> None:
+    """Kahan's compensation buffer for `p`, in its dtype, where the rounding keeps one."""
+    if rounding == "kahan":
+        state[COMPENSATION] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 class PureAdam(PureOptimizer):
@@ -354,9 +358,9 @@ class PureAdam(PureOptimizer):
 
     def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["exp_avg"] = self._zeros(p)
-        state["exp_avg_sq"] = self._zeros(p)
-        self._kahan(p, state)
+        state["exp_avg"] = _zeros(p, self.states_dtype)
+        state["exp_avg_sq"] = _zeros(p, self.states_dtype)
+        _kahan(p, state, self.rounding)
 
     def _scalars(self, group: dict, step: torch.Tensor | None):
         if self.fused:
@@ -424,8 +428,8 @@ class PureSGD(PureOptimizer):
         if group["momentum"] != 0:
             # zeros before the first step, as mpexp gives torch's fused SGD (its first step then
             # stores (1 - dampening) * g); the unfused formula stores g, as torch's does
-            state["momentum_buffer"] = self._zeros(p)
-        self._kahan(p, state)
+            state["momentum_buffer"] = _zeros(p, self.states_dtype)
+        _kahan(p, state, self.rounding)
 
     def _fused(self, ws, gs, moments, steps, group, grad_scale, found_inf) -> None:
         (buffers,) = moments if moments else ([],)

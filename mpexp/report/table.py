@@ -17,7 +17,7 @@ from mpexp.report.runs import Run, find_run_dirs, load_run
 
 MIN_TIMED_EPOCHS = 3  # fewer, and a median epoch time is one or two noisy numbers
 # a run that waits on its data for more than this share of its epochs times the data, not the step
-# (the loop warns at the same share: mpexp/step/loop.py)
+# (the loop warns at the same share: mpexp/step/epoch_row.py)
 DATA_BOUND = 0.1
 
 

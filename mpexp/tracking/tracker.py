@@ -178,7 +178,7 @@ class Tracker:
 
     def take_waiting(self) -> list[dict[str, Any]]:
         """The user's rows held since the last call, in call order, their tensors still on the
-        device: the loop reads them with its own values and logs them (mpexp/step/loop.py)."""
+        device: the loop reads them with its own values and logs them (mpexp/step/readback.py)."""
         return self._user_rows.take_waiting()
 
     def _write_waiting(self) -> None:
