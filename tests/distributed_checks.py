@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from mpexp.distributed import dtensor_combines_overflow_flags, start_world
+from mpexp.distributed import start_world
 from mpexp.precision.loss_scaler import LossScaler
 from mpexp.precision.scaling import CalibratedLossScaler
+from mpexp.shards import dtensor_combines_overflow_flags
 from mpexp.step.diagnostics import Diagnostics
 from mpexp.step.history import StepHistory
 from mpexp.step.stepper import Stepper

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from mpexp.distributed import local_shard
 from mpexp.precision.pure_updates import COMPENSATION, GENERATOR, UpdatesLost, round_stochastic
+from mpexp.shards import local_shard
 
 
 def _is_float(value) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mpexp.distributed import local_shard
+from mpexp.shards import local_shard
 
 
 def any_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -29,7 +29,6 @@ import logging
 
 import torch
 
-from mpexp.distributed import local_shard
 from mpexp.precision.pure_updates import (
     COMPENSATION,
     COUNTS,
@@ -40,6 +39,7 @@ from mpexp.precision.pure_updates import (
     UpdatesLost,
     round_stochastic,
 )
+from mpexp.shards import local_shard
 
 log = logging.getLogger(__name__)
 

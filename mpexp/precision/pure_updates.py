@@ -26,7 +26,7 @@ import weakref
 import torch
 from torch import nn
 
-from mpexp.distributed import local_shard
+from mpexp.shards import local_shard
 
 # the generators a captured step draws from besides the device's default one: a CUDA graph
 # registers them, so that each replay draws new numbers (mpexp/step/step_graph.py)

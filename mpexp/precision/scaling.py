@@ -31,10 +31,10 @@ import torch
 from hydra.utils import get_object
 
 from mpexp.config import to_dict
-from mpexp.distributed import local_shard
 from mpexp.errors import NumericsError
 from mpexp.precision.loss_scaler import LossScaler, optimizer_grads
 from mpexp.precision.modes import Precision
+from mpexp.shards import local_shard
 
 log = logging.getLogger(__name__)
 

@@ -69,9 +69,9 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mpexp.distributed import all_reduce, local_shard, shard_group
 from mpexp.precision.loss_scaler import LossScaler
 from mpexp.precision.modes import Precision
+from mpexp.shards import all_reduce, local_shard, shard_group
 from mpexp.step.history import DeviceRows
 from mpexp.tracking.histogram import Histogram
 from mpexp.tracking.tracker import Tracker
