@@ -11,13 +11,15 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 from hydra.utils import get_object
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from mpexp import config
 from mpexp.batches import BatchSplit
+from mpexp.checkpoints.frozen import fingerprint, first_difference, load_trained
 from mpexp.data.base import TrainingData
 from mpexp.distributed import World
-from mpexp.errors import ConfigError, reason
+from mpexp.errors import ConfigError, UserError, reason
+from mpexp.finetune.prepare import FineTuning, fine_tune
 from mpexp.precision.fp8 import check_fp8_rows, convert_to_fp8, linear_rows
 from mpexp.precision.fp32_modules import run_in_float32
 from mpexp.precision.loss_scaler import LossScaler
@@ -34,9 +36,47 @@ from mpexp.tasks.base import Task
 
 
 def build(node: DictConfig, **extra):
-    """Instantiate a group's `_target_` with its other keys (and `extra`)."""
-    kwargs = config.to_dict(node)
+    """Instantiate a group's `_target_` with its other keys (and `extra`). A model's fine-tuning
+    keys (config.FINETUNE_KEYS) are mpexp's (mpexp/finetune/), never its constructor's: left
+    out, also from a config read back untyped (a checkpoint's)."""
+    kwargs = {k: v for k, v in config.to_dict(node).items() if k not in config.FINETUNE_KEYS}
     return get_object(kwargs.pop("_target_"))(**kwargs, **extra)
+
+
+def rebuilt(state: dict, **extra) -> tuple[torch.nn.Module, FineTuning]:
+    """The model of a run's checkpoint (`state`, a whole file's, on the CPU), for sampling and
+    export: built from the run's config with `extra` (the task's model_kwargs) and fine-tuned
+    as the run was, its frozen weights built again from `trainer.seed` (or read again from a
+    pretrained directory) and checked against the run's fingerprint of them, its other weights
+    loaded from the checkpoint. Its `adapters` (LoRA's PeftModel) serve the export."""
+    cfg = OmegaConf.create(state["config"])
+    pure = cfg.precision.get("weights") == "bfloat16"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.trainer.seed)  # as the run built it, after seed_everything
+        model = build(cfg.model, **extra)
+        tuning = fine_tune(model, cfg.model, pure=pure)
+    problem = first_difference(state.get("frozen"), fingerprint(model))
+    if problem is not None:
+        raise UserError(
+            f"The run's frozen weights cannot be built again: {problem}. Its checkpoints hold "
+            "only the weights that train; the frozen ones come from its config (a pretrained "
+            "directory that has changed since, or an initialisation that does not repeat from "
+            "trainer.seed). Put them back as the run had them."
+        )
+    if pure:  # pure bf16 held its frozen weights in bf16: rounded as the run rounded them
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16).to(p.dtype)
+    weights = {}
+    for key, value in state["model"].items():
+        for prefix in WRAPPER_PREFIXES:
+            key = key.removeprefix(prefix)
+        weights[key] = value
+    load_trained(model, weights)
+    return model, tuning
+
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's wrappers' names
 
 
 def build_model(
@@ -203,6 +243,8 @@ class Built:
     parameters: int
     device_name: str
     split: BatchSplit  # the optimizer step's batch in micro-batches and among processes
+    tuning: FineTuning  # LoRA and frozen weights: what trains, for the record and the export
+    frozen: dict | None  # the frozen weights' fingerprint, which checkpoints keep instead
 
 
 def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -> Built:
@@ -234,7 +276,12 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
         f"{what} on {dataset}",
         settings(cfg.dataset, "dataset", IMAGE_KEYS),
         settings(cfg.model, "model"),
-    ).to(device)
+    )
+    # LoRA and frozen weights, on the CPU as the model was built: the adapters' random start is
+    # the same on every device
+    tuning = fine_tune(model, cfg.model, pure=precision.pure is not None)
+    model = model.to(device)
+    frozen = fingerprint(model)  # the frozen weights as built, which checkpoints leave out
     if precision.pure is not None:  # before the FLOP count's background pass runs the model
         model = hold_in_bf16(model, not task.takes_16_bit_output)
     # the user's model as built, before anything wraps it: whether it declares itself capturable
@@ -259,6 +306,7 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
     last = data.samples_per_epoch() % data.batch_size  # a last, smaller batch (0: none)
     check_fp8_rows(precision, rows, data.batch_size, split.accumulate_per_process, last)
     fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
+    tuning.hold_frozen(model, precision.autocast_dtype, fp32_modules, world.strategy == "fsdp")
     performance.apply_memory_format(model, speed)  # before DDP/FSDP takes the parameters
     model = world.wrap(model, precision)
     skip_nonfinite = cfg.trainer.on_nonfinite_loss == "skip"
@@ -276,6 +324,8 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
         parameters=parameters,
         device_name=name,
         split=split,
+        tuning=tuning,
+        frozen=frozen,
     )
 
 

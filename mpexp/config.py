@@ -96,6 +96,13 @@ class StatesDtype(Choice):
     bfloat16 = "bfloat16"
 
 
+class FrozenDtype(Choice):
+    """What frozen Linear layers are held in (mpexp/finetune/frozen_dtype.py)."""
+
+    autocast = "autocast"  # the dtype autocast casts them to at every use: the same numbers
+    float32 = "float32"
+
+
 # `raise` is a keyword, so these two are built by name
 NonfiniteLoss = Choice("NonfiniteLoss", {"raise": "raise", "skip": "skip"})
 FloorPolicy = Choice("FloorPolicy", {"raise": "raise", "continue": "continue"})
@@ -333,8 +340,33 @@ class TokensDatasetConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters through peft (mpexp/finetune/lora.py): the model's weights frozen, a
+    low-rank update trained beside each targeted layer."""
+
+    r: Optional[int] = None  # the adapters' rank; null or 0: no LoRA
+    alpha: Optional[float] = None  # the update is scaled by alpha / r; null: 2 r (a scale of 2)
+    dropout: float = 0.0  # on the adapters' input
+    # layer names as peft matches them (a name, or its end after a dot); null: the model's
+    # attention projections, found by their names (ATTENTION_LAYERS in mpexp/finetune/lora.py)
+    target_modules: Optional[list[str]] = None
+    dtype: Optional[StatesDtype] = None  # null: float32 (bfloat16 under precision=bf16_pure)
+
+
+@dataclass
 class ModelConfig:
+    """Every model's: its `_target_`, and the fine-tuning settings (mpexp/finetune/)."""
+
     _target_: str = MISSING
+    # parameters trained no more, by name pattern (fnmatch over named_parameters; a module's
+    # name takes all of its parameters), e.g. [wte, wpe, 'blocks.0.*']
+    freeze: list[str] = field(default_factory=list)
+    frozen_dtype: FrozenDtype = FrozenDtype.autocast
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+# ModelConfig's keys that no model's constructor is given (mpexp/build.py's `build`)
+FINETUNE_KEYS = ("freeze", "frozen_dtype", "lora")
 
 
 @dataclass

@@ -31,7 +31,6 @@ import torch
 
 from mpexp.errors import UserError
 
-PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's wrappers' names
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 FILE_PROMPT = "FILE:"  # nanoGPT's: --prompt FILE:<path> continues the file's text
 SEPARATOR = "\n---------------\n"  # between samples, as nanoGPT prints them
@@ -232,10 +231,9 @@ def sample(
     tokenizer: Path | None = None,
 ) -> tuple[list[str], str]:
     """(the samples, from which checkpoint and how), for the run at `run_dir`."""
-    from omegaconf import OmegaConf
-
-    from mpexp.build import build
+    from mpexp.build import rebuilt
     from mpexp.checkpoints.files import load
+    from mpexp.tasks.language_model import VOCAB_MULTIPLE
 
     summary = read_run(run_dir)
     ran = summary["ran"]
@@ -247,14 +245,11 @@ def sample(
         ids, start = codec.start()
     check_prompt(ids, vocab)
     state = load(path)
-    cfg = OmegaConf.create(state["config"])
-    weights = {}
-    for key, value in state["model"].items():
-        for prefix in PREFIXES:
-            key = key.removeprefix(prefix)
-        weights[key] = value
-    model = build(cfg.model, vocab_size=weights["wte.weight"].shape[0])
-    model.load_state_dict(weights)
+    # the model's vocabulary: its embedding's rows, or (a frozen embedding, which checkpoints
+    # leave out) the data's padded as the task pads it
+    embedding = next((v for k, v in state["model"].items() if k.endswith("wte.weight")), None)
+    rows = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE if embedding is None else embedding.shape[0]
+    model, _ = rebuilt(state, vocab_size=rows)
     model.to(device).eval()
     autocast_name = ran.get("autocast_dtype") or "off"
     autocast = DTYPES.get(autocast_name)

@@ -81,6 +81,8 @@ def validate(cfg: DictConfig) -> None:
             _integer(cfg.model[key], f"model.{key}", 1)
     if "dropout" in cfg.model and not 0 <= _number(cfg.model.dropout, "model.dropout") < 1:
         raise ConfigError(f"model.dropout={cfg.model.dropout} must lie in [0, 1), e.g. 0.1.")
+    if cfg.model.get("lora") is not None:
+        _validate_lora(cfg.model.lora)
 
     _integer(data.batch_size, "dataset.batch_size", 1)
     _integer(data.get("num_workers", 0), "dataset.num_workers", 0)
@@ -113,6 +115,21 @@ def validate(cfg: DictConfig) -> None:
     _validate_scaling(cfg.loss_scaling)
     _validate_training_loop(cfg)
     _validate_scheduler(cfg.scheduler)
+
+
+def _validate_lora(lora: Mapping[str, Any]) -> None:
+    """model.lora's ranges (mpexp/finetune/lora.py); its target modules are checked against the
+    built model."""
+    if lora.r is None:
+        return
+    _integer(lora.r, "model.lora.r", 0)
+    if lora.alpha is not None and _number(lora.alpha, "model.lora.alpha") <= 0:
+        raise ConfigError(
+            f"model.lora.alpha={lora.alpha} must be positive: the adapters' update is scaled by "
+            "alpha / r (null: 2 r)."
+        )
+    if not 0 <= _number(lora.dropout, "model.lora.dropout") < 1:
+        raise ConfigError(f"model.lora.dropout={lora.dropout} must lie in [0, 1), e.g. 0.05.")
 
 
 def _validate_image_folder(data: Mapping[str, Any]) -> None:

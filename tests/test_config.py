@@ -88,6 +88,7 @@ def test_groups_hold_the_documented_options():
     assert options("experiment") == [
         "bf16_pure",
         "cifar10_resnet",
+        "finetune_lora",
         "fp8_vit",
         "gpt2_small",
         "gpt_precisions",

@@ -2,8 +2,8 @@
 the run's shell (run/), which imports the plan a run makes of itself (plan/); both stand above
 the builder (build.py), the config's checks and resolvers (validate.py, resolvers.py), and the
 loop (step/); the loop above the checkpoints, and what both need (the run directory's files, stop
-signals, the launch, `_target_` paths) below them all. The data (data/) stands below the
-builder that builds it."""
+signals, the launch, `_target_` paths) below them all. The data (data/) and fine-tuning
+(finetune/) stand below the builder that builds and fine-tunes the model."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ ABOVE = {
     "validate": {"run", "plan", "build"} | COMMANDS,
     "resolvers": {"run", "plan", "build"} | COMMANDS,
     "data": {"run", "plan", "build"} | COMMANDS,
+    # fine-tuning acts on a built model; the builder, the plan and the commands call it
+    "finetune": {"run", "plan", "build", "step", "checkpoints"} | COMMANDS,
     "step": {"run"},
     "checkpoints": {"run", "step"},
     "rundir": {"run", "step", "checkpoints"},

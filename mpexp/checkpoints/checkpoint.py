@@ -2,7 +2,8 @@
 few steps, at an epoch's end, when stopped), the newest few and the best kept. The file on disk:
 mpexp/checkpoints/files.py; resuming from it exactly: mpexp/checkpoints/resume.py.
 
-A checkpoint holds everything that decides what the run does next: the model, optimizer and
+A checkpoint holds everything that decides what the run does next: the model (its frozen weights
+only by their fingerprint: mpexp/checkpoints/frozen.py), optimizer and
 loss-scaler state (each scaler owns its `state_dict`: the scale and growth tracker, or a custom
 strategy's state), every random number generator, the position in the data order (an epoch's
 order is a function of the seed and the epoch, so the epoch and the batches done in it are enough)
@@ -28,6 +29,7 @@ from omegaconf import DictConfig
 
 from mpexp.checkpoints import sharded
 from mpexp.checkpoints.files import FORMAT, remove_checkpoint, write_atomically
+from mpexp.checkpoints.frozen import trained_state
 from mpexp.config import to_dict
 from mpexp.errors import OutputError
 from mpexp.rundir import (
@@ -96,6 +98,7 @@ class Checkpointer:
         tracker,
         schedule=None,
         data_key: dict | None = None,
+        frozen: dict | None = None,
     ):
         self.run_dir = Path(tracker.run_dir)
         self.directory = self.run_dir / SUBDIR
@@ -109,6 +112,7 @@ class Checkpointer:
         self.model, self.optimizer = model, optimizer
         self.scaler, self.tracker, self.schedule = scaler, tracker, schedule
         self.data_key = data_key  # the data's resume_key(), checked by Resume.check_data
+        self.frozen = frozen  # the frozen weights' fingerprint, checked by Resume.check_frozen
         self.best: tuple[float, Path] | None = None  # the lowest val/loss kept, and its file
         self.best_known = False  # whether `best` has read a resumed run's earlier validations
 
@@ -142,6 +146,7 @@ class Checkpointer:
                 "config": self.config,
                 "overrides": self.overrides,
                 "data": self.data_key,
+                "frozen": self.frozen,
             }
             if self.world.is_main:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -155,7 +160,7 @@ class Checkpointer:
                 rng = rng_state(self.device)
                 sharded.save(path, state, rng, self.model, self.optimizer, self.world.rank)
             else:
-                state["model"] = self.model.state_dict()
+                state["model"] = trained_state(self.model)
                 state["optimizer"] = self.optimizer.state_dict()
                 state["rng"] = rng_state(self.device)
                 write_atomically(state, path)

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from mpexp.checkpoints import sharded
 from mpexp.checkpoints.checkpoint import Position, restore_rng
 from mpexp.checkpoints.files import elsewhere, find_checkpoint, load, remove_checkpoint
+from mpexp.checkpoints.frozen import first_difference, frozen_names, load_trained
 from mpexp.config import to_dict
 from mpexp.errors import ResumeRefused
 from mpexp.launch import is_rank_zero
@@ -75,6 +76,13 @@ ADDED_KEYS = {
     "model.zero_init_residual": False,
     "model.bias": True,
     "model.qk_norm": False,
+    "model.freeze": [],
+    "model.frozen_dtype": "autocast",
+    "model.lora.r": None,
+    "model.lora.alpha": None,
+    "model.lora.dropout": 0.0,
+    "model.lora.target_modules": None,
+    "model.lora.dtype": None,
     "precision.fp8.exclude": [],
     "precision.fp8.min_size": 0,
     "precision.weights": "float32",
@@ -127,6 +135,9 @@ class Resume:
         if self.state.get("sharded"):
             return
         saved, now = self.state["model"], model.state_dict()
+        frozen = frozen_names(model)
+        if not frozen & saved.keys():  # its frozen weights are the model's as built
+            now = {k: v for k, v in now.items() if k not in frozen}
         odd = sorted(saved.keys() ^ now.keys())
         if odd:
             where = "the checkpoint" if odd[0] in saved else "the model"
@@ -141,6 +152,20 @@ class Resume:
             raise ResumeRefused(
                 f"trainer.resume: {self.path} does not fit the run's model: {problem}.\n"
                 f"{elsewhere(self.path)}"
+            )
+
+    def check_frozen(self, now: dict | None) -> None:
+        """Refuse a checkpoint whose run froze other weights than the model built now holds
+        (`now`: their fingerprint, mpexp/checkpoints/frozen.py): the checkpoint does not hold
+        them, so the resume would go on over other ones."""
+        problem = first_difference(self.state.get("frozen"), now)
+        if problem is not None:
+            raise ResumeRefused(
+                f"trainer.resume: {self.path} was trained over other frozen weights: {problem}. "
+                "A checkpoint holds only the weights that train; the frozen ones are built again "
+                "from the config, and these are not the run's (its pretrained weights changed on "
+                "disk, or the model's initialisation does not repeat from trainer.seed). Put "
+                "them back as they were, or start a new run."
             )
 
     def check_data(self, now: dict | None) -> None:
@@ -202,7 +227,7 @@ class Resume:
             sharded.load_into(self.path, model, optimizer)
             rng = sharded.load_rng(self.path, world.rank)
         else:
-            model.load_state_dict(self.state["model"])
+            load_trained(model, self.state["model"])
             optimizer.load_state_dict(self.state["optimizer"])
             rng = self.state["rng"]
         scaler.load_state_dict(self.state["scaler"])

@@ -34,6 +34,14 @@ def _dcp():
     return dcp, get_state_dict, set_state_dict
 
 
+def _trained_only():
+    """The state-dict options that leave frozen weights out (mpexp/checkpoints/frozen.py): not
+    saved, and not expected back when loading."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
@@ -51,7 +59,7 @@ def save(path: Path, common: dict, rng: dict, model, optimizer, rank: int) -> No
         tmp.mkdir(parents=True)
     dist.barrier()  # the folder exists before any rank writes into it
     try:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_trained_only())
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))
         # an optimizer's own per-rank state beyond its per-parameter states (pure bf16's
         # rounding generator, its count of lost updates), which DCP's optimizer state leaves out
@@ -114,7 +122,7 @@ def load_into(path: Path, model, optimizer) -> None:
     """Load the sharded model and optimizer state into this rank's FSDP model and optimizer,
     resharded to however many ranks there are now (a collective)."""
     dcp, get_state_dict, set_state_dict = _dcp()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_trained_only())
     state = {"model": model_state, "optimizer": optimizer_state}
     # DCP reads the folder's `.metadata` with pickle, and torch has no weights-only reader for
     # it: a sharded checkpoint is trusted as one the user's own FSDP run wrote (trainer.resume
@@ -122,7 +130,11 @@ def load_into(path: Path, model, optimizer) -> None:
     # load with weights_only=True.
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=_trained_only(),
     )
 
 

@@ -33,6 +33,7 @@ from mpexp.build import (
     with_objective,
 )
 from mpexp.errors import reason
+from mpexp.finetune.prepare import FineTuning, fine_tune, import_peft_if_asked
 from mpexp.plan.live_bytes import LiveBytes
 from mpexp.precision.fp8 import convert_to_fp8
 from mpexp.precision.fp32_modules import run_in_float32
@@ -60,6 +61,7 @@ class Rehearsal:
     precision: str
     device: str  # the device type rehearsed for: cuda or cpu
     parameters: int
+    trainable_parameters: int  # those with gradients and optimizer states
     bytes: dict[str, int]  # held between steps: weights, gradients, optimizer, buffers, ...
     peak_bytes: dict[str, int | None]  # train_step, validation (None: could not be followed)
     largest: dict[str, list[dict]]  # per peak, the largest storages live at it
@@ -97,14 +99,17 @@ def rehearse(
         task = data.setup(CPU)
     data.task = task = with_objective(task, cfg.trainer)
     what = f"model={cfg.model._target_}"
+    import_peft_if_asked(cfg.model)
     with model_trial(task, what), torch.device("meta"):  # no memory, and no initialisation
         meta = build(cfg.model, **task.model_kwargs())
+        # LoRA's adapters and frozen weights, as the run adds them to the model as built
+        tuning = fine_tune(meta, cfg.model, pure=precision.pure is not None)
     stage = Stage(
         cfg, data, device_type, BatchSplit(data.batch_size, cfg.trainer.accumulate, processes)
     )
     with FakeTensorMode(allow_non_fake_inputs=True), stage.tracker:
         try:
-            stage.build(meta, precision, what)
+            stage.build(meta, precision, what, tuning)
             stage.step(micro_batches)
             stage.validate()
         except RuntimeError as err:
@@ -129,7 +134,7 @@ class Stage:
         self.micro = split.micro_batch
         self.rehearsed = self.accumulate
         self.model = self.optimizer = None
-        self.parameters = 0
+        self.parameters = self.trainable = 0
         kinds = ("weights", "gradients", "optimizer", "compensation", "buffers", "weight_average")
         self.held = dict.fromkeys(kinds, 0)
         self.average = None
@@ -137,7 +142,7 @@ class Stage:
         self.precision_name = ""
         self._handles: list = []
 
-    def build(self, meta: torch.nn.Module, precision, what: str) -> None:
+    def build(self, meta: torch.nn.Module, precision, what: str, tuning: FineTuning) -> None:
         """The model as the run has it when its first step starts, its loss scaler and
         optimizer (mpexp/build.py's order)."""
         cfg, task = self.cfg, self.task
@@ -149,12 +154,15 @@ class Stage:
             model = hold_in_bf16(model, not self.task.takes_16_bit_output)
         self.model = model
         self.parameters = sum(p.numel() for p in model.parameters())
+        self.trainable = tuning.trainable
         with model_trial(task, what):
             shape = output_shape(model, task)
         checked(model, shape, task, what)
         fp32_modules = list(cfg.precision.fp32_modules)
         model, precision = convert_to_fp8(model, precision, fp32_modules, compiled=False)
         run_in_float32(model, fp32_modules, precision)
+        sharded = cfg.trainer.strategy == "fsdp"
+        tuning.hold_frozen(model, precision.autocast_dtype, fp32_modules, sharded)
         speed = _speed_for(performance.plan_speed(cfg, CPU), cfg, self.device_type)
         if speed.channels_last:  # as the run's model.to(memory_format=...), which fake
             for p in model.parameters():  # parameters refuse (it swaps tensors)
@@ -184,7 +192,8 @@ class Stage:
         # a first update makes the optimizer's states (and pure bf16's compensation), which
         # every later step holds through its forward and backward
         for p in self.model.parameters():
-            p.grad = torch.zeros_like(p)
+            if p.requires_grad:  # frozen weights (model.freeze, LoRA's base) get none
+                p.grad = torch.zeros_like(p)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.tracker.start("train_step")
@@ -254,6 +263,7 @@ class Stage:
             precision=self.precision_name,
             device=self.device_type,
             parameters=self.parameters,
+            trainable_parameters=self.trainable,
             bytes=self.held,
             peak_bytes=peaks,
             largest={phase: self.tracker.largest_at(phase) for phase in peaks if peaks[phase]},

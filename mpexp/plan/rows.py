@@ -112,6 +112,7 @@ def row(
         "precision": precision or rehearsal.precision,
         "device": rehearsal.device,
         "parameters": rehearsal.parameters,
+        "trainable_parameters": rehearsal.trainable_parameters,
         "bytes": rehearsal.bytes,
         "bytes_per_parameter": round(held(rehearsal.bytes) / max(rehearsal.parameters, 1), 2),
         "peak_bytes": rehearsal.peak_bytes,

@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 # both sizes of an fp8 matrix multiply must be multiples of 16 (torch._scaled_mm's rule); layers
 # that break it are left in bf16 on every device, so that CPU and GPU runs convert the same ones
 FP8_MULTIPLE = 16
+# peft's names for a LoRA layer's adapters (mpexp/finetune/lora.py): left alone, as fine-tuning
+# recipes leave them, while the frozen layer beside them (`base_layer`) converts
+LORA_ADAPTERS = ("lora_A", "lora_B")
+ADAPTER_REASON = "a LoRA adapter: its thin products stay in bf16, its weights in model.lora.dtype"
 
 
 def convert_to_fp8(
@@ -74,7 +78,7 @@ def convert_to_fp8(
         fp8.recipe,
         ", emulated" if precision.emulated else "",
         len(converted),
-        "; ".join(f"{n}: {r}" for n, r in unconverted.items()) or "none",
+        "; ".join(_unconverted_listed(unconverted)) or "none",
     )
     if precision.device_type == "cuda" and not compiled:
         log.warning(
@@ -169,6 +173,8 @@ def _fp8_unconvertible(
         return "in precision.fp32_modules: runs in float32"
     if any(_inside(name, keep) for keep in fp8.exclude):
         return "in precision.fp8.exclude: runs in bf16"
+    if any(part in LORA_ADAPTERS for part in name.split(".")):
+        return ADAPTER_REASON
     parent = modules.get(name.rpartition(".")[0])
     if isinstance(parent, nn.MultiheadAttention):
         return "inside nn.MultiheadAttention, which uses the weight without calling the layer"
@@ -186,6 +192,19 @@ def _fp8_unconvertible(
             f"{fp8.min_size}, too small for fp8 to pay"
         )
     return None
+
+
+def _unconverted_listed(unconverted: dict[str, str]) -> list[str]:
+    """The layers fp8 left alone, each with its reason; LoRA's adapters (two a targeted layer,
+    hundreds in a large model) counted in one entry."""
+    adapters = sum(reason == ADAPTER_REASON for reason in unconverted.values())
+    listed = [f"{n}: {r}" for n, r in unconverted.items() if r != ADAPTER_REASON]
+    if adapters:
+        listed.append(
+            f"{adapters} LoRA adapters (lora_A, lora_B): their thin products stay in bf16, "
+            "their weights in model.lora.dtype"
+        )
+    return listed
 
 
 def _inside(name: str, module: str) -> bool:

@@ -154,15 +154,17 @@ class CountUpdates:
 def stored_bytes(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
     """Bytes of the weights, their gradients and the optimizer's states (step counters left out)
     as they are stored between steps, over the whole model (all shards); gradients at the
-    weights' dtype and size, as the backward pass makes them."""
+    trained weights' dtype and size, as the backward pass makes them."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # frozen weights (model.freeze, LoRA's base) have none
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     states = sum(
         v.numel() * v.element_size()
         for state in optimizer.state.values()
         for key, v in state.items()
         if _is_float(v) and v.ndim > 0
     )
-    held = {"bytes_weights": weights, "bytes_grads": weights, "bytes_states": states}
+    held = {"bytes_weights": weights, "bytes_grads": grads, "bytes_states": states}
     return {**held, "bytes_step_peak": _step_peak(optimizer, sum(held.values()))}
 
 

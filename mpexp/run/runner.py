@@ -90,6 +90,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         # the last check a resume can fail comes before the run's files change: a refused resume
         # leaves its run as it was
         resume.check_data(data_key)  # first: a class added also changes the model's head
+        resume.check_frozen(built.frozen)  # the weights its checkpoints do not hold
         resume.check_fits(model)
         if world.is_main:
             resume.rewind()
@@ -110,6 +111,9 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         ran = ran_record(cfg, run, world, built, optimizer, schedule)
         if plan is not None:
             ran["plan"] = plan
+        weights = f"{ran['parameters']:,} parameters"
+        if ran["trainable_parameters"] < ran["parameters"]:  # frozen ones (fine-tuning)
+            weights += f" ({ran['trainable_parameters']:,} trained)"
         log.info(
             "Training %s on %s (%s) | %s | %s on %s | precision %s (autocast %s, TF32 %s) | "
             "loss scaling %s | %s",
@@ -117,7 +121,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
             run.choices.get("dataset") or type(data).__name__,
             data.describe(),
             built.split.describe(built.task.progress(1).get("tokens")),
-            f"{ran['parameters']:,} parameters",
+            weights,
             ran["device_name"],
             precision.mode,
             ran["autocast_dtype"],
@@ -131,8 +135,9 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
                 (run.run_dir / name).write_bytes(content)
         stop_if_asked(stop, world, run, "while the data loaded and the model was built")
         saver = Checkpointer(
-            cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule, data_key
-        )
+            cfg, run.overrides, world, model, optimizer, scaler, tracker, schedule, data_key,
+            frozen=built.frozen,
+        )  # fmt: skip
         parts = Parts(
             model,
             forward,
@@ -219,6 +224,9 @@ def ran_record(
         "micro_batch": built.split.micro_batch,  # samples per forward pass, on each process
         "clip_grad_norm": cfg.trainer.clip_grad_norm,
         "parameters": built.parameters,
+        # beside them: what trains (LoRA's adapters, what model.freeze left), LoRA as it took
+        # effect, and what the frozen weights are held in
+        **built.tuning.record(),
         "steps_per_epoch": built.data.steps_per_epoch(),
         "deterministic": cfg.trainer.deterministic,
     }

@@ -29,7 +29,9 @@ class WeightAverage:
 
     def __init__(self, model: nn.Module, decay: float, every: int = 1, warmup_steps: int = 0):
         self.decay, self.every, self.warmup_steps = decay, every, warmup_steps
-        tensors = [*model.parameters(), *model.buffers()]
+        # frozen weights (model.freeze, LoRA's base) never move: their average is themselves
+        trained = [p for p in model.parameters() if p.requires_grad]
+        tensors = [*trained, *model.buffers()]
         self.sources = [t for t in tensors if t.is_floating_point()]
         self.average = [t.detach().float().clone() for t in self.sources]
         self.updates = 0
