@@ -101,19 +101,24 @@ def test_a_captured_step_needs_its_pool_and_validations_extra_beside_it(shared):
     assert against_measured(plan, measured)["mem/plan_error"] == pytest.approx(1)
 
 
-def test_pure_bf16_plans_its_update_chunks_at_the_planned_devices_size():
-    """16 Mi elements a chunk on CUDA, 4 Mi on a CPU: the float32 workspace of the step that
-    counts lost updates, whatever machine plans it."""
+def test_pure_bf16s_counting_step_is_planned_with_chunks_of_the_planned_devices_size():
+    """Pure bf16 counts its lost updates on each log interval's last step (every 50th here)
+    through a float32 workspace of one chunk: up to 16 Mi elements on CUDA, 4 Mi on a CPU,
+    whatever machine plans it. A steady state holds such a step: the plan rehearses one."""
     lm = ["model=gpt", "dataset=text", "dataset.vocab_size=50304", "dataset.tokenizer=bpe",
-          "model.n_layer=1", "model.n_embd=512", "model.block_size=64", "dataset.batch_size=2",
+          "model.n_layer=1", "model.n_embd=128", "model.block_size=16", "dataset.batch_size=1",
           "precision=bf16_pure"]  # fmt: skip
-    cuda, cpu = (plan_rows(lm, Target(device))[0] for device in ("cuda", "cpu"))
-    shapes = {(tuple(t["shape"]), t["dtype"]) for t in cuda["largest"]["train_step"]}
-    assert ((2**24,), "float32") in shapes, cuda["largest"]["train_step"]
-    # a chunk of a quarter the size on a CPU: its workspace (at least the weight's, gradient's
-    # and both moments' float32 copies) is smaller by 4 x 12 Mi x 4 bytes
-    smaller = cuda["peak_bytes"]["train_step"] - cpu["peak_bytes"]["train_step"]
-    assert smaller >= 4 * (2**24 - 2**22) * 4, smaller / 2**20
+    (cuda,) = plan_rows(lm, CUDA)
+    cpu, uncounted = plan_rows([*lm, "diagnostics.updates_lost=null,false"], Target("cpu"))
+    embedding = 50304 * 128  # the largest parameter: a chunk on CUDA, more than one on a CPU
+    for row, chunk in ((cuda, embedding), (cpu, 2**22)):
+        shapes = {(tuple(t["shape"]), t["dtype"]) for t in row["largest"]["train_step"]}
+        assert ((chunk,), "float32") in shapes, row["largest"]["train_step"]
+    step = {name: row["peak_bytes"]["train_step"] for name, row in
+            (("cuda", cuda), ("cpu", cpu), ("uncounted", uncounted))}  # fmt: skip
+    # the workspace: at least the weight's, gradient's and both moments' float32 copies
+    assert step["cpu"] - step["uncounted"] >= 4 * 2**22 * 4, step
+    assert step["cuda"] - step["cpu"] >= 4 * (embedding - 2**22) * 4, step
 
 
 def test_the_margin_says_what_it_leaves_out_and_a_named_device_gives_memory_and_time(capsys):
