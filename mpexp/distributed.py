@@ -45,6 +45,7 @@ EPOCH_REDUCTIONS: dict[str, Callable] = {
     "perf/data_wait_s": max,  # the slowest rank's data holds every rank back
     "perf/data_wait_share": max,
     "mem/peak_allocated_mib": max,
+    "mem/peak_reserved_mib": max,
     "mem/peak_rss_mib": max,
 }
 
@@ -83,7 +84,11 @@ class World:
         is built (FSDP2 replaces the parameters with sharded ones)."""
         if self.strategy == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
-            return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            # the gradients are views of DDP's buckets, not a second copy of them (mpexp-plan
+            # counts the buckets, held for the whole run)
+            return nn.parallel.DistributedDataParallel(
+                model, device_ids=ids, gradient_as_bucket_view=True
+            )
         if self.strategy == "fsdp":
             return _fully_shard(model, precision, self.device, self.size)
         return model

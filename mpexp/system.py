@@ -81,7 +81,13 @@ def synchronize(device: torch.device) -> None:
 
 
 class PeakMemory:
-    """Peak memory over an interval: CUDA allocator bytes on a GPU, resident set size on CPU."""
+    """Peak memory over an interval: CUDA allocator bytes on a GPU, resident set size on CPU.
+
+    On a GPU also the allocator's reserved bytes (`mem/peak_reserved_mib`): a step captured as
+    a CUDA graph allocates its activations once, in a pool of its own that stays reserved, so
+    the allocated peak of its replays leaves them out; the reserved one is what must fit."""
+
+    RESERVED = "mem/peak_reserved_mib"
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -97,6 +103,13 @@ class PeakMemory:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20
         return _peak_rss_kib() / 1024
+
+    def read(self) -> dict[str, float]:
+        """The interval's peaks by metric name."""
+        row = {self.key: self.read_mib()}
+        if self.device.type == "cuda":
+            row[self.RESERVED] = torch.cuda.max_memory_reserved(self.device) / 2**20
+        return row
 
 
 def _reset_peak_rss() -> None:

@@ -51,6 +51,7 @@ def ddp_run(tmp_path_factory) -> Path:
         *ONE_EPOCH,
         GLOBAL,
         "wandb.mode=offline",
+        "trainer.plan=true",  # rank 0 plans, rank 1 takes its answer
         cwd=cwd,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -72,6 +73,9 @@ def test_ddp_rank_zero_alone_writes_and_the_replicas_stay_identical(ddp_run):
     assert ran["steps_per_epoch"] == STEPS
     # every rank's weights compared bit for bit at the end of training
     assert ran["replicas_identical"] is True
+    # the plan counts DDP's buckets, which hold the gradients (gradient_as_bucket_view)
+    held = ran["plan"]["bytes"]
+    assert held["ddp_buckets"] == ran["bytes_weights"] and held["gradients"] == 0
 
 
 def test_ddp_on_two_ranks_matches_one_process_with_the_same_global_batch(ddp_run, tmp_path):

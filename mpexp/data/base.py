@@ -82,6 +82,12 @@ class TrainingData(ABC):
         sets the data up as a run would)."""
         return None
 
+    def device_bytes(self, device_type: str, batch: int) -> dict[str, int]:
+        """What the data keeps on the training device (`cuda`, `cpu`) beside the batch the step
+        reads, by kind, from the config alone, for `mpexp-plan`; `batch` is one process's step
+        batch. None here: batches are made one at a time."""
+        return {}
+
     @property
     @abstractmethod
     def train_size(self) -> int:
@@ -215,6 +221,22 @@ class InMemoryData(TrainingData):
         Images are N x C x H x W, uint8 or float in [0, 1]; labels are int64.
         """
         raise NotImplementedError
+
+    def planned_sizes(self) -> tuple[int, int] | None:
+        """(training, validation) samples, known without loading them (None: only loading
+        tells)."""
+        return None
+
+    def device_bytes(self, device_type: str, batch: int) -> dict[str, int]:
+        """With `loader=device`, the whole set as the step reads it (float32 images, int64
+        labels) and each epoch's order of it (and its crop and flip draws, where augmented)."""
+        task, sizes = self.planned_task(), self.planned_sizes()
+        if self.loader != "device" or task is None or sizes is None:
+            return {}
+        train, val = sizes
+        image = 4 * task.channels * task.height * task.width
+        order = 8 * train * (1 + 3 * self.augment.active)
+        return {"data": (train + val) * (image + 8) + order}
 
     def setup(
         self, device: torch.device, memory_format: torch.memory_format = torch.contiguous_format

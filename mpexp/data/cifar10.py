@@ -24,6 +24,9 @@ class CIFAR10Data(InMemoryData):
     def planned_task(self) -> Classification:
         return Classification(channels=3, height=32, width=32, num_classes=10)
 
+    def planned_sizes(self) -> tuple[int, int]:
+        return 50_000, 10_000
+
     def load(self) -> tuple[Batch, Batch, int]:
         cls = datasets.CIFAR10
         folder = Path(self.root).expanduser() / cls.base_folder

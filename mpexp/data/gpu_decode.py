@@ -51,6 +51,16 @@ QUARTER_TURNS = (5, 6, 7, 8)
 # the most elements (3 x images x padded height x padded width) resized in one group: 64 M
 # float32 elements are 256 MB, while a batch of 256 ImageNet photos holds about 140 M
 GROUP_ELEMENTS = 64 * 2**20
+# an ImageNet photo decoded, in values (3 x about 500 x 375): what mpexp-plan takes a photo to be
+PHOTO_VALUES = 560_000
+
+
+def working_bytes(batch: int, size: int) -> int:
+    """An estimate of what decoding one batch holds on the device beside the step, for
+    mpexp-plan: the decoded photos (uint8), one group's padded images in uint8 and float32 and
+    its first product (float32), and the batch resized (uint8)."""
+    decoded = batch * PHOTO_VALUES
+    return decoded + min(decoded, GROUP_ELEMENTS) * (1 + 4 + 4) + batch * 3 * size * size
 
 
 def check_decode(decode: str) -> None:

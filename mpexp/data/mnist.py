@@ -28,6 +28,9 @@ class MNISTData(InMemoryData):
     def planned_task(self) -> Classification:
         return Classification(channels=1, height=28, width=28, num_classes=10)
 
+    def planned_sizes(self) -> tuple[int, int]:
+        return 60_000, 10_000  # Fashion-MNIST's too
+
     def load(self) -> tuple[Batch, Batch, int]:
         cls = self.torchvision_class
         raw = Path(self.root).expanduser() / cls.__name__ / "raw"  # where torchvision looks

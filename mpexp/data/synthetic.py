@@ -50,6 +50,9 @@ class SyntheticData(InMemoryData):
         c, h, w = self.shape
         return Classification(channels=c, height=h, width=w, num_classes=self.num_classes)
 
+    def planned_sizes(self) -> tuple[int, int]:
+        return self.sizes
+
     def load(self) -> tuple[Batch, Batch, int]:
         self._check_memory()
         generator = torch.Generator().manual_seed(self.seed)

@@ -83,6 +83,7 @@ class Allocation:
 class Peak:
     nbytes: int = 0
     clock: int = 0
+    base: int = 0  # what was live as its phase started
 
 
 class LiveBytes(TorchDispatchMode):
@@ -165,7 +166,7 @@ class LiveBytes(TorchDispatchMode):
     def start(self, phase: str) -> None:
         """Ops from here on belong to `phase`; its peak starts from what is live now."""
         self.phase = phase
-        self.peaks[phase] = Peak(self.now, self.clock)
+        self.peaks[phase] = Peak(self.now, self.clock, self.now)
 
     def name(self, tensor: torch.Tensor, what: str) -> None:
         """Call the storage behind `tensor` `what` (a weight's, a state's name) in the lists of

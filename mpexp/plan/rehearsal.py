@@ -1,6 +1,8 @@
-"""A run rehearsed on fake tensors: the parts built as `mpexp-train` builds them (model, precision
-with its fp8 conversion or pure bf16 update rounding, loss scaler, optimizer, accumulation), then
-one optimizer step through every micro-batch, the diagnostics' pass and one validation batch,
+"""A run rehearsed on fake tensors: the parts built as `mpexp-train` builds them for the planned
+device (model, precision with its fp8 conversion or pure bf16 update rounding, loss scaler,
+optimizer, accumulation, DDP's buckets, the data it keeps on the device), then two optimizer
+steps (the first makes the optimizer's states, which the second holds throughout, as every
+later step does) through every micro-batch, the diagnostics' pass and one validation batch,
 with every storage followed (mpexp/plan/live_bytes.py) and every matrix product counted.
 
 Fake tensors carry shapes, dtypes and devices but no data: nothing is computed and no data is read
@@ -34,11 +36,13 @@ from mpexp.build import (
 )
 from mpexp.errors import reason
 from mpexp.finetune.prepare import FineTuning, fine_tune, import_peft_if_asked
+from mpexp.plan.held import allocate_data, held_bytes, nothing_held
 from mpexp.plan.live_bytes import LiveBytes
+from mpexp.plan.sharing import Buckets, fsdp_share
 from mpexp.precision.fp8 import convert_to_fp8
 from mpexp.precision.fp32_modules import run_in_float32
 from mpexp.precision.modes import setup_precision
-from mpexp.precision.pure_updates import COMPENSATION, hold_in_bf16
+from mpexp.precision.pure_updates import hold_in_bf16
 from mpexp.precision.scaling import build_scaler
 from mpexp.step import performance
 from mpexp.step.diagnostics import Diagnostics
@@ -62,8 +66,10 @@ class Rehearsal:
     device: str  # the device type rehearsed for: cuda or cpu
     parameters: int
     trainable_parameters: int  # those with gradients and optimizer states
-    bytes: dict[str, int]  # held between steps: weights, gradients, optimizer, buffers, ...
+    bytes: dict[str, int]  # held from step to step, by kind (mpexp/plan/held.py's HELD)
     peak_bytes: dict[str, int | None]  # train_step, validation (None: could not be followed)
+    # what validation allocates beyond what it starts with (beside a captured step's pool)
+    validation_extra: int | None
     largest: dict[str, list[dict]]  # per peak, the largest storages live at it
     flops_per_step: float | None  # matrix products of one optimizer step, forward and backward
     samples_per_step: int
@@ -73,14 +79,17 @@ class Rehearsal:
     missing: dict[str, str] = field(default_factory=dict)  # a number not given -> why
     # values one optimizer step reads on the host (each a host-device synchronisation on a GPU)
     host_reads: int = 0
+    captured: bool = False  # the step runs as a CUDA graph, in a memory pool of its own
+    strategy: str = "single"
+    estimated: list[str] = field(default_factory=list)  # numbers estimated, not rehearsed
 
 
 def rehearse(
     cfg: DictConfig, device_type: str, micro_batches: int | None = None, processes: int = 1
 ) -> Rehearsal:
-    """Build `cfg`'s run on fake tensors as a run on `device_type` would build it, and follow one
-    optimizer step and one validation batch. A config the run would refuse is refused here with
-    the same message (ConfigError).
+    """Build `cfg`'s run on fake tensors as a run on `device_type` would build it, and follow two
+    optimizer steps and one validation batch. A config the run would refuse is refused here
+    with the same message (ConfigError).
 
     `micro_batches` rehearses that many of the step's micro-batches instead of all: from the
     second on, each holds what the one before it held (the gradients being summed into), so two
@@ -89,6 +98,9 @@ def rehearse(
     (mpexp/batches.py), its replica of the model; the FLOPs are all processes'."""
     rewrite_targets(cfg)
     validate(cfg)
+    # pure bf16 counts its lost updates on each log interval's last step, through a float32
+    # workspace: the second rehearsed step is such a step
+    cfg.trainer.log_every = 2
     with quiet():  # the emulation and TF32 warnings speak of this CPU, not of the planned device
         precision = setup_precision(cfg.precision, CPU)
     if device_type == "cuda":  # what runs on the GPU: no emulation, fp8 products in fp8
@@ -107,10 +119,10 @@ def rehearse(
     stage = Stage(
         cfg, data, device_type, BatchSplit(data.batch_size, cfg.trainer.accumulate, processes)
     )
-    with FakeTensorMode(allow_non_fake_inputs=True), stage.tracker:
+    with FakeTensorMode(allow_non_fake_inputs=True), stage.tracker, quiet():
         try:
             stage.build(meta, precision, what, tuning)
-            stage.step(micro_batches)
+            stage.steps(micro_batches)
             stage.validate()
         except RuntimeError as err:
             if not fake_tensor_limit(err):
@@ -133,18 +145,19 @@ class Stage:
         self.accumulate = split.accumulate_per_process
         self.micro = split.micro_batch
         self.rehearsed = self.accumulate
-        self.model = self.optimizer = None
+        self.model = self.optimizer = self.average = self.buckets = None
         self.parameters = self.trainable = 0
-        kinds = ("weights", "gradients", "optimizer", "compensation", "buffers", "weight_average")
-        self.held = dict.fromkeys(kinds, 0)
-        self.average = None
+        self.held = nothing_held()
+        self.extras: dict[str, list[torch.Tensor]] = {}
         self.missing: dict[str, str] = {}
         self.precision_name = ""
+        self.captured = False
+        self.host_reads = 0
         self._handles: list = []
 
     def build(self, meta: torch.nn.Module, precision, what: str, tuning: FineTuning) -> None:
         """The model as the run has it when its first step starts, its loss scaler and
-        optimizer (mpexp/build.py's order)."""
+        optimizer (mpexp/build.py's order), and what the data keeps on the device."""
         cfg, task = self.cfg, self.task
         self.precision_name = precision.mode
         bf16 = torch.bfloat16 if precision.pure is not None else None
@@ -158,53 +171,62 @@ class Stage:
         with model_trial(task, what):
             shape = output_shape(model, task)
         checked(model, shape, task, what)
+        device = torch.device(self.device_type)  # the planned one: no tensor is made there
+        speed = performance.for_model(performance.plan_speed(cfg, device), cfg, model)
+        self.captured = speed.cuda_graph
         fp32_modules = list(cfg.precision.fp32_modules)
         model, precision = convert_to_fp8(model, precision, fp32_modules, compiled=False)
         run_in_float32(model, fp32_modules, precision)
         sharded = cfg.trainer.strategy == "fsdp"
         tuning.hold_frozen(model, precision.autocast_dtype, fp32_modules, sharded)
-        speed = _speed_for(performance.plan_speed(cfg, CPU), cfg, self.device_type)
         if speed.channels_last:  # as the run's model.to(memory_format=...), which fake
             for p in model.parameters():  # parameters refuse (it swaps tensors)
                 if p.dim() == 4:
                     p.data = p.data.contiguous(memory_format=torch.channels_last)
+        if cfg.trainer.strategy == "ddp":  # its buckets, made as it wraps the model
+            self.buckets = Buckets(model)
+            self.extras["ddp_buckets"] = self.buckets.storages()
         skip = cfg.trainer.on_nonfinite_loss == "skip"
         self.scaler = build_scaler(cfg.loss_scaling, precision, CPU, skip)
-        fused = performance.choose_fused(cfg, torch.device(self.device_type), self.scaler, speed)
-        speed = dataclasses.replace(speed, fused=fused)
-        self.optimizer = performance.build_optimizer(cfg, model, CPU, self.scaler, speed)
+        # as the run builds it on the planned device (fused or not, pure bf16's chunks), but
+        # not capturable: its step count would have to be on a GPU
+        uncaptured = dataclasses.replace(speed, cuda_graph=False)
+        self.optimizer = performance.build_optimizer(cfg, model, device, self.scaler, uncaptured)
         self.diagnostics = Diagnostics(
             cfg.diagnostics, model, self.scaler, None, precision, self.optimizer
         )
         # trainer.ema_decay's fp32 copy of the weights, made where the loop makes it
         self.average = weight_average(cfg.trainer, model)
+        if self.average is not None:
+            self.extras["weight_average"] = self.average.average
+        kinds = self.data.device_bytes(self.device_type, self.batch)
+        self.extras.update(allocate_data(self.tracker, kinds))
         self.model, self.precision, self.speed = model, precision, speed
         # what the loop calls: the model with its task's loss, as one module (compiled whole)
         self.objective = Objective(model, task)
         self._handles = self.tracker.watch(model)
 
-    def step(self, micro_batches: int | None) -> None:
-        """One optimizer step through `micro_batches` of the step's micro-batches (all: None),
-        after a first step that makes the optimizer's states."""
+    def steps(self, micro_batches: int | None) -> None:
+        """Two optimizer steps through `micro_batches` of the step's micro-batches each (all:
+        None): the first makes the optimizer's states (and pure bf16's compensation), which
+        the second holds through its forward and backward passes, as every later step does.
+        The step's peak is the larger."""
         inputs, targets = self.task.example(self.batch, CPU)
         if inputs.dim() == 4:  # images, as the data hands them to a channels-last step
             inputs = inputs.contiguous(memory_format=self.speed.memory_format())
-        # a first update makes the optimizer's states (and pure bf16's compensation), which
-        # every later step holds through its forward and backward
-        for p in self.model.parameters():
-            if p.requires_grad:  # frozen weights (model.freeze, LoRA's base) get none
-                p.grad = torch.zeros_like(p)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.tracker.start("train_step")
-        inspect = self.diagnostics.inspector(0)
-        if inspect is not None:  # the diagnostics' pass before the step, where one is due
-            self.diagnostics.measure_attention(0, inputs.chunk(self.accumulate))
-        self.tracker.count_flops = True  # the step's own FLOPs
         self.rehearsed = min(micro_batches or self.accumulate, self.accumulate)
         size = self.rehearsed * self.micro
+        self.tracker.start("train_step")
+        self._train_step(inputs[:size], targets[:size], self.rehearsed, None)
+        first = self.tracker.host_reads.get("train_step", 0)
+        # the diagnostics' pass, where one is due: on the step that holds the states
+        inspect = self.diagnostics.inspector(0)
+        if inspect is not None:
+            self.diagnostics.measure_attention(0, inputs.chunk(self.accumulate))
+        self.tracker.count_flops = True  # one step's FLOPs, and its host reads
         self._train_step(inputs[:size], targets[:size], self.rehearsed, inspect)
         self.tracker.count_flops = False
+        self.host_reads = self.tracker.host_reads.get("train_step", 0) - first
 
     def _train_step(self, inputs, targets, accumulate: int, inspect) -> None:
         clip = self.cfg.trainer.clip_grad_norm
@@ -216,8 +238,11 @@ class Stage:
         self.scaler.update()
         if self.average is not None:  # an update is due at every ema_every-th step
             self.average.after_step(self.average.every)
-        self.held = held_bytes(self.model, self.optimizer, self.tracker, self.average)
+        fp8 = self.precision.fp8.converted if self.precision.fp8 is not None else ()
+        self.held = held_bytes(self.tracker, self.model, self.optimizer, self.extras, fp8)
         self.optimizer.zero_grad(set_to_none=True)  # as the loop does after each step
+        if self.buckets is not None:
+            self.buckets.point()
 
     def validate(self) -> None:
         """One validation batch, as validation runs it: in the step's micro-batches (as many
@@ -245,7 +270,8 @@ class Stage:
         for phase in ("train_step", "validation", "flops_per_step"):
             self.missing[phase] = why
         if self.model is not None:
-            self.held["weights"] = self.tracker.live_bytes(list(self.model.parameters()))
+            weights = self.tracker.live_bytes(list(self.model.parameters()))
+            self.held = {**nothing_held(), "weights": weights}
 
     def stop_watching(self) -> None:
         for handle in self._handles:
@@ -257,6 +283,15 @@ class Stage:
             if phase in self.tracker.peaks and phase not in self.missing else None
             for phase in ("train_step", "validation")
         }  # fmt: skip
+        largest = {phase: self.tracker.largest_at(phase) for phase in peaks if peaks[phase]}
+        extra = None
+        if peaks["validation"] is not None:
+            extra = peaks["validation"] - self.tracker.peaks["validation"].base
+        held, estimated = self.held, []
+        strategy = self.cfg.trainer.strategy
+        if strategy == "fsdp" and self.model is not None and not self.missing:
+            held, peaks = self._fsdp_share(peaks)
+            estimated.append("fsdp")
         tokens = getattr(self.task, "block_size", None)
         counted = "flops_per_step" not in self.missing
         return Rehearsal(
@@ -264,9 +299,10 @@ class Stage:
             device=self.device_type,
             parameters=self.parameters,
             trainable_parameters=self.trainable,
-            bytes=self.held,
+            bytes=held,
             peak_bytes=peaks,
-            largest={phase: self.tracker.largest_at(phase) for phase in peaks if peaks[phase]},
+            validation_extra=extra,
+            largest=largest,
             flops_per_step=self.tracker.flops * self.accumulate / self.rehearsed
             * self.split.processes
             if counted else None,
@@ -275,8 +311,21 @@ class Stage:
             micro_batch=self.micro,
             processes=self.split.processes,
             missing=self.missing,
-            host_reads=self.tracker.host_reads.get("train_step", 0),
+            host_reads=self.host_reads,
+            captured=self.captured,
+            strategy=strategy,
+            estimated=estimated,
         )  # fmt: skip
+
+    def _fsdp_share(self, peaks: dict) -> tuple[dict, dict]:
+        """One FSDP rank's bytes and peaks (mpexp/plan/sharing.py), its units gathered in the
+        autocast dtype and its gradients reduced in float32 (bfloat16 under pure bf16), as
+        mpexp/distributed.py shards the model."""
+        p = self.precision
+        reduce = torch.bfloat16 if p.pure is not None else torch.float32
+        compute = p.autocast_dtype or torch.float32
+        processes = self.split.processes
+        return fsdp_share(self.held, peaks, self.model, compute, reduce, processes)
 
 
 def materialize(meta: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -300,42 +349,6 @@ def materialize(meta: torch.nn.Module, dtype: torch.dtype | None = None) -> torc
                 if t is not None:
                     group[name] = fake(t)
     return meta
-
-
-def _speed_for(speed, cfg: DictConfig, device_type: str):
-    """The memory format a run on `device_type` trains in (channels_last: on by default on CUDA)."""
-    channels_last = cfg.trainer.channels_last
-    if channels_last is None:
-        channels_last = device_type == "cuda"
-    return dataclasses.replace(speed, channels_last=bool(channels_last))
-
-
-def held_bytes(model, optimizer, tracker: LiveBytes, average=None) -> dict[str, int]:
-    """What stays between steps, by kind, each storage counted once; the storages named, so that
-    the lists of the largest tensors say whose they are."""
-    weights = list(model.parameters())
-    names = {id(p): n for n, p in model.named_parameters()}
-    for n, p in model.named_parameters():
-        tracker.name(p, f"weight {n}")
-        if p.grad is not None:
-            tracker.name(p.grad, f"gradient of {n}")
-    grads = [p.grad for p in weights if p.grad is not None]
-    states, compensation = [], []
-    for p, state in optimizer.state.items():
-        for key, value in state.items():
-            if not isinstance(value, torch.Tensor) or value.ndim == 0:
-                continue  # step counters
-            tracker.name(value, f"{key} of {names.get(id(p), 'a parameter')}")
-            (compensation if key == COMPENSATION else states).append(value)
-    return {
-        "weights": tracker.live_bytes(weights),
-        "gradients": tracker.live_bytes(grads),
-        "optimizer": tracker.live_bytes(states + compensation),
-        "compensation": tracker.live_bytes(compensation),
-        # BatchNorm's statistics, fp8's amax histories where a recipe keeps them
-        "buffers": tracker.live_bytes(list(model.buffers())),
-        "weight_average": tracker.live_bytes(average.average) if average is not None else 0,
-    }
 
 
 @contextlib.contextmanager

@@ -1,75 +1,138 @@
 """The plan's rows: each combination of overrides composed as `mpexp-train` composes it,
 rehearsed (mpexp/plan/rehearsal.py), and judged against the device's memory, with the keys that
-would make a row that does not fit fit."""
+would make a row that does not fit fit, each planned again to be sure."""
 
 from __future__ import annotations
 
+import copy
 import itertools
-import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mpexp import config
+from mpexp.plan.advice import fitting_advice
+from mpexp.plan.devices import TYPICAL_MFU, step_seconds
+from mpexp.plan.held import model_bytes
 from mpexp.plan.rehearsal import Rehearsal, rehearse
 from mpexp.resolvers import expand_home, register_resolvers
 
-GiB = 2**30
-# of the device's memory, what a planned peak may take and still fit: the rest is for the CUDA
-# context, cuBLAS and cuDNN workspaces and the caching allocator's fragmentation, none of which
-# torch.cuda.max_memory_allocated (what the plan is checked against) counts
+# of the device's memory, what a plan's need may take and still fit: the rest is for what the
+# plan leaves out (MARGIN_LEAVES_OUT), none of which torch.cuda.max_memory_allocated counts
 USABLE = 0.9
+MARGIN_LEAVES_OUT = (
+    "the CUDA context (0.3 to 1 GiB a process)",
+    "the caching allocator's rounding and fragmentation",
+    "cuBLAS and cuDNN workspaces",
+    "NCCL's buffers under DDP or FSDP",
+    "Inductor's autotuning (trainer.compile_mode=max-autotune)",
+)
 # keys a preset sweeps that change nothing the plan measures
 UNPLANNED_KEYS = ("trainer.seed",)
 
 
+@dataclass(frozen=True)
+class Target:
+    """What rows are planned for: the device type (None: cpu where trainer.device=cpu, else
+    cuda), its memory and name where known (None: the visible GPU's), the processes that share
+    the run (torchrun's), the micro-batches rehearsed of each step (None: all; two reach the
+    peak), and the share of the device's peak a step's time is estimated at."""
+
+    device: str | None = None
+    memory: int | None = None
+    name: str | None = None
+    processes: int = 1
+    micro_batches: int | None = 2
+    mfu: float = TYPICAL_MFU
+
+
 def combinations(overrides: list[str]) -> list[list[str]]:
-    """One list of plain overrides per combination of the comma lists' values."""
+    """One list of plain overrides per combination of the comma lists' values (a value listed
+    twice, once)."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     choices = []
     for text, override in zip(overrides, parsed, strict=True):
         if override.is_sweep_override():
             key = override.get_key_element()
-            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+            values = dict.fromkeys(override.sweep_string_iterator())
+            choices.append([f"{key}={value}" for value in values])
         else:
             choices.append([text])
     return [list(combo) for combo in itertools.product(*choices)]
 
 
 def plan_rows(
-    overrides: list[str],
-    device: str | None = None,
-    device_memory: int | None = None,
-    micro_batches: int | None = None,
-    preset_sweeps: bool = True,
-    processes: int = 1,
+    overrides: list[str], target: Target | None = None, preset_sweeps: bool = True
 ) -> list[dict]:
     """One row per combination of `overrides`' values (and of the values its preset sweeps,
     unless `preset_sweeps` is false)."""
+    target = target or Target()
     config.register()
     register_resolvers()
     rows = []
     with initialize_config_dir(config_dir=str(config.config_dir()), version_base="1.3"):
         for combo in combinations(expand_home(list(overrides))):
-            for own in with_preset_sweeps(combo) if preset_sweeps else [combo]:
-                full = compose(config_name="train", overrides=own, return_hydra_config=True)
+            full = compose(config_name="train", overrides=combo, return_hydra_config=True)
+            for own in with_preset_sweeps(combo, full) if preset_sweeps else [combo]:
+                if own != combo:
+                    full = compose(config_name="train", overrides=own, return_hydra_config=True)
                 choices = full.hydra.runtime.choices
-                cfg = compose(config_name="train", overrides=own)
-                device_type = device or ("cpu" if cfg.trainer.device == "cpu" else "cuda")
-                memory = device_memory or visible_memory(device_type)
-                rehearsal = rehearse(cfg, device_type, micro_batches, processes)
-                rows.append(row(own, choices.get("precision"), rehearsal, memory))
+                rows.append(plan_one(without_hydra(full), own, choices.get("precision"), target))
     return rows
 
 
-def with_preset_sweeps(overrides: list[str]) -> list[list[str]]:
-    """`overrides` once per combination of the values its preset sweeps (`hydra.sweeper.params`,
-    as `-m` would run them), leaving out those the overrides set themselves and seeds."""
-    full = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+def without_hydra(full: DictConfig) -> DictConfig:
+    """The config as mpexp-train's run gets it, from one composed with Hydra's own node (one
+    composition less: each takes a second)."""
+    cfg = copy.deepcopy(full)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def plan_one(cfg: DictConfig, overrides: list[str], precision: str | None, target: Target) -> dict:
+    """The row of one composed config (left as it was), its advice planned again."""
+    device_type = target.device or ("cpu" if cfg.trainer.device == "cpu" else "cuda")
+    memory, name = target.memory, target.name
+    if memory is None:
+        memory, name = visible_device(device_type)
+    again = replanner(cfg, device_type, target)
+    rehearsal = again({})
+    judged = row(overrides, precision, rehearsal, memory)
+    if judged["fits"] is False:
+        judged["advice"] = fitting_advice(rehearsal, USABLE * memory, again, need)
+    seconds = step_seconds(
+        judged["flops_per_step"], name, judged["precision"], rehearsal.processes, target.mfu
+    )
+    judged["device_name"] = name
+    judged["seconds_per_step"] = seconds  # an estimate
+    judged["mfu_assumed"] = target.mfu if seconds is not None else None
+    return judged
+
+
+def replanner(cfg: DictConfig, device_type: str, target: Target) -> Callable[[dict], Rehearsal]:
+    """`cfg` rehearsed with some keys set otherwise ({"trainer.accumulate": 8}), each time on
+    a copy of its own (a rehearsal rewrites the config it is given)."""
+
+    def again(keys: dict) -> Rehearsal:
+        own = copy.deepcopy(cfg)
+        for key, value in keys.items():
+            OmegaConf.update(own, key, value)
+        return rehearse(own, device_type, target.micro_batches, target.processes)
+
+    return again
+
+
+def with_preset_sweeps(overrides: list[str], full: DictConfig) -> list[list[str]]:
+    """`overrides` once per combination of the values its preset sweeps (`hydra.sweeper.params`
+    of `full`, their composition, as `-m` would run them), leaving out those the overrides set
+    themselves and seeds."""
     params = OmegaConf.select(full, "hydra.sweeper.params") or {}
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     swept = [
@@ -90,11 +153,25 @@ def with_preset_sweeps(overrides: list[str]) -> list[list[str]]:
     return [overrides + combo for combo in combinations(listed)] if listed else [overrides]
 
 
-def visible_memory(device_type: str) -> int | None:
-    """The visible GPU's memory, where the plan is for one and there is one."""
+def visible_device(device_type: str) -> tuple[int | None, str | None]:
+    """The visible GPU's memory and name, where the plan is for one and there is one."""
     if device_type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return None
+        properties = torch.cuda.get_device_properties(0)
+        return properties.total_memory, properties.name
+    return None, None
+
+
+def need(rehearsal: Rehearsal) -> int | None:
+    """What the device must hold for the run: the larger of its peaks; for a step captured as
+    a CUDA graph, whose pool stays reserved while validation (and the diagnostics' pass) run
+    eagerly beside it, the step's peak and what validation allocates on top of what it starts
+    with. None where the peaks could not be followed."""
+    step, validation = rehearsal.peak_bytes["train_step"], rehearsal.peak_bytes["validation"]
+    if step is None or validation is None:
+        return None
+    if rehearsal.captured and rehearsal.validation_extra is not None:
+        return step + rehearsal.validation_extra
+    return max(step, validation)
 
 
 def row(
@@ -103,10 +180,10 @@ def row(
     rehearsal: Rehearsal,
     memory: int | None,
 ) -> dict:
-    """A row of the plan, as printed and as `--json` writes it."""
-    peaks = [p for p in rehearsal.peak_bytes.values() if p is not None]
-    peak = max(peaks) if peaks else None
-    fits = None if memory is None or peak is None else peak <= USABLE * memory
+    """A row of the plan, as printed and as `--json` writes it (its advice: `plan_one`'s)."""
+    needed = need(rehearsal)
+    fits = None if memory is None or needed is None else needed <= USABLE * memory
+    planned = not rehearsal.missing
     return {
         "overrides": list(overrides),
         "precision": precision or rehearsal.precision,
@@ -114,8 +191,15 @@ def row(
         "parameters": rehearsal.parameters,
         "trainable_parameters": rehearsal.trainable_parameters,
         "bytes": rehearsal.bytes,
-        "bytes_per_parameter": round(held(rehearsal.bytes) / max(rehearsal.parameters, 1), 2),
+        # where the step could not be followed, what it holds is not known either
+        "bytes_per_parameter": round(model_bytes(rehearsal.bytes) / max(rehearsal.parameters, 1), 2)
+        if planned
+        else None,
         "peak_bytes": rehearsal.peak_bytes,
+        "need_bytes": needed,
+        "captured": rehearsal.captured,
+        "strategy": rehearsal.strategy,
+        "estimated": rehearsal.estimated,
         "largest": rehearsal.largest,
         "flops_per_step": rehearsal.flops_per_step,
         "samples_per_step": rehearsal.samples_per_step,
@@ -124,53 +208,19 @@ def row(
         "processes": rehearsal.processes,
         "device_memory": memory,
         "fits": fits,
-        "advice": advice(rehearsal, memory) if fits is False else [],
+        "advice": [],
         "missing": rehearsal.missing,
         "host_reads_per_step": rehearsal.host_reads,
     }
 
 
-def held(b: dict[str, int]) -> int:
-    """Bytes held between steps, of a row's `bytes` (the compensation is among the optimizer's)."""
-    return b["weights"] + b["gradients"] + b["optimizer"] + b["buffers"] + b["weight_average"]
-
-
-def advice(rehearsal: Rehearsal, memory: int) -> list[str]:
-    """The keys that would make a row fit, estimated from the row's own numbers: what a step
-    holds beyond its weights, gradients and states grows with its micro-batch. Under torchrun
-    (`processes`), each process runs its share: the keys keep the shares whole."""
-    budget = USABLE * memory
-    kept = held(rehearsal.bytes)
-    if kept >= budget:
-        per = kept / max(rehearsal.parameters, 1)
-        out = [
-            f"the weights, gradients and optimizer states alone hold {kept / GiB:.1f} GiB "
-            f"({per:.0f} bytes a parameter): a smaller model"
-        ]
-        if per > 9:
-            out.append("precision=bf16_pure (8 bytes a parameter under Adam)")
-        return out
-    n = rehearsal.processes
-    share = rehearsal.samples_per_step // n  # one process's samples a step
-    runs = share // rehearsal.micro_batch  # and its micro-batches
-    peak = max(p for p in rehearsal.peak_bytes.values() if p is not None)
-    shrink = (peak - kept) / (budget - kept)  # the micro-batch must be this many times less
-    out = []
-    steps = next((d for d in range(math.ceil(runs * shrink), share + 1) if share % d == 0), None)
-    if steps is not None and steps > runs:
-        out.append(
-            f"trainer.accumulate={steps * n} (micro-batches of {share // steps}; about "
-            f"{kept / GiB + (peak - kept) * runs / steps / GiB:.1f} GiB at the peak)"
-        )
-    smaller = int(share / shrink) // runs * runs * n
-    if smaller >= runs * n:
-        out.append(f"dataset.batch_size={smaller} (a smaller optimizer batch)")
-    return out
-
-
 def composition_error(err: BaseException) -> str | None:
-    """The one message Hydra's composition gives (an unknown option, a bad override), as
-    mpexp-train prints it; None for an error that is no such mistake."""
-    if isinstance(err, HydraException | OmegaConfBaseException):
-        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return None
+    """The message Hydra's composition gives (an unknown option, a mistyped key, a bad
+    override), whole, as mpexp-train prints it (Hydra's run_and_report: the error, then the
+    OmegaConf error behind it); None for an error that is no such mistake."""
+    if not isinstance(err, HydraException | OmegaConfBaseException):
+        return None
+    said = [str(err).strip() or type(err).__name__]
+    if isinstance(err.__cause__, OmegaConfBaseException):
+        said.append(str(err.__cause__).rstrip())
+    return "\n".join(said)

@@ -367,7 +367,7 @@ class PureAdam(PureOptimizer):
             return None
         # torch's single-tensor Adam reads the count on the host and works in Python floats
         beta1, beta2 = group["betas"]
-        count = step.item()
+        count = max(step.item(), 1)  # mpexp-plan's fake tensors read as 0
         lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
         step_size = lr / (1 - beta1**count)
         return lr, step_size, (1 - beta2**count) ** 0.5
@@ -511,13 +511,13 @@ PURE_OPTIMIZERS = {
 
 
 def build_pure(
-    target: str, settings: dict, params, cfg, fused: bool, captured: bool = False
+    target: str, settings: dict, params, cfg, fused: bool, captured: bool = False, chunk: int = 0
 ) -> PureOptimizer:
     """Pure bf16's optimizer for the `optimizer` group's `target` (torch.optim.Adam, AdamW,
     SGD) with its `settings`, rounding as `cfg.precision` says and counting lost updates unless
     `diagnostics.updates_lost=false` (which changes nothing else): on the last step of each
     `trainer.log_every`, or on every step of one `captured` in a CUDA graph, whose replays all
-    run the same kernels."""
+    run the same kernels. `chunk`: the training device's (0: the parameters' device's)."""
     cls, fixed = PURE_OPTIMIZERS[target]
     p = cfg.precision
     states = torch.float32 if p.optimizer_states == "float32" else torch.bfloat16
@@ -542,6 +542,7 @@ def build_pure(
         seed=cfg.trainer.seed + _shard_rank(cfg),
         count=cfg.diagnostics.get("updates_lost") is not False,
         count_every=1 if captured else int(cfg.trainer.log_every),
+        chunk=chunk,
     )
     if cls is PureAdam:
         warn_frozen_second_moment(rounding, states, float(kwargs.get("betas", (0.9, 0.999))[1]))

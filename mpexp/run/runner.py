@@ -75,7 +75,7 @@ def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSig
         refuse_if_taken(run.run_dir, restart=cfg.trainer.resume == AUTO)
     stop_if_asked(stop, world, run, "as the run started")  # e.g. while torch was imported
     # on a GPU, the run rehearsed on fake tensors first: one that cannot fit stops here
-    plan = plan_run(cfg, world.device, world.size)
+    plan = plan_run(cfg, world, run.run_dir)
     seed_everything(cfg.trainer.seed)
     built = build_parts(cfg, world, run.choices)
     data, model, precision, scaler = built.data, built.model, built.precision, built.scaler

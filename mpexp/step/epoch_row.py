@@ -58,7 +58,7 @@ class EpochRows:
             "samples": self.state.samples_seen,
             # the set-up steps' samples are left out with their time
             "perf/samples_per_s": (interval.samples - setup[0] * p.data.batch_size) / epoch_time,
-            self.memory.key: self.memory.read_mib(),
+            **self.memory.read(),
             "perf/data_wait_s": data_wait,
             "perf/data_wait_share": min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
         }

@@ -210,7 +210,7 @@ def build_optimizer(
     """
     if cfg.precision.get("weights") == "bfloat16":
         asked = cfg.optimizer.get("fused") if speed is None else speed.fused
-        return _pure_optimizer(cfg, model, asked, speed is not None and speed.cuda_graph)
+        return _pure_optimizer(cfg, model, asked, speed is not None and speed.cuda_graph, device)
     fused = choose_fused(cfg, device, scaler, speed)
     extra = {}
     if speed is not None and speed.cuda_graph:
@@ -240,15 +240,22 @@ def choose_fused(cfg: DictConfig, device: torch.device, scaler, speed: Speed | N
     return device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
 
 
-def _pure_optimizer(cfg: DictConfig, model: nn.Module, fused: bool | None, captured: bool):
+def _pure_optimizer(
+    cfg: DictConfig, model: nn.Module, fused: bool | None, captured: bool, device: torch.device
+):
     """Pure bf16's own optimizer (mpexp/precision/pure_optimizers.py): fused by default on
     every device, as its update takes no host read then (torch's fused kernel, a chunk at a
-    time), and with `optimizer.fused=false` the op-by-op formula of torch's unfused step."""
+    time, the chunk `device`'s), and with `optimizer.fused=false` the op-by-op formula of
+    torch's unfused step."""
     spec = optimizer_spec(cfg.optimizer)
     settings = {k: v for k, v in spec.items() if k not in ("_target_", "_partial_", "fused")}
     params = parameter_groups(model, cfg.optimizer)
     fused = True if fused is None else bool(fused)
-    return pure_optimizers.build_pure(spec["_target_"], settings, params, cfg, fused, captured)
+    # the device's chunk, not its parameters': mpexp-plan builds it on the CPU for a GPU run
+    chunk = pure_optimizers.CUDA_CHUNK if device.type == "cuda" else pure_optimizers.CPU_CHUNK
+    return pure_optimizers.build_pure(
+        spec["_target_"], settings, params, cfg, fused, captured, chunk
+    )
 
 
 # keys of the optimizer group that are mpexp's own, not arguments of the optimizer

@@ -91,6 +91,17 @@ class ImageFolderData(TrainingData):
         s = self.image_size
         return Classification(channels=3, height=s, width=s, num_classes=len(classes))
 
+    def device_bytes(self, device_type: str, batch: int) -> dict[str, int]:
+        """On CUDA, the next batch (uint8 images, labels and indices), copied while the step
+        runs; with its JPEGs decoded on the GPU (decode=gpu, or auto, which does so for a
+        folder of JPEGs), what decoding it holds (an estimate: gpu_decode.working_bytes)."""
+        if device_type != "cuda":
+            return {}
+        held = {"next_batch": batch * (3 * self.image_size**2 + 16)}
+        if self.cache != "resized" and self.decode in ("gpu", "auto"):
+            held["gpu_decoder"] = gpu_decode.working_bytes(batch, self.image_size)
+        return held
+
     # --- setup --------------------------------------------------------------------------------
 
     def setup(
