@@ -5,6 +5,7 @@ installs."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -13,6 +14,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from mpexp.config import SimpleCNNConfig
 from mpexp.errors import ConfigError
 from mpexp.resolvers import quote_run_dirs
+from mpexp.run.last_line import last_line
+from mpexp.tasks.language_model import LanguageModelling
 from mpexp.validate import check_schema
 from tests.conftest import ROOT, make_cfg, one_line_failure
 
@@ -89,3 +92,20 @@ def test_the_commands_the_docs_name_are_those_the_package_installs():
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         named = set(re.findall(r"\bmpexp-[a-z]+\b", page.read_text()))
         assert named <= scripts, f"{page.name} names {named - scripts}, which no script installs"
+
+
+def test_a_runs_last_line_names_its_result_final_and_best_its_time_and_folder(tmp_path):
+    """A language model trained to a step budget, validated twice: its loss got worse at the
+    end, so the best is not the last."""
+    rows = [
+        {"step": 4, "train/loss": 3.1},
+        {"epoch": 1, "step": 4, "val/loss": 2.5, "perf/epoch_time_s": 1.5, "perf/compile_s": 0.5},
+        {"epoch": 1, "step": 8, "val/loss": 2.75, "perf/epoch_time_s": 1.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"ran": {"task": LanguageModelling.result.record()}, "val/loss": 2.75, "step": 8,
+               "epoch": 1}  # fmt: skip
+    assert last_line(tmp_path, summary, 7.25, by_steps=True) == (
+        "Done: val/loss 2.7500 nats (best 2.5000 nats at step 4) | 8 steps, 3.0 s of training "
+        f"(this command: 7.2 s) | {tmp_path}"
+    )

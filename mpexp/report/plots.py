@@ -140,11 +140,11 @@ def _progress(configs: list[Config]) -> tuple[str, str]:
     return ("step", "step") if _by_steps(configs) else ("epoch", "epoch")
 
 
-def result(configs: list[Config], targets: bool = True, asked: bool = False) -> Figure:
+def result(configs: list[Config], asked: bool = False) -> Figure:
     """The result (the task's metric: val accuracy, a language model's val loss) per epoch (per
-    step for step-budget runs) and against training time; with `targets`, the targets of time to
-    target (`asked`: one given with --target, else each fp32 reference's). Configurations judged
-    by another metric than the first's are left out: one axis holds one quantity."""
+    step for step-budget runs) and against training time, with the targets of time to target
+    (`asked`: one given with --target, else each fp32 reference's). Configurations judged by
+    another metric than the first's are left out: one axis holds one quantity."""
     spec = configs[0].spec
     key, words = _progress(configs)
     fig = Figure(figsize=(11, 4.8), layout="constrained")
@@ -161,7 +161,7 @@ def result(configs: list[Config], targets: bool = True, asked: bool = False) -> 
             layer = _layer(config.is_reference)
             per_progress.plot([e[key] for e in epochs], values, **_style(i), **layer)
             per_time.plot(times, values, **_style(i), **layer)
-    extra = _targets(shown, (per_progress, per_time), asked) if targets else []
+    extra = _targets(shown, (per_progress, per_time), asked)
     ylabel = f"{spec.name} ({spec.shown_in})"
     per_progress.set(xlabel=words, ylabel=ylabel, title=f"{spec.metric} per {words}")
     per_progress.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -30,7 +30,7 @@ def last_line(run_dir: Path, summary: dict[str, Any], seconds: float, by_steps: 
         for row in rows[1:]:
             if result.better(row[result.metric], best[result.metric]):
                 best = row
-        by_epoch = len({row["epoch"] for row in rows}) == len(rows)
+        by_epoch = not by_steps and len({row["epoch"] for row in rows}) == len(rows)
         where = f"epoch {best['epoch']}" if by_epoch else f"step {best['step']}"
         shown += f" (best {_value(result, best[result.metric])} at {where})"
     trained = sum(r.get("perf/epoch_time_s", 0.0) + r.get("perf/compile_s", 0.0) for r in rows)
