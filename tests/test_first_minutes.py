@@ -105,7 +105,7 @@ def test_a_runs_last_line_names_its_result_final_and_best_its_time_and_folder(tm
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = {"ran": {"task": LanguageModelling.result.record()}, "val/loss": 2.75, "step": 8,
                "epoch": 1}  # fmt: skip
-    assert last_line(tmp_path, summary, 7.25, by_steps=True) == (
+    assert last_line(str(tmp_path), summary, 7.25, by_steps=True) == (  # as Python may give it
         "Done: val/loss 2.7500 nats (best 2.5000 nats at step 4) | 8 steps, 3.0 s of training "
         f"(this command: 7.2 s) | {tmp_path}"
     )

@@ -32,8 +32,12 @@ def labelled(ax) -> list:
     return [line for line in ax.get_lines() if not line.get_label().startswith("_")]
 
 
-def test_every_axis_says_what_it_holds(coinciding):
-    for name, (figure, _) in plots.figures(coinciding).items():
+def test_every_axis_says_what_it_holds(coinciding, tmp_path):
+    make_run(tmp_path, "0", "fp32", 0, ACCS, [3.0, 1.0, 1.0, 1.0])
+    make_run(tmp_path, "1", "fp16", 0, ACCS, [3.0, 1.0, 1.0, 1.0], loss_scaling="dynamic")
+    scaled = plots.figures(build_report([tmp_path]))
+    assert "loss_scale" in scaled
+    for name, (figure, _) in [*plots.figures(coinciding).items(), *scaled.items()]:
         for ax in figure.axes:
             if ax.get_label() == "<colorbar>":
                 continue

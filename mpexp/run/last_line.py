@@ -19,9 +19,10 @@ from typing import Any
 from mpexp.tasks.base import Result
 
 
-def last_line(run_dir: Path, summary: dict[str, Any], seconds: float, by_steps: bool) -> str:
+def last_line(run_dir: Path | str, summary: dict[str, Any], seconds: float, by_steps: bool) -> str:
     """The line, from the run's folder and final summary; `seconds` this command took,
     `by_steps` for a run of a step budget (trainer.max_steps): its length in steps."""
+    run_dir = Path(run_dir)  # a run started from Python may name it as a string
     result = Result.from_record(summary["ran"]["task"])
     rows = _validations(run_dir / "metrics.jsonl", result.metric)
     shown = f"{result.metric} {_value(result, summary[result.metric])}"
