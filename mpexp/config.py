@@ -586,7 +586,7 @@ def unknown_keys(cfg: DictConfig, prefix: str = "", schema: type | None = None) 
     declared = {f.name for f in fields(schema)} if is_dataclass(schema) else None
     for key in cfg:
         name = f"{prefix}{key}"
-        if declared is not None and key not in declared:
+        if declared is not None and key not in declared and not accepts_key(schema, str(key)):
             close = difflib.get_close_matches(str(key), sorted(declared), n=1)
             found.append(f"{name} (did you mean {prefix}{close[0]}?)" if close else name)
             continue
@@ -594,3 +594,12 @@ def unknown_keys(cfg: DictConfig, prefix: str = "", schema: type | None = None) 
         if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
             found += unknown_keys(node, f"{name}.")
     return found
+
+
+def accepts_key(schema: type | None, key: str) -> bool:
+    """Whether a schema takes `key` beyond its fields: a schema class says so with a classmethod
+    `accepts_key(key) -> bool` (a model option whose keys go on to another library's config);
+    none does by default. `model.<key>=value` is then added as `++model.<key>=value` would be
+    (mpexp/run/composition.py), and no check calls it unknown."""
+    accepts = getattr(schema, "accepts_key", None)
+    return bool(accepts is not None and accepts(key))

@@ -1,6 +1,6 @@
 """What conf/ asks mpexp to resolve as a config is composed, for every command that composes a
-run's (mpexp-train, mpexp-plan, mpexp-cache), and the `~` in overrides written out before Hydra
-parses them.
+run's (mpexp-train, mpexp-plan, mpexp-cache), and what overrides need before Hydra parses them:
+the `~` written out, a run directory given to trainer.resume quoted.
 
 `hydra.run.dir` in conf/train.yaml goes through the `mpexp.run_dir` resolver, so
 `trainer.resume=<run dir>` continues in that directory: one metrics.jsonl, one train.log.
@@ -13,8 +13,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from mpexp import job_names
 from mpexp.errors import ConfigError
-from mpexp.rundir import AUTO, run_dir_of
+from mpexp.rundir import AUTO, hydra_quoted, run_dir_of
 
 
 def resumed_run_dir(resume: str | None, default: str) -> str:
@@ -79,7 +80,29 @@ def expand_home(overrides: list[str]) -> list[str]:
     return out
 
 
+def job_folder(num: int) -> str:
+    """A sweep job's folder in the sweep's, named by its swept overrides (mpexp/job_names.py)."""
+    from hydra.core.hydra_config import HydraConfig  # set by Hydra as it resolves the job's dir
+
+    return job_names.job_folder(num, HydraConfig.get())
+
+
+def quote_run_dirs(overrides: list[str]) -> list[str]:
+    """`trainer.resume=<run dir>` with the path quoted as Hydra's grammar needs where its name
+    holds `=` or `,` (a sweep job's folder, `0_precision=fp32,trainer.seed=0`); a path that
+    does not exist (a sweep over several, `auto`) is left as it is."""
+    out = []
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        quoted = value[:1] in ("'", '"')
+        if sep and key.lstrip("+") == "trainer.resume" and not quoted and Path(value).exists():
+            arg = f"{key}={hydra_quoted(value)}"
+        out.append(arg)
+    return out
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("mpexp.run_dir", resumed_run_dir, replace=True)
+    OmegaConf.register_new_resolver("mpexp.job_dir", job_folder, replace=True)
     OmegaConf.register_new_resolver("mpexp.result_direction", result_direction, replace=True)
     OmegaConf.register_new_resolver("mpexp.sweep_precisions", sweep_precisions, replace=True)

@@ -33,9 +33,11 @@ from omegaconf import DictConfig
 
 from mpexp import config
 from mpexp.errors import ConfigError, ResumeRefused, UserError
+from mpexp.job_names import job_name
 from mpexp.launch import is_rank_zero, launched_processes
-from mpexp.resolvers import expand_home, register_resolvers
-from mpexp.run.hydra_hooks import put_back_run_record, remove_unstarted_run_dir, sweep_job_name
+from mpexp.resolvers import expand_home, quote_run_dirs, register_resolvers
+from mpexp.run.composition import composed, composing
+from mpexp.run.hydra_hooks import put_back_run_record, remove_unstarted_run_dir
 from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
 from mpexp.stopping import Preempted, preemption_signal
 from mpexp.tracking.records import record_end
@@ -58,7 +60,7 @@ def run_context(cfg: DictConfig) -> RunContext:
         group = sweep_group(Path(hc.sweep.dir))
     return RunContext(
         run_dir=Path(hc.runtime.output_dir),
-        name=sweep_job_name(hc) if sweep else choices.get("experiment") or "train",
+        name=job_name(hc) if sweep else choices.get("experiment") or "train",
         group=group,
         tags=list(cfg.wandb.tags),
         overrides=list(hc.overrides.task),
@@ -69,6 +71,7 @@ def run_context(cfg: DictConfig) -> RunContext:
 
 @hydra.main(version_base="1.3", config_path=str(config.config_dir()), config_name="train")
 def main(cfg: DictConfig) -> float:
+    composed()  # from here on Hydra reports a job's errors its own way
     run = run_context(cfg)
     try:
         from mpexp.run.runner import train  # torch and the rest: only now that a run starts
@@ -135,7 +138,8 @@ def cli() -> None:
 
 
 def _command() -> None:
-    sys.argv[1:] = expand_home(sys.argv[1:])  # dataset.path=~/corpus.txt
+    # dataset.path=~/corpus.txt; trainer.resume=<a sweep job's folder, named with = and ,>
+    sys.argv[1:] = quote_run_dirs(expand_home(sys.argv[1:]))
     if launched_processes() > 1:  # under torchrun only rank 0 writes
         from mpexp.distributed import hydra_overrides_for_rank
 
@@ -149,7 +153,7 @@ def _command() -> None:
     stop = StopSignals.active() or StopSignals().__enter__()
     stop.before_start = False  # a second signal now raises KeyboardInterrupt, caught below
     try:
-        main()
+        composing(main)  # a mistyped key: mpexp's one message, not Hydra's advice to add it
     except KeyboardInterrupt:  # a second Ctrl-C before the run started
         sys.stderr.write(INTERRUPTED_BEFORE_START)
         raise SystemExit(128 + signal.SIGINT) from None

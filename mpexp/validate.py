@@ -44,10 +44,16 @@ def check_schema(cfg: DictConfig) -> None:
     """Refuse keys that no schema declares (Hydra's `+key=value` adds them past the schema)."""
     unknown = unknown_keys(cfg, schema=TrainConfig)
     if unknown:
-        raise ConfigError(
-            f"Unknown config key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}. "
-            f"`{shlex.join([*train_command(), '--cfg', 'job'])}` lists every key."
-        )
+        raise unknown_keys_error(unknown)
+
+
+def unknown_keys_error(unknown: list[str]) -> ConfigError:
+    """The one message for keys no schema declares, each with its suggestion (`trainer.epoch
+    (did you mean trainer.epochs?)`): here, and for a mistyped override (run/composition.py)."""
+    return ConfigError(
+        f"Unknown config key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}. "
+        f"`{shlex.join([*train_command(), '--cfg', 'job'])}` lists every key."
+    )
 
 
 def validate(cfg: DictConfig) -> None:

@@ -194,7 +194,7 @@ def test_two_runs_started_together_get_a_directory_each(tmp_path):
 
 
 def test_a_new_run_is_refused_a_directory_that_holds_a_run(tmp_path, in_process):
-    run_dir = tmp_path / "sweep" / "0"  # also where a sweep's first job would go
+    run_dir = tmp_path / "sweep" / "0"
     train(make_cfg(*ARGS, "trainer.epochs=1"), RunContext(run_dir))  # the run it holds
     before = {p.name: p.read_bytes() for p in (run_dir / "metrics.jsonl", run_dir / "summary.json")}
     (saved,) = checkpoint_files(run_dir)

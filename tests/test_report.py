@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -19,6 +20,7 @@ from mpexp.run.runner import train
 from mpexp.tasks.base import ACCURACY
 from mpexp.tracking.run_context import RunContext
 from tests.conftest import TINY, make_cfg, run_cli
+from tests.test_first_minutes import documented_run, shape
 from tests.test_training import read_metrics
 from tests.test_wandb import final_run, final_summary, leet_records
 
@@ -40,6 +42,12 @@ def read_table(report_md: Path, section: str) -> list[dict[str, str]]:
 def sweep_dir(cwd: Path) -> Path:
     (sweep,) = (cwd / "outputs" / "multirun").glob("*/*")
     return sweep
+
+
+def job_dir(sweep: Path, job: int) -> Path:
+    """A sweep job's folder: its number, then the overrides the sweep varies."""
+    (found,) = [p for p in sweep.iterdir() if p.is_dir() and p.name.split("_")[0] == str(job)]
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +105,30 @@ def assert_pngs(sweep: Path, names: list[str]) -> None:
 
 def test_multirun_ends_with_the_report_and_its_plots(precision_sweep):
     sweep, stdout = precision_sweep
-    assert f"Sweep report: {sweep / 'report.md'}" in stdout
+    # the last line names the report, after the bottom line
+    assert stdout.strip().splitlines()[-1].startswith(f"Sweep report: {sweep / 'report.md'}")
+    assert "Bottom line:\n  precision=tf32: " in stdout
+    # each job's folder is named by its number and the override the sweep varies
+    jobs = sorted(p.name for p in sweep.iterdir() if p.name[0].isdigit())
+    assert jobs == [f"{k}_precision={p}" for k, p in enumerate(PRECISIONS)]
     assert_pngs(sweep, ["result", "loss_curves", "epoch_time", "peak_memory", "loss_scale"])
     text = (sweep / "report.md").read_text()
     assert not (sweep / "underflow.png").exists()
     assert "No run recorded gradient statistics, so there is no underflow plot" in text
+
+
+def test_a_job_prints_the_first_and_last_lines_getting_started_shows(precision_sweep):
+    """The quickstart's lines, from the sweep's first job (experiment=quickstart in fp32): the
+    line that starts training and the last one, what it reached and where it is."""
+    sweep, output = precision_sweep
+    first, last = documented_run()
+    printed = [line for line in output.splitlines() if "][mpexp" in line]
+    job = printed[: next(k for k, line in enumerate(printed) if "Done: " in line) + 1]
+    assert shape(job[0]) == shape(first)
+    assert shape(job[-1]) == shape(last)
+    folder = job_dir(sweep, 0).relative_to(sweep.parents[3])  # from where the sweep ran
+    assert job[-1].endswith(f"| {folder}")
+    assert re.search(r"Done: val/acc [\d.]+ % \(best [\d.]+ % at epoch \d\)", job[-1])
 
 
 def test_a_sweeps_jobs_are_wandb_runs_named_tagged_and_reported(precision_sweep):
@@ -109,9 +136,9 @@ def test_a_sweeps_jobs_are_wandb_runs_named_tagged_and_reported(precision_sweep)
     group = f"sweep-{sweep.parent.name}_{sweep.name}"
     runs = []
     for job in range(4):
-        (wandb_dir,) = (sweep / str(job) / "wandb").glob("offline-run-*")
+        (wandb_dir,) = (job_dir(sweep, job) / "wandb").glob("offline-run-*")
         runs.append(final_run(leet_records(wandb_dir)))
-        summary = json.loads((sweep / str(job) / "summary.json").read_text())
+        summary = json.loads((job_dir(sweep, job) / "summary.json").read_text())
         assert summary["status"] == "finished"
         assert summary["ran"]["choices"]["experiment"] == "quickstart"
 
@@ -126,7 +153,12 @@ def test_a_sweeps_jobs_are_wandb_runs_named_tagged_and_reported(precision_sweep)
 
     # the report is a W&B run of its own in the same group, holding the table
     (report_dir,) = (sweep / "wandb-report" / "wandb").glob("offline-run-*")
-    report = final_run(leet_records(report_dir))
+    records = leet_records(report_dir)
+    report = final_run(records)
+    # its summary holds report.md's bottom line
+    bottom = (sweep / "report.md").read_text().split("## Bottom line\n\n", 1)[1]
+    assert final_summary(records)["report/bottom_line"] in bottom
+    assert final_summary(records)["report/bottom_line"].startswith("- **precision=tf32**: ")
     assert (report["display_name"], report["job_type"], report["run_group"]) == (
         "report",
         "report",
@@ -164,13 +196,13 @@ def test_tables_hold_the_numbers_in_the_runs_metrics(precision_sweep):
     accuracy = read_table(sweep / "report.md", "Accuracy against fp32")
     speed = read_table(sweep / "report.md", "Speed")
     runs = read_table(sweep / "report.md", "Runs")
-    jobs = sorted(p for p in sweep.iterdir() if p.name.isdigit())
+    jobs = [job_dir(sweep, k) for k in range(len(PRECISIONS))]
     assert [row["configuration"] for row in accuracy] == [f"precision={p}" for p in PRECISIONS]
     emulated = [json.loads((job / "summary.json").read_text())["ran"]["emulated"] for job in jobs]
     assert [row["configuration"] for row in speed] == [  # † marks an emulated 16-bit precision
         f"precision={p}{' †' if e else ''}" for p, e in zip(PRECISIONS, emulated, strict=True)
     ]
-    assert [row["run"] for row in runs] == [f"{i} precision={p}" for i, p in enumerate(PRECISIONS)]
+    assert [row["run"] for row in runs] == [f"{i}_precision={p}" for i, p in enumerate(PRECISIONS)]
 
     def numbers(job: Path) -> dict:
         steps, epochs = read_metrics(job)
@@ -224,7 +256,7 @@ def test_tables_hold_the_numbers_in_the_runs_metrics(precision_sweep):
 
 def test_wandb_runs_hold_what_ran_and_plot_against_epoch_and_step(precision_sweep):
     sweep, _ = precision_sweep
-    fp16_job = sweep / "2"
+    fp16_job = job_dir(sweep, 2)
     (wandb_dir,) = (fp16_job / "wandb").glob("offline-run-*")
     records = leet_records(wandb_dir)
 
@@ -246,7 +278,8 @@ def test_wandb_runs_hold_what_ran_and_plot_against_epoch_and_step(precision_swee
 @pytest.fixture(scope="module")
 def reported_twice(precision_sweep, tmp_path_factory):
     """The sweep's report written into a folder of its own (--out), W&B `auto`: twice, as after
-    a sweep and once more by hand. The folder, and the last line the second report printed."""
+    a sweep and once more by hand. The folder, and the line with the sync command the second
+    report printed."""
     sweep, _ = precision_sweep
     out = tmp_path_factory.mktemp("reported_twice")
     printed = io.StringIO()
@@ -254,7 +287,8 @@ def reported_twice(precision_sweep, tmp_path_factory):
         env.setenv("WANDB_SILENT", "true")
         for _ in range(2):
             assert report.main([str(sweep), "--out", str(out)]) == 0
-    return out, printed.getvalue().splitlines()[-1]
+    (sync,) = [line for line in printed.getvalue().splitlines()[-12:] if "wandb sync" in line]
+    return out, sync
 
 
 def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, reported_twice):
@@ -278,13 +312,13 @@ def test_report_table_is_logged_to_the_sweeps_wandb_group(precision_sweep, repor
     assert configs[0]["speedup"] == 1.0 and configs[0]["parity"] == "reference"
     assert {r["parity"] for r in configs[1:]} == {"single seed"}
     assert configs[1]["n"] == 1 and configs[1]["result_low"] is None
-    _, epochs = read_metrics(sweep / "3")
+    _, epochs = read_metrics(job_dir(sweep, 3))
     assert configs[3]["val_loss"] == epochs[-1]["val/loss"]
     assert configs[3]["tflops"] == runs[3]["tflops"]
     assert runs[3]["tflops"] == statistics.median(e["perf/tflops"] for e in epochs[1:])
     # labelled by the folder as seen from --out
     assert [r["run"].rsplit("/", 1)[1] for r in runs] == [
-        f"{i} precision={p}" for i, p in enumerate(PRECISIONS)
+        f"{i}_precision={p}" for i, p in enumerate(PRECISIONS)
     ]
 
 
@@ -308,24 +342,24 @@ def test_failed_run_is_named_and_the_rest_reported(sweep_with_a_failure):
     assert "optimizer.lr=-1.0 must be positive" in result.stderr
     assert f"Sweep report: {sweep / 'report.md'}" in result.stdout
     # the failed job did not stop the sweep, and its summary says why it failed
-    summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(3)]
+    summaries = [json.loads((job_dir(sweep, i) / "summary.json").read_text()) for i in range(3)]
     assert [s["status"] for s in summaries] == ["finished", "failed", "finished"]
     assert "optimizer.lr=-1" in summaries[1]["error"]
     assert all("val/acc" in summaries[i] for i in (0, 2))
 
     text = (sweep / "report.md").read_text()
     assert [row["run"] for row in read_table(sweep / "report.md", "Runs")] == [
-        "0 optimizer.lr=0.003",
-        "2 optimizer.lr=1e-09",
+        "0_optimizer.lr=0.003",
+        "2_optimizer.lr=1e-09",
     ]
     not_reported = text.split("## Not reported", 1)[1]
-    assert "`1 optimizer.lr=-1`: it never started training" in not_reported
+    assert "`1_optimizer.lr=-1`: it never started training" in not_reported
     assert "optimizer.lr=-1.0 must be positive" in not_reported
 
 
 def test_each_setting_is_compared_with_fp32_at_the_same_setting(sweep_with_a_failure):
     sweep, _ = sweep_with_a_failure
-    accs = [read_metrics(sweep / job)[1][-1]["val/acc"] for job in ("0", "2")]
+    accs = [read_metrics(job_dir(sweep, job))[1][-1]["val/acc"] for job in (0, 2)]
     assert 100 * (accs[0] - accs[1]) > ACCURACY.tolerance  # the lr=1e-9 run never learns
     # ... but it is fp32 at another learning rate, not a precision that lost accuracy
     configs = build_report([sweep], ACCURACY.tolerance).configs
@@ -338,7 +372,7 @@ def test_each_setting_is_compared_with_fp32_at_the_same_setting(sweep_with_a_fai
 def test_incomplete_and_unreadable_runs_are_named(sweep_with_a_failure, tmp_path, capsys):
     sweep, _ = sweep_with_a_failure
     for name in ("complete", "killed", "broken"):
-        shutil.copytree(sweep / "0", tmp_path / name)
+        shutil.copytree(job_dir(sweep, 0), tmp_path / name)
     killed = tmp_path / "killed" / "summary.json"
     killed.write_text(json.dumps({**json.loads(killed.read_text()), "status": "running"}))
     (tmp_path / "broken" / "summary.json").write_text('{"status": "fini')
@@ -355,7 +389,7 @@ def test_runs_whose_files_hold_other_json_are_named_and_the_rest_reported(
 ):
     sweep, _ = sweep_with_a_failure
     for name in ("complete", "listed", "numbered"):
-        shutil.copytree(sweep / "0", tmp_path / name)
+        shutil.copytree(job_dir(sweep, 0), tmp_path / name)
     (tmp_path / "listed" / "summary.json").write_text("[1, 2]\n")  # valid JSON, not a summary
     metrics = tmp_path / "numbered" / "metrics.jsonl"
     line = len(metrics.read_text().splitlines()) + 1
@@ -371,7 +405,7 @@ def test_runs_whose_files_hold_other_json_are_named_and_the_rest_reported(
 def test_a_run_killed_mid_write_is_reported_without_its_half_line(sweep_with_a_failure, tmp_path):
     sweep, _ = sweep_with_a_failure
     for name in ("complete", "crashed"):
-        shutil.copytree(sweep / "0", tmp_path / name)
+        shutil.copytree(job_dir(sweep, 0), tmp_path / name)
     crashed = tmp_path / "crashed"
     summary = crashed / "summary.json"
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "status": "running"}))
@@ -388,7 +422,7 @@ def test_a_run_killed_mid_write_is_reported_without_its_half_line(sweep_with_a_f
 
 def test_without_an_fp32_run_nothing_is_compared(precision_sweep, tmp_path):
     sweep, _ = precision_sweep
-    run = shutil.copytree(sweep / "2", tmp_path / "fp16_only")
+    run = shutil.copytree(job_dir(sweep, 2), tmp_path / "fp16_only")
     # a single run directory: the report goes into it
     assert report.main([str(run), "--no-plots"]) == 0
 
@@ -463,8 +497,10 @@ def test_hparams_search_preset_runs_optunas_trials_and_names_the_best_learning_r
     assert "setup plugin" not in console and "A new study created" not in console
     assert "Study name: lr_search" in console  # Hydra's sweeper still says what it searches
     sweep = sweep_dir(tmp_path)
-    trials = [json.loads((sweep / str(n) / "summary.json").read_text()) for n in range(2)]
-    lrs = [OmegaConf.load(sweep / str(n) / ".hydra" / "config.yaml").optimizer.lr for n in range(2)]
+    trials = [json.loads((job_dir(sweep, n) / "summary.json").read_text()) for n in range(2)]
+    lrs = [
+        OmegaConf.load(job_dir(sweep, n) / ".hydra" / "config.yaml").optimizer.lr for n in range(2)
+    ]
     assert len(set(lrs)) == 2 and all(1e-5 <= lr <= 1e-1 for lr in lrs)  # the searched range
     best = (sweep / "optimization_results.yaml").read_text()
     # the returned value is the final val accuracy, maximised
@@ -482,9 +518,9 @@ def test_world4ai_preset_reports_fp32_against_fp16_over_three_seeds(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     sweep = sweep_dir(tmp_path)
-    seeds = [(sweep / str(job) / ".hydra" / "overrides.yaml").read_text() for job in range(6)]
+    seeds = [(job_dir(sweep, job) / ".hydra" / "overrides.yaml").read_text() for job in range(6)]
     assert [f"trainer.seed={job % 3}" in s for job, s in enumerate(seeds)] == [True] * 6
-    config = (sweep / "0" / ".hydra" / "config.yaml").read_text()
+    config = (job_dir(sweep, 0) / ".hydra" / "config.yaml").read_text()
     assert "epochs: 2" in config  # the caller's overrides win over the preset's
 
     accuracy = read_table(sweep / "report.md", "Accuracy against fp32")
@@ -497,7 +533,7 @@ def test_world4ai_preset_reports_fp32_against_fp16_over_three_seeds(tmp_path):
     ]
     assert [r["seed"] for r in runs] == ["0", "1", "2"] * 2
 
-    finals = [100 * read_metrics(sweep / str(job))[1][-1]["val/acc"] for job in range(6)]
+    finals = [100 * read_metrics(job_dir(sweep, job))[1][-1]["val/acc"] for job in range(6)]
     mean = statistics.fmean(finals[:3])
     half = 4.303 * statistics.stdev(finals[:3]) / 3**0.5  # t with 2 degrees of freedom
     assert fp32["val acc (%)"] == f"{mean:.2f} ± {half:.2f}"
@@ -513,7 +549,7 @@ def test_world4ai_preset_reports_fp32_against_fp16_over_three_seeds(tmp_path):
     target = (mean - ACCURACY.tolerance) / 100
     for job, row in enumerate(runs):
         elapsed, reached = 0.0, None
-        for epoch in read_metrics(sweep / str(job))[1]:
+        for epoch in read_metrics(job_dir(sweep, job))[1]:
             elapsed += epoch["perf/epoch_time_s"]
             if epoch["val/acc"] >= target:
                 reached = elapsed

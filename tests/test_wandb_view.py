@@ -311,9 +311,17 @@ def test_a_spec_becomes_a_workspace_with_closed_diagnostics():
         "group_by": ["ran.precision", "optimizer.lr"],
         "seeds": {"line": "mean", "band": "minmax"},
         "max_runs": 24,
-        "sections": sections(["val/loss"], logged),
-    }
+        "sections": [
+            {"name": "Bottom line", "open": True, "panels": [
+                {"kind": "markdown", "title": "Bottom line", "text": "- **bf16**: use it"}]},
+            *sections(["val/loss"], logged),
+        ],
+    }  # fmt: skip
     workspace = to_workspace(spec, "someone")
+    # report.md's bottom line first, as W&B's Markdown panel, which W&B's model takes
+    workspace._to_model()
+    (bottom,) = workspace.sections.pop(0).panels
+    assert (type(bottom).__name__, bottom.markdown) == ("MarkdownPanel", "- **bf16**: use it")
     assert (workspace.entity, workspace.project, workspace.name) == (
         "someone",
         "mpexp",

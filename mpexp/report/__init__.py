@@ -12,9 +12,11 @@ table.py     the report's numbers (`Report`), read from the runs' folders; its t
 axes.py      the keys a sweep varied beside the precision: the x-axis, panels and curves of its
              result, and up to which value each precision keeps fp32's result
 sensitivity.py  the LR sensitivity of Wortsman et al. (2023) of a curve over learning rates
+bottom_line.py  the answer per configuration: use it, don't, or undecided (power.py: the seeds
+             that would decide it; more_seeds.py: the command that adds them)
 markdown.py  report.md: its sections in order
-sections/    report.md's sections, a module each (warnings, parity, sweep, fp8, state, speed, runs,
-             plots) and the cells they are made of
+sections/    report.md's sections, a module each (bottom line, warnings, parity, sweep, fp8, state,
+             speed, runs, plots) and the cells they are made of
 plots.py     the PNG plots
 wandb_run.py the report as a W&B run in the sweep's group
 wandb_view.py the sweep's W&B view: its spec (wandb-view.json), saved with wandb-workspaces

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mpexp.errors import UserError
 from mpexp.report import wandb_view
+from mpexp.report.bottom_line import plain
 from mpexp.report.markdown import render_markdown
 from mpexp.report.table import Report, build_report, report_dir
 from mpexp.report.wandb_run import log_to_wandb, resolved_mode
@@ -65,12 +66,20 @@ def make_report(
     except OSError as err:  # report.md was written: the view is a convenience beside it
         log.warning("The W&B view's spec was not written (%s).", err)
         view = None
-    print("\n".join(report.console_lines()))
+    _print(report.console_lines())
     mode = resolved_mode(report, wandb_mode)
-    # its line beside the report's path
     wandb_view.after_report(view, report.out_dir, mode, view_timeout)
     log_to_wandb(report, mode)
+    # the answer, then where it is written: the sweep's last lines
+    answer = plain(report)
+    _print(["Bottom line:", *(f"  {line}" for line in answer)] if answer else [])
+    print(report.path_line)
     return report
+
+
+def _print(lines: list[str]) -> None:
+    if lines:
+        print("\n".join(lines))
 
 
 def _tolerance(text: str) -> float:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpexp.report.row import STATE_BYTES
+from mpexp.report.runs import job_number
 from mpexp.report.seed_group import SeedGroup
 from mpexp.report.stats import Estimate, difference, mean, paired_difference, ratio
 
@@ -170,7 +171,7 @@ class Config(SeedGroup):
         """The configuration as plain values: the W&B table's columns, what report.md formats."""
         values: dict[str, Any] = {
             "configuration": self.label,
-            "runs": ", ".join(r.folder for r in self.members),
+            "runs": ", ".join(job_number(r.folder) for r in self.members),
             "precision": self.first.precision,
             "effective_precision": self.first.effective_precision,
             "loss_scaling": self.first.loss_scaling,

@@ -1,11 +1,12 @@
-"""report.md: warnings, the result and speed tables by configuration (fp8 also against bf16),
-the runs, the plots. The result is each task's own metric (val accuracy, a language model's val
-loss), shown in its unit. Each section is a module of mpexp/report/sections/; this one puts them
-in order."""
+"""report.md: the bottom line, warnings, the result and speed tables by configuration (fp8 also
+against bf16), the runs, the plots. The result is each task's own metric (val accuracy, a
+language model's val loss), shown in its unit. Each section is a module of
+mpexp/report/sections/; this one puts them in order."""
 
 from __future__ import annotations
 
 from mpexp.report.sections import (
+    bottom_line,
     caveats,
     figures,
     fp8,
@@ -20,6 +21,7 @@ from mpexp.report.table import Report
 # the sections about the reported runs, in report.md's order; each returns [] where it has
 # nothing to say
 SECTIONS = (
+    bottom_line.section,
     caveats.section,
     results.section,
     sweep.section,

@@ -4,8 +4,9 @@ configuration of their own, and those a configuration's fp32 reference may diffe
 from __future__ import annotations
 
 SEED = "trainer.seed"
-# overrides that do not make another configuration: seeds are its repeats, a resumed run is itself
-NOT_CONFIG = (SEED, "trainer.resume")
+# overrides that do not make another configuration: seeds are its repeats, a resumed run is itself,
+# and where W&B keeps a run changes nothing it trains (seeds added later join the sweep's group)
+NOT_CONFIG = (SEED, "trainer.resume", "wandb")
 # overrides that a configuration's fp32 reference may differ in
 PRECISION_KEYS = ("precision", "loss_scaling")
 

@@ -47,6 +47,16 @@ def _style(index: int) -> dict:
 
 
 MAX_FULL_LABELS = 8  # more lines than this, and the legend names them by the keys that differ
+MAX_TARGETS_NAMED = 3  # more targets than this, and one legend entry says what their colours mean
+
+
+def _layer(reference: bool) -> dict:
+    """Where a configuration's lines lie: the fp32 references drawn last (on top: a higher
+    zorder), thin, the others below, wide and translucent, so that a curve that coincides with
+    its reference's shows around it."""
+    if reference:
+        return {"zorder": 3, "linewidth": 1.0}
+    return {"zorder": 2, "linewidth": 2.6, "alpha": 0.55}
 
 
 def _legend_labels(configs: list[Config]) -> list[str]:
@@ -86,8 +96,7 @@ def figures(report: Report) -> dict[str, tuple[Figure, str]]:
         return {}
     drawn = {}
     if not _one_point_each(configs):
-        # targets only where one was asked for: the default ones would be a line per reference
-        drawn["result"] = (result(configs, report.target is not None), "result.png")
+        drawn["result"] = (result(configs, asked=report.target is not None), "result.png")
     drawn["loss_curves"] = (loss_curves(configs), "loss_curves.png")
     drawn["epoch_time"] = (epoch_time(configs), "epoch_time.png")
     drawn["peak_memory"] = (peak_memory(configs), "peak_memory.png")
@@ -110,7 +119,7 @@ def _save(fig: Figure, path: Path) -> Path:
 
 def _figure_legend(fig: Figure, configs: list[Config], extra: list[tuple[Line2D, str]] = ()):
     """One legend for the figure, below its panels: an entry per configuration."""
-    handles = [Line2D([], [], **_style(i)) for i in range(len(configs))]
+    handles = [Line2D([], [], **_style(i), **_layer(c.is_reference)) for i, c in enumerate(configs)]
     labels = _legend_labels(configs)
     handles += [h for h, _ in extra]
     labels += [label for _, label in extra]
@@ -131,11 +140,11 @@ def _progress(configs: list[Config]) -> tuple[str, str]:
     return ("step", "step") if _by_steps(configs) else ("epoch", "epoch")
 
 
-def result(configs: list[Config], targets: bool = False) -> Figure:
+def result(configs: list[Config], asked: bool = False) -> Figure:
     """The result (the task's metric: val accuracy, a language model's val loss) per epoch (per
-    step for step-budget runs) and against training time; with `targets`, the targets of time to
-    target. Configurations judged by another metric than the first's are left out: one axis
-    holds one quantity."""
+    step for step-budget runs) and against training time, with the targets of time to target
+    (`asked`: one given with --target, else each fp32 reference's). Configurations judged by
+    another metric than the first's are left out: one axis holds one quantity."""
     spec = configs[0].spec
     key, words = _progress(configs)
     fig = Figure(figsize=(11, 4.8), layout="constrained")
@@ -149,29 +158,47 @@ def result(configs: list[Config], targets: bool = False) -> Figure:
             for e in epochs:  # compilation counts towards the time it takes
                 elapsed += e["perf/epoch_time_s"] + e.get("perf/compile_s", 0.0)
                 times.append(elapsed)
-            per_progress.plot([e[key] for e in epochs], values, alpha=0.85, **_style(i))
-            per_time.plot(times, values, alpha=0.85, **_style(i))
-    extra = []
-    levels = sorted({c.target for c in shown if c.target is not None}) if targets else []
-    for target in levels:
-        for ax in (per_progress, per_time):
-            ax.axhline(
-                spec.scale * target, color="0.4", linewidth=1, linestyle=(0, (4, 3)), zorder=0
-            )
-    if levels:
-        label = ", ".join(f"{spec.scale * t:.4g} {spec.shown_in}" for t in levels)
-        extra.append((Line2D([], [], color="0.4", linestyle=(0, (4, 3))), f"target: {label}"))
-    per_progress.set(
-        xlabel=words, ylabel=f"{spec.name} ({spec.shown_in})", title=f"{spec.metric} per {words}"
-    )
+            layer = _layer(config.is_reference)
+            per_progress.plot([e[key] for e in epochs], values, **_style(i), **layer)
+            per_time.plot(times, values, **_style(i), **layer)
+    extra = _targets(shown, (per_progress, per_time), asked)
+    ylabel = f"{spec.name} ({spec.shown_in})"
+    per_progress.set(xlabel=words, ylabel=ylabel, title=f"{spec.metric} per {words}")
     per_progress.xaxis.set_major_locator(MaxNLocator(integer=True))
     per_time.set(
         xlabel="training time (s, sum of epoch times)",
+        ylabel=ylabel,
         title=f"{spec.metric} over training time",
     )
     per_time.tick_params(labelleft=True)
     _figure_legend(fig, shown, extra)
     return fig
+
+
+TARGET_STYLE = {"linewidth": 1.2, "linestyle": (0, (4, 3)), "zorder": 1}
+
+
+def _targets(configs: list[Config], axes, asked: bool) -> list[tuple[Line2D, str]]:
+    """A horizontal line at each target of time to target, and their legend entries: one grey
+    line for a target asked for (`--target`); else each fp32 reference's, in its colour."""
+    spec = configs[0].spec
+    if asked:
+        levels = {c.target: None for c in configs if c.target is not None}
+    else:
+        levels = {c.target: c for c in configs if c.is_reference and c.target is not None}
+    extra = []
+    for target, reference in levels.items():
+        color = "0.4" if reference is None else _style(configs.index(reference))["color"]
+        for ax in axes:
+            ax.axhline(spec.scale * target, color=color, **TARGET_STYLE)
+        if asked or len(levels) <= MAX_TARGETS_NAMED:
+            whose = "" if reference is None else f" ({reference.label})"
+            extra.append((Line2D([], [], color=color, **TARGET_STYLE),
+                          f"target: {spec.scale * target:.4g} {spec.shown_in}{whose}"))  # fmt: skip
+    if len(extra) < len(levels):
+        extra.append((Line2D([], [], color="0.4", **TARGET_STYLE),
+                      "target of each fp32 reference, in its colour"))  # fmt: skip
+    return extra
 
 
 def loss_curves(configs: list[Config]) -> Figure:
@@ -184,22 +211,22 @@ def loss_curves(configs: list[Config]) -> Figure:
     axes = fig.subplots(1, 2 if with_val else 1, squeeze=False)[0]
     per_step = axes[0]
     for i, config in enumerate(configs):
+        layer = _layer(config.is_reference)
         for row in config.rows:
             steps = row.run.steps
             per_step.plot(
                 [s["step"] for s in steps],
                 [s["train/loss"] for s in steps],
-                linewidth=1,
-                alpha=0.85,
                 markersize=5,
                 markevery=_marks(len(steps), i, len(configs)),
                 **_style(i),
+                **{**layer, "linewidth": layer["linewidth"] * 0.6},  # many points: thinner
             )
             if with_val:
                 epochs = row.run.epochs
                 axes[1].plot(
-                    [e[key] for e in epochs], [e["val/loss"] for e in epochs], alpha=0.85,
-                    **_style(i),
+                    [e[key] for e in epochs], [e["val/loss"] for e in epochs], **_style(i),
+                    **layer,
                 )  # fmt: skip
     per_step.set(xlabel="step", ylabel="train loss", title="Training loss per step")
     per_step.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -220,7 +247,8 @@ def _offsets(count: int) -> list[float]:
 
 def epoch_time(configs: list[Config]) -> Figure:
     """Every timed epoch of every run (dots), each run's median (marker) and min-max (bar),
-    labelled with the configuration's speedup over its fp32 reference."""
+    labelled with the configuration's speedup over its fp32 reference; the title says so, or,
+    where every run timed one epoch (all three then one point), that it is one epoch a run."""
     fig = Figure(figsize=(max(6.0, 1.4 * len(configs) + 2.5), 4.8), layout="constrained")
     ax = fig.subplots()
     top = 0.0
@@ -250,10 +278,16 @@ def epoch_time(configs: list[Config]) -> Figure:
     ax.set_xticks(range(len(configs)), _legend_labels(configs), rotation=20, ha="right")
     ax.set_xlim(-0.6, len(configs) - 0.4)
     ax.set_ylim(0, top * 1.3 if top > 0 else 1)  # from zero, so heights compare as ratios
+    one_each = all(len(r.timed) == 1 for c in configs for r in c.rows)
+    drawn = (
+        "one timed epoch per run (the first, which pays warm-up, is not timed)"
+        if one_each
+        else "each timed epoch (dots), each run's median (marker) and min-max (bar)"
+    )
     ax.set(
+        xlabel="configuration: its runs side by side",
         ylabel="seconds per epoch",
-        title="Epoch time: each timed epoch (dots), median and min-max per run\n"
-        "label: speedup over fp32 (95 % interval with 2+ seeds)",
+        title=f"Epoch time: {drawn}\nlabel: speedup over fp32 (95 % interval with 2+ seeds)",
     )
     return fig
 
@@ -273,7 +307,11 @@ def peak_memory(configs: list[Config]) -> Figure:
     ax.set_xticks(list(positions), _legend_labels(configs), rotation=20, ha="right")
     kinds = {"cuda": "CUDA tensor memory", "rss": "process RSS (CPU)"}
     what = " / ".join(sorted({kinds[c.mem_kind] for c in configs}))
-    ax.set(ylabel=f"peak MiB, {what}", title="Peak memory, mean over seeds (label: ratio to fp32)")
+    ax.set(
+        xlabel="configuration",
+        ylabel=f"peak MiB, {what}",
+        title="Peak memory, mean over seeds (label: ratio to fp32)",
+    )
     ax.margins(y=0.15)  # room for the labels above the bars
     return fig
 
@@ -291,7 +329,8 @@ def _grid(fig: Figure, count: int, sharey: bool = False):
 def sweep(axis: SweepAxis) -> Figure:
     """The result against the swept key: a panel per combination of the other keys that varied,
     a line per precision through its configurations' means over seeds, with a band from the
-    lowest seed's result to the highest's; a log axis where the values span a decade. A point
+    lowest seed's result to the highest's where a point has two seeds or more (the title says
+    whether there are bands), fp32 on top; a log axis where the values span a decade. A point
     whose every run diverged is an x at the top of its panel. Under a learning-rate sweep each
     line's legend entry gives its LR sensitivity (sensitivity.py)."""
     spec = axis.panels[0].curves[0].points[0].config.spec
@@ -299,6 +338,7 @@ def sweep(axis: SweepAxis) -> Figure:
     columns = min(3, len(axis.panels))
     height = 3.8 * math.ceil(len(axis.panels) / columns) + 0.8
     fig = Figure(figsize=(4.8 * columns + 0.6, height), layout="constrained")
+    banded = False
     for ax, panel in zip(_grid(fig, len(axis.panels), sharey=True), axis.panels, strict=True):
         for curve in panel.curves:
             style = _style(lines.index(curve.precision))
@@ -306,9 +346,12 @@ def sweep(axis: SweepAxis) -> Figure:
             seeds = [[spec.scale * r.result for r in p.config.rows] for p in drawn]
             xs = [p.x for p in drawn]
             means = [statistics.fmean(v) for v in seeds]
-            ax.plot(xs, means, label=_line_label(curve, axis.is_lr), **style)
-            ax.fill_between(xs, [min(v) for v in seeds], [max(v) for v in seeds],
-                            color=style["color"], alpha=0.15, linewidth=0)  # fmt: skip
+            ax.plot(xs, means, label=_line_label(curve, axis.is_lr), **style,
+                    **_layer(curve.is_reference))  # fmt: skip
+            if any(len(v) > 1 for v in seeds):  # a band needs two seeds somewhere
+                banded = True
+                ax.fill_between(xs, [min(v) for v in seeds], [max(v) for v in seeds],
+                                color=style["color"], alpha=0.15, linewidth=0)  # fmt: skip
             for point in curve.points:
                 if not point.config.rows:  # at the panel's top: its value is not finite
                     ax.plot(point.x, 0.96, marker="x", color=style["color"], markersize=9,
@@ -323,7 +366,8 @@ def sweep(axis: SweepAxis) -> Figure:
         handles, labels = ax.get_legend_handles_labels()
         unique = dict(zip(labels, handles, strict=True))  # one "diverged" entry per precision
         ax.legend(unique.values(), unique.keys(), fontsize="small")
-    fig.suptitle(f"Final {spec.metric}: mean over seeds, band from the lowest seed to the highest")
+    drawn = "mean over seeds, band from the lowest seed to the highest" if banded else "one seed"
+    fig.suptitle(f"Final {spec.metric}: {drawn}")
     return fig
 
 
@@ -424,7 +468,7 @@ def underflow(runs: list[tuple[int, Row]]) -> Figure:
         # outside fp16 the gradients never were fp16: what fp16 would lose at that scale
         what = row.precision if row.precision == "fp16" else f"{row.precision}, what-if in fp16"
         ax.set_title(f"{row.label}\n{what}, loss scaling {row.loss_scaling}", fontsize=9)
-        ax.set_xlabel("step")
+        ax.set(xlabel="step", ylabel="layer")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(
         image,

@@ -2,7 +2,8 @@
 
 A run directory is what `python -m mpexp.train` leaves behind: `metrics.jsonl`, `summary.json`,
 `train.log` and Hydra's `.hydra/`, in `outputs/<date>/<time>/` for a single run and in
-`outputs/multirun/<date>/<time>/<job>/` for a sweep's jobs.
+`outputs/multirun/<date>/<time>/<job>/` for a sweep's jobs (`<number>_<overrides it varies>`,
+mpexp/job_names.py).
 Only local files are read; nothing here touches the network.
 """
 
@@ -85,6 +86,15 @@ def find_run_dirs(paths: list[Path]) -> list[Path]:
             "outputs/multirun/<date>/<time>."
         )
     return unique
+
+
+def job_number(folder: str) -> str:
+    """A sweep job's folder without the overrides it is named by: `seeds-2-4/3` for
+    `seeds-2-4/3_precision=fp16,trainer.seed=3`; any other folder as it is."""
+    head, _, name = folder.rpartition("/")
+    number, sep, _ = name.partition("_")
+    shown = number if sep and number.isdigit() else name
+    return f"{head}/{shown}" if head else shown
 
 
 def _natural_key(path: Path) -> list:

@@ -12,6 +12,7 @@ from pathlib import Path
 from mpexp.errors import UserError
 from mpexp.report.configuration import Config
 from mpexp.report.grouping import attach_references, group_configs
+from mpexp.report.overrides import in_groups
 from mpexp.report.row import Row, measure
 from mpexp.report.runs import Run, find_run_dirs, load_run
 
@@ -106,11 +107,18 @@ class Report:
         """Runs that waited on their data for more than DATA_BOUND of their timed epochs."""
         return [r for r in self.rows if (r.data_wait_share or 0.0) > DATA_BOUND]
 
-    def console_lines(self) -> list[str]:
-        lines = [
+    @property
+    def path_line(self) -> str:
+        """The console's last line: where report.md is."""
+        return (
             f"Sweep report: {self.path} (runs reported: {len(self.rows)}, "
             f"configurations: {len(self.configs)})"
-        ]
+        )
+
+    def console_lines(self) -> list[str]:
+        """What the console says of the runs before the bottom line: configurations worse than
+        their reference, runs that diverged or could not be reported."""
+        lines = []
         for c, reference, d in [
             *((c, "fp32", c.d_result) for c in self.worse),
             *((c, "bf16", c.d_result_vs_bf16) for c in self.worse_than_bf16),
@@ -176,11 +184,15 @@ def _check_target(target: float | None, configs: list[Config]) -> None:
 
 def _labels(runs: list[Run], out_dir: Path) -> dict[Path, tuple[str, str]]:
     """Each run's folder and label, `<folder> <overrides that differ between the runs>`, e.g.
-    `2 precision=fp16`."""
+    `2 precision=fp16`; those a sweep job's folder is named by are not said twice
+    (`2_precision=fp16`), nor where W&B kept it."""
     common = set.intersection(*(set(r.overrides) for r in runs))
     labels = {}
     for run in runs:
         folder = run.path.name if run.path == out_dir else os.path.relpath(run.path, out_dir)
-        differing = ",".join(o for o in run.overrides if o not in common)
+        said = common | set(run.path.name.partition("_")[2].split(","))
+        differing = ",".join(
+            o for o in run.overrides if o not in said and not in_groups(o, ("wandb",))
+        )
         labels[run.path] = (folder, f"{folder} {differing}".strip())
     return labels

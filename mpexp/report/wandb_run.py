@@ -8,6 +8,7 @@ import shlex
 import shutil
 from pathlib import Path
 
+from mpexp.report.bottom_line import markdown
 from mpexp.report.row import run_values
 from mpexp.report.table import Report
 
@@ -17,7 +18,8 @@ log = logging.getLogger(__name__)
 def log_to_wandb(report: Report, mode: str = "auto") -> None:
     """Log the tables and plots as a `report` run in the sweep's W&B group: `report/table`, one
     row per configuration (the figures of report.md's accuracy and speed tables, intervals as
-    `<name>_low` and `<name>_high`), and `report/runs`, one row per run.
+    `<name>_low` and `<name>_high`), and `report/runs`, one row per run; report.md's bottom line
+    in the run's summary (`report/bottom_line`, Markdown).
 
     `auto` logs the way the sweep's own runs were logged, into their project and group: online,
     or offline into `<out dir>/wandb-report/wandb` for a later `wandb sync` with the rest. Not
@@ -62,7 +64,11 @@ def log_to_wandb(report: Report, mode: str = "auto") -> None:
             {"report/table": _table(wandb, configs), "report/runs": _table(wandb, runs), **images}
         )
         wb.summary.update(
-            {"report/worse": len(report.worse), "report/not_reported": len(report.not_reported)}
+            {
+                "report/bottom_line": markdown(report),
+                "report/worse": len(report.worse),
+                "report/not_reported": len(report.not_reported),
+            }
         )
         files = wandb.Artifact(run_id, type="report")
         for path in [report.path, *report.plots.values()]:

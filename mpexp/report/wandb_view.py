@@ -19,7 +19,8 @@ The spec:
     seeds       how a group is drawn: {"line": "mean", "band": "minmax"}
     max_runs    lines (groups) a panel shows at most
     sections    [{"name", "open", "panels": [{"kind": "line" | "bar" | "scatter", "title", "x",
-                "y", "log_y" (lines), "log_x" (scatters)}]}], in the order a reader asks:
+                "y", "log_y" (lines), "log_x" (scatters)} or {"kind": "markdown", "title",
+                "text"}]}], in the order a reader asks: report.md's bottom line (Markdown), the
                 result (and, for a sweep over a numeric key beside the precision, each run's
                 final result against that key: report.md's sweep figure), loss (train/loss by
                 step, val/loss by epoch, the learning rate), loss scale, speed (with the data
@@ -39,7 +40,8 @@ from pathlib import Path
 
 from mpexp.errors import UserError
 from mpexp.report.axes import sweep_axis
-from mpexp.report.overrides import NOT_CONFIG
+from mpexp.report.bottom_line import markdown
+from mpexp.report.overrides import NOT_CONFIG, in_groups
 from mpexp.report.row import MEMORY_KEYS
 from mpexp.report.runs import Run
 from mpexp.report.table import Report
@@ -115,13 +117,25 @@ def view_spec(report: Report) -> dict | None:
         "group_by": group_by(runs),
         "seeds": SEEDS,
         "max_runs": max(len(runs), MIN_PANEL_RUNS),
-        "sections": sections(
-            results,
-            logged_keys(runs),
-            swept,
-            progress="step" if any(run.step_budget for run in runs) else "epoch",
-        ),
+        "sections": [
+            *_bottom_line(report),
+            *sections(
+                results,
+                logged_keys(runs),
+                swept,
+                progress="step" if any(run.step_budget for run in runs) else "epoch",
+            ),
+        ],
     }
+
+
+def _bottom_line(report: Report) -> list[dict]:
+    """The view's first section: report.md's bottom line, as a Markdown panel."""
+    text = markdown(report)
+    if not text:
+        return []
+    panel = {"kind": "markdown", "title": "Bottom line", "text": text}
+    return [{"name": "Bottom line", "open": True, "panels": [panel]}]
 
 
 def wandb_group(run: Run) -> str | None:
@@ -137,13 +151,14 @@ def wandb_group(run: Run) -> str | None:
 
 def group_by(runs: list[Run]) -> list[str]:
     """The W&B config keys that tell configurations apart: precision first, then every other key
-    whose override differs between the runs, in the order given; the seed and resume never."""
+    whose override differs between the runs, in the order given; the seed, resume and W&B
+    settings never."""
     given = [dict(_split(o) for o in run.overrides) for run in runs]
     keys = dict.fromkeys(key for overrides in given for key in overrides)
     varying = [
         key
         for key in keys
-        if key not in NOT_CONFIG and len({overrides.get(key) for overrides in given}) > 1
+        if not in_groups(key, NOT_CONFIG) and len({overrides.get(key) for overrides in given}) > 1
     ]
     wandb_keys = [_wandb_key(key, runs[0]) for key in ["precision", *varying]]
     if any(run.ran.get("update_rounding") for run in runs):

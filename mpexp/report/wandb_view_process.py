@@ -98,7 +98,10 @@ def to_workspace(spec: dict, entity: str) -> Any:
 
 
 def _panel(wr: Any, panel: dict, seeds: dict) -> Any:
-    """One panel; a group's runs (its seeds) drawn as their mean with a band from min to max."""
+    """One panel; a group's runs (its seeds) drawn as their mean with a band from min to max, or
+    the bottom line's text."""
+    if panel["kind"] == "markdown":  # the report's bottom line
+        return wr.MarkdownPanel(markdown=panel["text"])
     grouped = {"groupby_aggfunc": seeds["line"], "groupby_rangefunc": seeds["band"]}
     if panel["kind"] == "bar":
         return wr.BarPlot(title=panel["title"], metrics=panel["y"], **grouped)

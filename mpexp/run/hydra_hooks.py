@@ -1,5 +1,6 @@
-"""What mpexp adds to Hydra's run: checks before Hydra writes anything, and the name a sweep's
-job goes by (the resolvers conf/ names, a resumed run's directory among them: mpexp/resolvers.py).
+"""What mpexp adds to Hydra's run: checks before Hydra writes anything (the name and folder a
+sweep's job goes by: mpexp/job_names.py; the resolvers conf/ names, a resumed run's directory
+among them: mpexp/resolvers.py).
 
 The `RunChecks` callback stops a run with one message, before Hydra creates or writes anything,
 when a value cannot work, the output directory cannot be written or `trainer.resume` cannot
@@ -19,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -218,33 +218,6 @@ def quiet_sweeper_logs(config: DictConfig) -> None:
 def _task(config: DictConfig) -> DictConfig:
     """The job's own config, without Hydra's node, with its schema types kept."""
     return OmegaConf.masked_copy(config, [key for key in config if key != "hydra"])
-
-
-def sweep_job_name(hydra_cfg: DictConfig) -> str:
-    """A sweep job's name: its overrides of the keys that the sweep varies (`precision=fp16`),
-    read from the sweep's multirun.yaml (command-line sweeps and `hydra.sweeper.params`)."""
-    task = list(hydra_cfg.overrides.task)
-    varying = swept_keys(Path(hydra_cfg.sweep.dir) / "multirun.yaml")
-    parser = OverridesParser.create()
-    named = [o for o, parsed in zip(task, parser.parse_overrides(task), strict=True)
-             if parsed.key_or_group in varying]  # fmt: skip
-    return ",".join(named) or hydra_cfg.job.override_dirname or f"job {hydra_cfg.job.num}"
-
-
-def swept_keys(multirun_yaml: Path) -> set[str]:
-    """The keys a sweep varies, from the multirun.yaml Hydra writes into the sweep folder."""
-    try:
-        saved = OmegaConf.load(multirun_yaml)
-    except (OSError, ValueError):
-        return set()
-    overrides = [str(o) for o in OmegaConf.select(saved, "hydra.overrides.task", default=[])]
-    keys = {
-        o.key_or_group
-        for o in OverridesParser.create().parse_overrides(overrides)
-        if o.is_sweep_override()
-    }
-    params = OmegaConf.select(saved, "hydra.sweeper.params", default=None) or {}
-    return keys | set(params)
 
 
 def _exit_on_user_error(check: Callable[[], T]) -> T:

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import platform
 import signal
+import time
 from dataclasses import replace
 
 import torch
@@ -23,6 +24,7 @@ from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, reason
 from mpexp.plan.before_run import against_measured, plan_run
 from mpexp.precision import pure_updates
+from mpexp.run.last_line import last_line
 from mpexp.rundir import AUTO, RunLock, refuse_if_taken, rerun_command
 from mpexp.step import performance
 from mpexp.step.loop import Fit
@@ -41,11 +43,13 @@ log = logging.getLogger("mpexp")
 
 
 def train(cfg: DictConfig, run: RunContext) -> dict:
-    """Train as `cfg` says, log to `run.run_dir` (and W&B), return the final metrics.
+    """Train as `cfg` says, log to `run.run_dir` (and W&B), return the final metrics; the last
+    line logged says what the run reached and where it is (run/last_line.py).
 
     With `trainer.resume`, continue that run instead: in its directory, under its W&B run id.
     Stop signals are caught from here on, or from earlier where the command line already does.
     """
+    started = time.monotonic()
     rewrite_targets(cfg)  # a config written before a module moved runs what it named
     validate(cfg)
     auto = cfg.trainer.resume == AUTO  # the run dir's newest checkpoint, found once it is known
@@ -67,7 +71,11 @@ def train(cfg: DictConfig, run: RunContext) -> dict:
                 run = replace(run, wandb_id=resume.wandb_id)
         # rank 0 owns the run dir until it ends; a second process there is refused
         with RunLock(run.run_dir) if world.is_main else contextlib.nullcontext():
-            return _train(cfg, run, world, resume, stop)
+            summary = _train(cfg, run, world, resume, stop)
+        if world.is_main:  # after W&B's line: what it reached, and where
+            took = time.monotonic() - started
+            log.info("%s", last_line(run.run_dir, summary, took, bool(cfg.trainer.max_steps)))
+        return summary
 
 
 def _train(cfg: DictConfig, run: RunContext, world: World, resume, stop: StopSignals) -> dict:

@@ -1,6 +1,7 @@
 """report.md's sections, a module each, with `section(report)` returning its lines ([] where it
 has nothing to say); mpexp/report/markdown.py puts them in order.
 
+bottom_line.py     the Bottom line: use it, don't, or undecided and the seeds that would decide
 cells.py           numbers, intervals and verdicts as table cells; a Markdown table
 caveats.py         Warnings: what makes the numbers less than they seem, and what to do
 results.py         the result against fp32: parity verdicts

@@ -1,12 +1,20 @@
 """report.md's Warnings: what makes its numbers less than they seem (few timed epochs, jobs that
-overlapped, another step path, runs waiting on data, cut-off metrics, divergence, single seeds),
-each with what to do about it."""
+overlapped, another step path, runs waiting on data, cut-off metrics, divergence, one or two
+seeds), each with what to do about it."""
 
 from __future__ import annotations
 
+import math
+
 from mpexp.report.row import Row
 from mpexp.report.sections.cells import run_names
+from mpexp.report.stats import t975
 from mpexp.report.table import DATA_BOUND, MIN_TIMED_EPOCHS, Report
+
+T2 = t975(1)
+# the half-width of a mean's interval from two values over that from three, at one spread:
+# t(1) / sqrt(2) against t(2) / sqrt(3)
+TWO_OVER_THREE = (t975(1) / math.sqrt(2)) / (t975(2) / math.sqrt(3))
 
 
 def section(report: Report) -> list[str]:
@@ -66,6 +74,15 @@ def section(report: Report) -> list[str]:
         warnings.append(
             f"**Single seed.** {which}: one run each, so their result has no interval and "
             "their parity is inconclusive. Repeat them with seeds, e.g. `trainer.seed=0,1,2`."
+        )
+    two = [c for c in report.configs if c.n == 2]
+    if two:
+        which = ", ".join(f"`{c.label}`" for c in two)
+        warnings.append(
+            f"**Two seeds.** {which}: an interval from two values has one degree of freedom "
+            f"(Student's t {T2:g}), so at the same spread it is {TWO_OVER_THREE:.1f} times as "
+            "wide as from three: their intervals and verdicts rarely decide. Three seeds or more, "
+            "e.g. `trainer.seed=0,1,2` (the Bottom line says how many would decide)."
         )
     if not warnings:
         return []

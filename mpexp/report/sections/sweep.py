@@ -45,9 +45,11 @@ def section(report: Report) -> list[str]:
             "(near ln(vocabulary) for a language model): a run that diverged counts as one that "
             f"learned nothing. Best rate: the lowest mean {spec.name}; within {tolerance:g} "
             f"{unit}: the widest range of neighbouring rates around it whose mean is no more "
-            "than that above the best.",
+            "than that above the best."
+            + (" One seed: the sensitivities and best rates are indicative only."
+               if any(p.config.n == 1 for c in _curves(axis) for p in c.points) else ""),
             "",
-        ]
+        ]  # fmt: skip
     headers = [
         *(["panel"] if axis.panel_keys else []),
         "precision",
@@ -72,6 +74,9 @@ def section(report: Report) -> list[str]:
         return row
 
     lines += [*table(headers, items, cells), ""]
+    if sensitive:
+        edges = [e for e in (_edge_text(axis, p, c) for p, c in items) if e]
+        lines += [*(f"- {e}" for e in edges), *([""] if edges else [])]
     kept = [k for k in (_kept_text(axis, p, c, tolerance) for p, c in items) if k]
     lines += [*(f"- {k}" for k in kept), *([""] if kept else [])]
     if "sweep" in report.plots:
@@ -100,6 +105,9 @@ def _kept_text(axis: SweepAxis, panel: Panel, curve: Curve, tolerance: float) ->
         return None
     spec = curve.points[0].config.spec
     where = f"**{panel.label}**: " if panel.label else ""
+    unsure = _unsure(curve)
+    if unsure:  # by the means alone, which the verdicts do not back
+        where += f"{unsure[0].upper()}{unsure[1:]}: indicative only. By the mean, "
     keeps = f"{where}{curve.precision} keeps fp32's {spec.name} (within {tolerance:g} {spec.unit})"
     if not kept.above:
         return f"{keeps} at every {axis.key} swept, up to {curve.points[-1].shown}."
@@ -120,3 +128,40 @@ def _kept_text(axis: SweepAxis, panel: Panel, curve: Curve, tolerance: float) ->
         return (f"{where}{curve.precision} falls behind fp32 from the smallest {axis.key}, "
                 f"{curve.points[0].shown}: {'; '.join(parts)}.")  # fmt: skip
     return f"{keeps} up to {axis.key}={kept.up_to.shown}; above it, {'; '.join(parts)}."
+
+
+def _unsure(curve: Curve) -> str | None:
+    """Why the curve's verdicts do not decide where it keeps up: "one seed" where a point has a
+    single seed on a side, "undecided at N seeds" where an interval straddles the tolerance;
+    None where every point's verdict is decided (within noise, better, worse, diverged)."""
+    verdicts = [p.config.parity for p in curve.points]
+    if "single seed" in verdicts:
+        return "one seed"
+    if "too wide" in verdicts:
+        seeds = min(p.config.n for p in curve.points if p.config.parity == "too wide")
+        return f"undecided at {seeds} seeds"
+    return None
+
+
+def _edge_text(axis: SweepAxis, panel: Panel, curve: Curve) -> str | None:
+    """`fp32's best optimizer.lr, 1e-3, is the lowest swept: ...; try 0.0001 next`, where a
+    curve's best value is at an end of the grid; None where it lies inside."""
+    found = curve_sensitivity(curve)
+    values = axis.values
+    if found is None or len(values) < 2 or found.best.x not in (values[0], values[-1]):
+        return None
+    low = found.best.x == values[0]
+    end, inner = (values[0], values[1]) if low else (values[-1], values[-2])
+    # a step as the grid takes it: a factor on a log axis, a difference on a linear one
+    following = end * end / inner if axis.log else 2 * end - inner
+    where = f"**{panel.label}**: " if panel.label else ""
+    side = "lowest" if low else "highest"
+    text = (f"{where}{curve.precision}'s best {axis.key}, {found.best.shown}, is the {side} "
+            f"swept: its optimum may lie {'below' if low else 'above'} the grid")  # fmt: skip
+    if following > 0 or not axis.is_lr:
+        text += f"; try {axis.key}={following:g} next"
+    return text + "."
+
+
+def _curves(axis: SweepAxis) -> list[Curve]:
+    return [curve for panel in axis.panels for curve in panel.curves]
