@@ -3,18 +3,17 @@
 People edit YAML; these dataclasses sit behind it (through `defaults:` entries naming
 `/<group>_<kind>_schema`), so a wrong type (`trainer.epochs=abc`) or a value outside a closed
 choice (`trainer.device=gpu`) is refused by Hydra itself, before a run directory exists. Hydra's `+`
-prefix can still add keys a schema does not have; `unknown_keys` finds those. Range and cross-field
-checks (a positive learning rate, a batch larger than the accumulation count) live in
-`mpexp.validate`.
+prefix can still add keys a schema does not have; `mpexp.validate.unknown_keys` finds those.
+Range and cross-field checks (a positive learning rate, a batch larger than the accumulation
+count) live in `mpexp.validate` too.
 
 A group option without a schema (a user's own model YAML, say) is composed as Hydra always does.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
@@ -576,30 +575,3 @@ def to_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(cfg, DictConfig):
         return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     return dict(cfg)
-
-
-def unknown_keys(cfg: DictConfig, prefix: str = "", schema: type | None = None) -> list[str]:
-    """Keys that a node's schema (its own, or `schema`) does not declare: added with Hydra's `+`
-    prefix, which bypasses the schema. Each comes with the closest declared key, if one is close."""
-    found = []
-    schema = schema or OmegaConf.get_type(cfg)
-    declared = {f.name for f in fields(schema)} if is_dataclass(schema) else None
-    for key in cfg:
-        name = f"{prefix}{key}"
-        if declared is not None and key not in declared and not accepts_key(schema, str(key)):
-            close = difflib.get_close_matches(str(key), sorted(declared), n=1)
-            found.append(f"{name} (did you mean {prefix}{close[0]}?)" if close else name)
-            continue
-        node = cfg._get_node(key)
-        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
-            found += unknown_keys(node, f"{name}.")
-    return found
-
-
-def accepts_key(schema: type | None, key: str) -> bool:
-    """Whether a schema takes `key` beyond its fields: a schema class says so with a classmethod
-    `accepts_key(key) -> bool` (a model option whose keys go on to another library's config);
-    none does by default. `model.<key>=value` is then added as `++model.<key>=value` would be
-    (mpexp/run/composition.py), and no check calls it unknown."""
-    accepts = getattr(schema, "accepts_key", None)
-    return bool(accepts is not None and accepts(key))

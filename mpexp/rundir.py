@@ -51,9 +51,9 @@ class RunDirTaken(OutputError):
 
 
 def train_command() -> list[str]:
-    """The training command as the user typed it: `mpexp-train` (the installed script), or
-    `python -m mpexp.train`."""
-    installed = Path(sys.argv[0]).name == "mpexp-train"
+    """The training command as the user would type it: `mpexp-train` where one of the installed
+    scripts runs (mpexp-train, mpexp-plan, ...), else `python -m mpexp.train`."""
+    installed = Path(sys.argv[0]).name.startswith("mpexp-")
     return ["mpexp-train"] if installed else ["python", "-m", "mpexp.train"]
 
 

@@ -32,11 +32,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from mpexp import config
+from mpexp.composition import composed, composing
 from mpexp.errors import ConfigError, ResumeRefused, UserError
 from mpexp.job_names import job_name
 from mpexp.launch import is_rank_zero, launched_processes
 from mpexp.resolvers import expand_home, quote_run_dirs, register_resolvers
-from mpexp.run.composition import composed, composing
 from mpexp.run.hydra_hooks import put_back_run_record, remove_unstarted_run_dir
 from mpexp.rundir import RunDirTaken, checkpoint_files, rerun_command, resume_command
 from mpexp.stopping import Preempted, preemption_signal

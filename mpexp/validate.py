@@ -3,14 +3,16 @@ that depend on each other. Run before any work starts; each names the key and th
 
 from __future__ import annotations
 
+import difflib
 import math
 import shlex
 from collections.abc import Mapping
+from dataclasses import fields, is_dataclass
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from mpexp.config import TrainConfig, run_length, unknown_keys
+from mpexp.config import TrainConfig, run_length
 from mpexp.errors import ConfigError
 from mpexp.rundir import train_command
 
@@ -49,11 +51,38 @@ def check_schema(cfg: DictConfig) -> None:
 
 def unknown_keys_error(unknown: list[str]) -> ConfigError:
     """The one message for keys no schema declares, each with its suggestion (`trainer.epoch
-    (did you mean trainer.epochs?)`): here, and for a mistyped override (run/composition.py)."""
+    (did you mean trainer.epochs?)`): here, and for a mistyped override (mpexp/composition.py)."""
     return ConfigError(
         f"Unknown config key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}. "
         f"`{shlex.join([*train_command(), '--cfg', 'job'])}` lists every key."
     )
+
+
+def unknown_keys(cfg: DictConfig, prefix: str = "", schema: type | None = None) -> list[str]:
+    """Keys that a node's schema (its own, or `schema`) does not declare: added with Hydra's `+`
+    prefix, which bypasses the schema. Each comes with the closest declared key, if one is close."""
+    found = []
+    schema = schema or OmegaConf.get_type(cfg)
+    declared = {f.name for f in fields(schema)} if is_dataclass(schema) else None
+    for key in cfg:
+        name = f"{prefix}{key}"
+        if declared is not None and key not in declared and not accepts_key(schema, str(key)):
+            close = difflib.get_close_matches(str(key), sorted(declared), n=1)
+            found.append(f"{name} (did you mean {prefix}{close[0]}?)" if close else name)
+            continue
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+            found += unknown_keys(node, f"{name}.")
+    return found
+
+
+def accepts_key(schema: type | None, key: str) -> bool:
+    """Whether a schema takes `key` beyond its fields: a schema class says so with a classmethod
+    `accepts_key(key) -> bool` (a model option whose keys go on to another library's config);
+    none does by default. `model.<key>=value` is then added as `++model.<key>=value` would be
+    (mpexp/composition.py), and no check calls it unknown."""
+    accepts = getattr(schema, "accepts_key", None)
+    return bool(accepts is not None and accepts(key))
 
 
 def validate(cfg: DictConfig) -> None:

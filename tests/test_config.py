@@ -17,7 +17,6 @@ from mpexp.config import (
     SimpleCNNConfig,
     TorchvisionDatasetConfig,
     TrainerConfig,
-    unknown_keys,
 )
 from mpexp.data.base import TrainingData
 from mpexp.data.windows import TokenWindows
@@ -26,6 +25,7 @@ from mpexp.precision.scaling import build_scaler
 from mpexp.step.performance import optimizer_spec
 from mpexp.tasks.classification import Classification
 from mpexp.tasks.language_model import LanguageModelling
+from mpexp.validate import unknown_keys
 from tests.conftest import CONF, CPU, make_cfg, run_cli
 
 GROUPS = ["dataset", "model", "precision", "loss_scaling", "optimizer", "scheduler", "experiment"]

@@ -5,6 +5,7 @@ test_plan_accuracy.py; what it counts beyond the step: test_plan_held.py)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,8 +144,9 @@ def test_a_row_that_does_not_fit_is_told_keys_whose_own_plans_fit_at_the_peak_th
 
 
 def test_a_config_the_plan_cannot_build_gets_the_message_mpexp_train_gives(
-    tmp_path, in_process, capsys
+    tmp_path, in_process, capsys, monkeypatch
 ):
+    monkeypatch.setattr(sys, "argv", ["mpexp-plan"])  # as the installed command runs
     for mistake in (["precision=fp99"], ["trainer.accumulate=7"], ["trainer.acumulate=2"]):
         trained = one_line_failure(in_process(*TINY, *mistake, cwd=tmp_path))
         capsys.readouterr()

@@ -146,8 +146,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write(f"{err}\n")
         raise SystemExit(2) from None
     except Exception as err:
+        from mpexp.composition import unknown_key_message
         from mpexp.plan.rows import composition_error
 
+        unknown = unknown_key_message(err)  # mpexp-train's one message for a mistyped key
+        if unknown is not None:
+            sys.stderr.write(f"{unknown}\n")
+            raise SystemExit(2) from None
         message = composition_error(err)
         if message is None:
             raise

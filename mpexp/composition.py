@@ -10,7 +10,7 @@ of the composition is printed as Hydra prints it. Once a job starts (`composed`,
 run's first Hydra callback), Hydra reports as it always does: a sweep's failed job, a crash.
 
 A schema may take keys beyond its fields: a classmethod `accepts_key(key) -> bool` on it says
-which (mpexp.config.accepts_key; a model option that passes its keys on to another library's
+which (mpexp.validate.accepts_key; a model option that passes its keys on to another library's
 config). A key it accepts is given again as `++key=value`, which adds it, and the command is
 composed again.
 """
@@ -28,8 +28,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import CompactHydraException, ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from mpexp.config import GROUPS, accepts_key
-from mpexp.validate import unknown_keys_error
+from mpexp.config import GROUPS
+from mpexp.validate import accepts_key, unknown_keys_error
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
 _OVERRIDDEN = re.compile(r"Could not override '([^']+)'")
@@ -70,6 +70,13 @@ def composed() -> None:
     if _asked:
         os.environ.pop(FULL_ERROR, None)
         _asked = False
+
+
+def unknown_key_message(err: BaseException) -> str | None:
+    """mpexp's one message where `err` is Hydra's answer to an override of a key the config does
+    not have (for the commands that compose through Hydra's API: mpexp-plan); None otherwise."""
+    unknown = _unknown_key(err) if isinstance(err, ConfigCompositionException) else None
+    return None if unknown is None else _message(err, unknown[0], unknown[2])
 
 
 def _unknown_key(err: ConfigCompositionException) -> tuple[str, type, list[str]] | None:
