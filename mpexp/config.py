@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -293,9 +293,9 @@ class WindowsConfig:
     val_size: int = 256  # validation windows
     val_fraction: float = 0.1  # the corpus's tail that validates
     cache_dir: str = TEXT_CACHE  # where the token file and its key are written
-    # byte (a vocabulary of 256), bpe (learned from the training part, vocab_size tokens) or the
-    # path of a Hugging Face tokenizer.json
-    tokenizer: str = "byte"
+    # byte (a vocabulary of 256), bpe (learned from the training part, vocab_size tokens), the
+    # path of a Hugging Face tokenizer.json or of a folder holding one; null: byte
+    tokenizer: Optional[str] = "byte"
     vocab_size: Optional[int] = None  # bpe's to learn; else null: the tokenizer's
     batch_size: int = 32
     drop_last: bool = True
@@ -375,6 +375,24 @@ class GPTConfig(ModelConfig):
     dropout: float = 0.0
     bias: bool = True  # false: no bias in any Linear or LayerNorm
     qk_norm: bool = False  # normalise each head's queries and keys before their product
+
+
+@dataclass
+class HFConfig(ModelConfig):
+    """model=hf (mpexp/models/hf.py): a Hugging Face transformers model, built from its config or
+    loaded from a save_pretrained folder. The node is open: any key of the model type's own
+    config class (`model.hidden_size=256`) is taken, and checked against that class's keys
+    (mpexp/models/hf_config.py) rather than against this schema."""
+
+    # keys beyond the declared ones are the transformers config's own (see `register`)
+    OPEN: ClassVar[bool] = True
+
+    config: Optional[str] = None  # a model type (llama, gpt2, qwen2, vit, ...); null: pretrained's
+    pretrained: Optional[str] = None  # a folder written by save_pretrained: config + safetensors
+    block_size: int = 64  # tokens per window a language model trains on
+    fp8_head: bool = False  # precision=fp8 converts the output layer too (lm_head, classifier)
+    # transformers' attention kernel (sdpa, eager, flex_attention); null: transformers' default
+    attn_implementation: Optional[str] = None
 
 
 # --- precision -----------------------------------------------------------------------------------
@@ -505,6 +523,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "resnet_cifar": ResidualConfig,
         "vit": ViTConfig,
         "gpt": GPTConfig,
+        "hf": HFConfig,
     },
     "precision": {"base": PrecisionConfig},
     "loss_scaling": {
@@ -529,7 +548,13 @@ def register() -> None:
     store.store(name="train_schema", node=TrainConfig)
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
-            store.store(name=f"{group}_{name}_schema", node=schema)
+            node = OmegaConf.structured(schema)
+            if getattr(schema, "OPEN", False):
+                # a node whose own struct flag is false takes keys its schema lacks without
+                # Hydra's `+`, while the declared ones keep their types (OmegaConf honours the
+                # node's own flag over the struct mode Hydra sets on the root)
+                node._set_flag("struct", False)
+            store.store(name=f"{group}_{name}_schema", node=node)
 
 
 def config_dir() -> Path:
@@ -552,6 +577,8 @@ def unknown_keys(cfg: DictConfig, prefix: str = "", schema: type | None = None) 
     found = []
     schema = schema or OmegaConf.get_type(cfg)
     declared = {f.name for f in fields(schema)} if is_dataclass(schema) else None
+    if getattr(schema, "OPEN", False):  # its other keys are checked by what it builds
+        declared = None
     for key in cfg:
         name = f"{prefix}{key}"
         if declared is not None and key not in declared:

@@ -8,9 +8,9 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from mpexp.config import TrainConfig, run_length, unknown_keys
+from mpexp.config import HFConfig, TrainConfig, run_length, unknown_keys
 from mpexp.errors import ConfigError
 from mpexp.rundir import train_command
 
@@ -41,13 +41,18 @@ def _choice(value: Any, key: str, options: tuple[str, ...]) -> str:
 
 
 def check_schema(cfg: DictConfig) -> None:
-    """Refuse keys that no schema declares (Hydra's `+key=value` adds them past the schema)."""
+    """Refuse keys that no schema declares (Hydra's `+key=value` adds them past the schema), and
+    model=hf's keys that its model type's config does not have."""
     unknown = unknown_keys(cfg, schema=TrainConfig)
     if unknown:
         raise ConfigError(
             f"Unknown config key{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}. "
             f"`{shlex.join([*train_command(), '--cfg', 'job'])}` lists every key."
         )
+    if OmegaConf.get_type(cfg.model) is HFConfig:  # an open node: transformers' keys
+        from mpexp.models.hf_config import check_keys  # imports transformers: only for model=hf
+
+        check_keys(cfg.model)
 
 
 def validate(cfg: DictConfig) -> None:
