@@ -64,7 +64,7 @@ def read_run(run_dir: Path) -> dict:
         kind = task.get("name") or "an image classifier"
         raise UserError(
             f"{run_dir} is not a language-model run ({kind}): mpexp-sample continues text with a "
-            "model=gpt run on dataset=text or dataset=tokens."
+            "model=gpt or model=hf run on dataset=text or dataset=tokens."
         )
     return summary
 
@@ -191,13 +191,12 @@ def generate(
     cached: bool = True,
 ) -> list[list[int]]:
     """`draw.tokens` more ids after `prompt`, for each of `draw.samples` samples; only real ids,
-    never the model's padding ones. `cached`: through a KV cache (the same tokens, sooner)."""
-    from mpexp.models.gpt import KVCache
-
+    never the model's padding ones. `cached`: through the model's KV cache (`kv_cache()`, which
+    `decode` fills: mpexp's GPT's own, a transformers model's), the same tokens, sooner."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(draw.seed)
     ids = torch.tensor([prompt] * draw.samples, dtype=torch.long, device=device)
-    cache = KVCache(model) if cached else None
+    cache = model.kv_cache() if cached else None
     unseen = ids  # the positions the cache holds nothing of yet
     for _ in range(draw.tokens):
         with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=bool(autocast)):
@@ -253,7 +252,7 @@ def sample(
         for prefix in PREFIXES:
             key = key.removeprefix(prefix)
         weights[key] = value
-    model = build(cfg.model, vocab_size=weights["wte.weight"].shape[0])
+    model = build(cfg.model, **model_kwargs(ran["task"], weights))
     model.load_state_dict(weights)
     model.to(device).eval()
     autocast_name = ran.get("autocast_dtype") or "off"
@@ -266,6 +265,17 @@ def sample(
     if ran.get("precision", "").startswith("fp8"):
         note += "; its float8 layers run as ordinary Linear layers here"
     return [prompt + codec.decode(sampled) for sampled in out], note
+
+
+def model_kwargs(task: dict, weights: dict) -> dict:
+    """What the run built its model with for its task: the GPT's vocabulary is its embedding's
+    rows; any other model's, the task's (a transformers model from a pretrained folder keeps its
+    own)."""
+    from mpexp.tasks.language_model import LanguageModelling
+
+    if "wte.weight" in weights:
+        return {"vocab_size": weights["wte.weight"].shape[0]}
+    return LanguageModelling(task["vocab_size"], task["block_size"]).model_kwargs()
 
 
 def read_prompt(prompt: str) -> str:
