@@ -5,10 +5,11 @@ loads it, with its tokenizer where the run had one (`AutoTokenizer.from_pretrain
 
 The model is rebuilt from the run's recorded config as the run built it (mpexp/models/hf.py),
 given the checkpoint's weights (the best kept by val/loss, which the run keeps beside its newest
-and mpexp-sample picks too; else the newest) and written by transformers' own `save_pretrained`: config.json and safetensors,
-in the dtype the run held its weights in (float32; bfloat16 for pure bf16). The tokenizer is the
-pretrained folder's own where the text was tokenized with it, else the run's tokenizer.json
-(a learned BPE, a file given) as a fast tokenizer; a byte-level run has none to write.
+and mpexp-sample picks too; else the newest) and written by transformers' own `save_pretrained`:
+config.json and safetensors, in the dtype the run held its weights in (float32; bfloat16 for
+pure bf16). The tokenizer is the pretrained folder's own where the text was tokenized with it,
+else the run's tokenizer.json (a learned BPE, a file given) as a fast tokenizer; a byte-level
+run has none to write.
 
 `--merge` asks for fine-tuning adapters (LoRA) to be merged into the weights they adapt rather
 than written beside them; a run without adapters writes its weights either way.

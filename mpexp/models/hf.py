@@ -100,6 +100,17 @@ class Recipe:
                 f"model=hf cannot make a {self.model_type} config: {reason(err)}."
             ) from None
 
+    def describe(self, model: nn.Module) -> None:
+        """Say what was built: the class, where its weights came from, its attention."""
+        weights = f"weights of {self.pretrained}" if self.pretrained else "new weights"
+        log.info(
+            "model=hf: %s (%s), %s, attention %s",
+            type(model).__name__,
+            self.model_type,
+            weights,
+            model.config._attn_implementation,
+        )
+
     def model(self, auto, config, kind: str, new_head: bool = False) -> nn.Module:
         """The model of `config` from `auto` (an Auto class): new weights, or the folder's (all
         of them but a classifier's head, with `new_head`)."""
@@ -154,6 +165,7 @@ def causal_lm(recipe: Recipe, block_size: int, vocab: int) -> nn.Module:
         )
     model.__class__ = adapted(type(model), CausalLM)
     model.block_size = block_size
+    recipe.describe(model)
     return model
 
 
@@ -189,7 +201,9 @@ def causal_attention(auto, config, block_size: int) -> str | None:
 MASK_FREE = "mpexp_causal_sdpa"
 
 
-def image_classifier(recipe: Recipe, channels: int, classes: int, size: tuple[int, int]) -> nn.Module:
+def image_classifier(
+    recipe: Recipe, channels: int, classes: int, size: tuple[int, int]
+) -> nn.Module:
     auto = hf_config.transformers().AutoModelForImageClassification
     config = recipe.config()
     if recipe.pretrained is None:
@@ -212,6 +226,7 @@ def image_classifier(recipe: Recipe, channels: int, classes: int, size: tuple[in
         config.num_labels = classes
     model = recipe.model(auto, config, "an image classifier", new_head)
     model.__class__ = adapted(type(model), ImageClassifier)
+    recipe.describe(model)
     return model
 
 
