@@ -250,6 +250,8 @@ def bad_inputs(pretrained: Path, folder: Path) -> dict[str, tuple[list[str], str
         "no weights": (["model=hf", f"model.pretrained={no_weights}"], "holds no weights"),
         "other type": (["model=hf", "model.config=gpt2", f"model.pretrained={llama}"],
                        "is a llama model"),
+        "no class for the task": (["model=hf", "model.config=vit", *text(folder), *SHORT],
+                                  "no causal language model class for a vit model"),
         "small vocabulary": (
             ["model=hf", f"model.pretrained={llama}", *text(folder), *SHORT,
              "dataset.tokenizer=bpe", "dataset.vocab_size=512"],
@@ -260,10 +262,11 @@ def bad_inputs(pretrained: Path, folder: Path) -> dict[str, tuple[list[str], str
     }  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "mistake",
-    ["unknown type", "misspelt key", "no weights", "other type", "small vocabulary", "image size"],
-)
+MISTAKES = ["unknown type", "misspelt key", "no weights", "other type", "no class for the task",
+            "small vocabulary", "image size"]  # fmt: skip
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
 def test_bad_input_is_one_message_and_nothing_is_written(pretrained, tmp_path, in_process, mistake):
     args, said = bad_inputs(pretrained, tmp_path)[mistake]
     output = one_line_failure(in_process(*args, "wandb.mode=disabled", cwd=tmp_path))

@@ -7,13 +7,15 @@ side under `pytest -n 2`.)"""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from mpexp.run.runner import train
 from mpexp.tracking.run_context import RunContext
-from tests.conftest import make_cfg
+from tests.conftest import make_cfg, run_cli
+from tests.test_distributed import TORCHRUN
 from tests.test_hf import LLAMA, SHORT, VIT, text
 from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed
 from tests.test_training import read_metrics
@@ -54,3 +56,20 @@ def test_a_run_killed_mid_way_resumes_exactly(tmp_path, monkeypatch, caplog):
     whole, crashed = crashed_and_resumed(args, tmp_path, monkeypatch, caplog)
     assert comparable(crashed) == comparable(whole)
     assert_same_final_state(whole, crashed, ("model", "optimizer", "scaler", "position"))
+
+
+@pytest.mark.slow  # torchrun and two processes that import transformers: about 30 s on 2 cores
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_llama_with_tied_embeddings_trains_under_ddp_and_fsdp(tmp_path, strategy):
+    """FSDP2 shards it by its decoder layers (its _no_split_modules), the tied embedding and
+    head with the root; both strategies train it to the loss one process reaches."""
+    args = [*LLAMA, *text(tmp_path), *SHORT, "dataset.train_size=32", "precision=bf16",
+            "model.tie_word_embeddings=true"]  # fmt: skip
+    alone = train(make_cfg(*args), RunContext(tmp_path / "alone"))
+    result = run_cli(*TORCHRUN, "-m", "mpexp.train", *args, f"trainer.strategy={strategy}",
+                     cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ran"]["strategy"] == strategy and summary["ran"]["world_size"] == 2
+    assert summary["val/loss"] == pytest.approx(alone["val/loss"], abs=1e-2)

@@ -30,7 +30,6 @@ alone: the plan needs its shapes, not its weights.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import logging
@@ -131,10 +130,11 @@ class Recipe:
             if "Unrecognized configuration class" not in str(err):
                 raise
             types = auto._model_mapping._model_mapping  # model type -> class name
-            close = sorted(types, key=lambda t: -_similarity(self.model_type, t))[:8]
+            known = [t for t in WELL_KNOWN if t in types]
             raise ConfigError(
-                f"model.config={self.model_type} has no {kind} in transformers "
-                f"({auto.__name__}); model types that have one: {', '.join(close)}, ..."
+                f"transformers has no {kind} class for a {self.model_type} model "
+                f"({auto.__name__}); {len(types)} model types have one, among them "
+                f"{', '.join(known)}."
             ) from None
 
 
@@ -156,7 +156,7 @@ def causal_lm(recipe: Recipe, block_size: int, vocab: int) -> nn.Module:
             config.max_position_embeddings = block_size
     if recipe.attention is None:
         recipe.attention = causal_attention(auto, config, block_size)
-    model = recipe.model(auto, config, "a causal language model")
+    model = recipe.model(auto, config, "causal language model")
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and block_size > context:
         raise ConfigError(
@@ -224,14 +224,15 @@ def image_classifier(
             classes,
         )
         config.num_labels = classes
-    model = recipe.model(auto, config, "an image classifier", new_head)
+    model = recipe.model(auto, config, "image classification", new_head)
     model.__class__ = adapted(type(model), ImageClassifier)
     recipe.describe(model)
     return model
 
 
-def _similarity(a: str, b: str) -> float:
-    return difflib.SequenceMatcher(None, a, b).ratio()
+# the model types named first when a type has no class for the task
+WELL_KNOWN = ("llama", "gpt2", "qwen2", "mistral", "gemma", "phi3", "vit", "deit", "convnext",
+              "swin", "resnet", "efficientnet")  # fmt: skip
 
 
 def on_meta_device() -> bool:
