@@ -113,29 +113,26 @@ class Recipe:
     def model(self, auto, config, kind: str, new_head: bool = False) -> nn.Module:
         """The model of `config` from `auto` (an Auto class): new weights, or the folder's (all
         of them but a classifier's head, with `new_head`)."""
-        attention = {"attn_implementation": self.attention} if self.attention else {}
-        try:
-            if self.pretrained is None or on_meta_device():
-                return auto.from_config(config, **attention)
-            return auto.from_pretrained(
-                hf_config.pretrained_folder(self.pretrained),
-                config=config,
-                local_files_only=True,
-                use_safetensors=True,
-                dtype=torch.float32,
-                ignore_mismatched_sizes=new_head,
-                **attention,
-            )
-        except ValueError as err:
-            if "Unrecognized configuration class" not in str(err):
-                raise
-            types = auto._model_mapping._model_mapping  # model type -> class name
+        types = auto._model_mapping._model_mapping  # model type -> class name, nothing imported
+        if type(config) not in auto._model_mapping:
             known = [t for t in WELL_KNOWN if t in types]
             raise ConfigError(
                 f"transformers has no {kind} class for a {self.model_type} model "
                 f"({auto.__name__}); {len(types)} model types have one, among them "
                 f"{', '.join(known)}."
-            ) from None
+            )
+        attention = {"attn_implementation": self.attention} if self.attention else {}
+        if self.pretrained is None or on_meta_device():
+            return auto.from_config(config, **attention)
+        return auto.from_pretrained(
+            hf_config.pretrained_folder(self.pretrained),
+            config=config,
+            local_files_only=True,
+            use_safetensors=True,
+            dtype=torch.float32,
+            ignore_mismatched_sizes=new_head,
+            **attention,
+        )
 
 
 def causal_lm(recipe: Recipe, block_size: int, vocab: int) -> nn.Module:
