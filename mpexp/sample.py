@@ -63,7 +63,7 @@ def read_run(run_dir: Path) -> dict:
         kind = task.get("name") or "an image classifier"
         raise UserError(
             f"{run_dir} is not a language-model run ({kind}): mpexp-sample continues text with a "
-            "model=gpt run on dataset=text or dataset=tokens."
+            "model=gpt or model=hf run on dataset=text or dataset=tokens."
         )
     return summary
 
@@ -190,13 +190,12 @@ def generate(
     cached: bool = True,
 ) -> list[list[int]]:
     """`draw.tokens` more ids after `prompt`, for each of `draw.samples` samples; only real ids,
-    never the model's padding ones. `cached`: through a KV cache (the same tokens, sooner)."""
-    from mpexp.models.gpt import KVCache
-
+    never the model's padding ones. `cached`: through the model's KV cache (`kv_cache()`, which
+    `decode` fills: mpexp's GPT's own, a transformers model's), the same tokens, sooner."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(draw.seed)
     ids = torch.tensor([prompt] * draw.samples, dtype=torch.long, device=device)
-    cache = KVCache(model) if cached else None
+    cache = model.kv_cache() if cached else None
     unseen = ids  # the positions the cache holds nothing of yet
     for _ in range(draw.tokens):
         with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=bool(autocast)):
@@ -233,7 +232,6 @@ def sample(
     """(the samples, from which checkpoint and how), for the run at `run_dir`."""
     from mpexp.build import rebuilt
     from mpexp.checkpoints.files import load
-    from mpexp.tasks.language_model import VOCAB_MULTIPLE
 
     summary = read_run(run_dir)
     ran = summary["ran"]
@@ -245,11 +243,7 @@ def sample(
         ids, start = codec.start()
     check_prompt(ids, vocab)
     state = load(path)
-    # the model's vocabulary: its embedding's rows, or (a frozen embedding, which checkpoints
-    # leave out) the data's padded as the task pads it
-    embedding = next((v for k, v in state["model"].items() if k.endswith("wte.weight")), None)
-    rows = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE if embedding is None else embedding.shape[0]
-    model, _ = rebuilt(state, vocab_size=rows)
+    model, _ = rebuilt(state, **model_kwargs(ran["task"], state["model"]))
     model.to(device).eval()
     autocast_name = ran.get("autocast_dtype") or "off"
     autocast = DTYPES.get(autocast_name)
@@ -261,6 +255,20 @@ def sample(
     if ran.get("precision", "").startswith("fp8"):
         note += "; its float8 layers run as ordinary Linear layers here"
     return [prompt + codec.decode(sampled) for sampled in out], note
+
+
+def model_kwargs(task: dict, weights: dict) -> dict:
+    """What the run built its model with for its task (`weights`: its checkpoint's): the GPT's
+    vocabulary is its embedding's rows; any other model's, the task's (a transformers model from
+    a pretrained folder keeps its own)."""
+    from mpexp.tasks.language_model import LanguageModelling
+
+    embedding = next((v for k, v in weights.items() if k.endswith("wte.weight")), None)
+    if embedding is not None:
+        return {"vocab_size": embedding.shape[0]}
+    # a frozen embedding, which checkpoints leave out: the data's vocabulary padded as the task
+    # pads it, as the run built it
+    return LanguageModelling(task["vocab_size"], task["block_size"]).model_kwargs()
 
 
 def read_prompt(prompt: str) -> str:

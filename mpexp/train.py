@@ -45,7 +45,7 @@ from mpexp.tracking.run_context import RunContext
 from mpexp.tracking.wandb_mode import sweep_group
 
 log = logging.getLogger("mpexp")
-config.register()  # the schemas behind conf/ (mpexp/config.py)
+config.register()  # the schemas behind conf/ (mpexp/config/)
 register_resolvers()  # conf/train.yaml's hydra.run.dir uses mpexp.run_dir
 
 

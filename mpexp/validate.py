@@ -1,4 +1,4 @@
-"""Checks of config values that the schema (mpexp/config.py) cannot express: ranges, and values
+"""Checks of config values that the schema (mpexp/config/) cannot express: ranges, and values
 that depend on each other. Run before any work starts; each names the key and the fix."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from mpexp.config import TrainConfig, run_length
+from mpexp.config import HFConfig, TrainConfig, run_length
 from mpexp.errors import ConfigError
 from mpexp.rundir import train_command
 
@@ -43,10 +43,15 @@ def _choice(value: Any, key: str, options: tuple[str, ...]) -> str:
 
 
 def check_schema(cfg: DictConfig) -> None:
-    """Refuse keys that no schema declares (Hydra's `+key=value` adds them past the schema)."""
+    """Refuse keys that no schema declares (Hydra's `+key=value` adds them past the schema), and
+    model=hf's keys that its model type's config does not have."""
     unknown = unknown_keys(cfg, schema=TrainConfig)
     if unknown:
         raise unknown_keys_error(unknown)
+    if OmegaConf.get_type(cfg.model) is HFConfig:  # an open node: transformers' keys
+        from mpexp.models.hf_config import check_keys  # imports transformers: only for model=hf
+
+        check_keys(cfg.model)
 
 
 def unknown_keys_error(unknown: list[str]) -> ConfigError:
@@ -64,6 +69,8 @@ def unknown_keys(cfg: DictConfig, prefix: str = "", schema: type | None = None) 
     found = []
     schema = schema or OmegaConf.get_type(cfg)
     declared = {f.name for f in fields(schema)} if is_dataclass(schema) else None
+    if getattr(schema, "OPEN", False):  # its other keys are checked by what it builds
+        declared = None
     for key in cfg:
         name = f"{prefix}{key}"
         if declared is not None and key not in declared and not accepts_key(schema, str(key)):

@@ -1,5 +1,5 @@
-"""The package's layout reads top-down: the commands (train, sample, cache, report) stand above
-the run's shell (run/), which imports the plan a run makes of itself (plan/); both stand above
+"""The package's layout reads top-down: the commands (train, sample, cache, report, export) stand
+above the run's shell (run/), which imports the plan a run makes of itself (plan/); both stand above
 the builder (build.py), the config's checks and resolvers (validate.py, resolvers.py), and the
 loop (step/); the loop above the checkpoints, and what both need (the run directory's files, stop
 signals, the launch, `_target_` paths) below them all. The data (data/) and fine-tuning
@@ -16,7 +16,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "mpexp"
 
 # each room, and the rooms above it, which it must not import
-COMMANDS = {"train", "sample", "cache", "report"}  # mpexp-plan: plan/__main__.py, in plan/
+# mpexp-plan: plan/__main__.py, in plan/
+COMMANDS = {"train", "sample", "cache", "report", "export"}
 ABOVE = {
     "run": {"train", "cache", "report"},  # sample.py: run/ draws an LM run's samples with it
     "plan": {"run"} | COMMANDS,

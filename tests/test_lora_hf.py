@@ -13,7 +13,7 @@ from mpexp import config
 from mpexp.finetune.export import merged, save_adapters
 from mpexp.finetune.prepare import fine_tune
 from mpexp.plan.rehearsal import rehearse
-from tests.conftest import CONF, make_cfg
+from tests.conftest import make_cfg
 from tests.lora_models import CausalLM
 
 peft = pytest.importorskip("peft")
@@ -107,11 +107,6 @@ def test_an_8b_shaped_lora_row_holds_the_bytes_the_arithmetic_says(layers):
         assert row.bytes["weights"] == 17_166_254_080
 
 
-@pytest.mark.skipif(
-    not (CONF / "model" / "hf.yaml").exists(),
-    reason="experiment=finetune_lora fine-tunes model=hf, which branch hf brings (conf/model/"
-    "hf.yaml); this test runs once it is merged",
-)
 def test_the_finetune_lora_preset_composes_lora_over_a_pretrained_causal_lm():
     cfg = make_cfg("experiment=finetune_lora", "model.pretrained=/models/my-llama")
     assert cfg.model.lora.r == 16 and cfg.model.lora.target_modules is None

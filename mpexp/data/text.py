@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from mpexp.data import atomic
-from mpexp.data.tokenizer import Encoded, byte_lengths, encode
+from mpexp.data.tokenizer import Encoded, byte_lengths, encode, tokenizer_spec
 from mpexp.data.windows import TokenWindows
 from mpexp.errors import ConfigError, DataError
 from mpexp.tasks.language_model import LanguageModelling
@@ -247,7 +247,7 @@ class TextData(TokenWindows):
         val_size: int = 256,
         val_fraction: float = 0.1,
         cache_dir: str = "~/.cache/mpexp/data/text",
-        tokenizer: str = "byte",
+        tokenizer: str | None = "byte",
         vocab_size: int | None = None,
         batch_size: int = 32,
         drop_last: bool = True,
@@ -255,7 +255,7 @@ class TextData(TokenWindows):
         super().__init__(block_size, train_size, val_size, val_fraction, batch_size, drop_last)
         self.path = path
         self.cache_dir = Path(cache_dir).expanduser()
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer_spec(tokenizer)
         self.vocab_size = vocab_size
         self.tokens: np.ndarray | None = None  # the corpus's bytes
         self.split = 0  # the first validation byte

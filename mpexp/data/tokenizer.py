@@ -79,6 +79,24 @@ def byte_lengths(path: Path, vocab: int) -> list[int] | None:
     return lengths
 
 
+def tokenizer_spec(spec: str | None) -> str:
+    """dataset.tokenizer as `encode` takes it: null is bytes, a folder (a pretrained model's,
+    written by save_pretrained) is its tokenizer.json."""
+    if spec is None:
+        return "byte"
+    if spec in ("byte", "bpe") or not Path(spec).expanduser().is_dir():
+        return spec
+    path = Path(spec).expanduser() / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(
+            f"dataset.tokenizer={spec} is a folder without a tokenizer.json (a pretrained "
+            "model's folder is the text's tokenizer unless dataset.tokenizer says otherwise). "
+            "Save the model's fast tokenizer there (tokenizer.save_pretrained), or give "
+            "dataset.tokenizer=<a tokenizer.json>, bpe or byte."
+        )
+    return str(path)
+
+
 def load(path: Path):
     """A tokenizer.json, or one message saying why it does not load."""
     tokenizers = _tokenizers()

@@ -226,6 +226,10 @@ class GPT(nn.Module):
             x = block(x)
         return F.linear(self.ln_f(x), self.wte.weight)  # tied: the embedding's weights
 
+    def kv_cache(self) -> KVCache:
+        """An empty cache for `decode` (mpexp/sample.py)."""
+        return KVCache(self)
+
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The next-token logits (n, vocab_size) after `tokens` (n, length), which continue the
         positions `cache` holds; the cache takes theirs. What sampling calls: the forward pass

@@ -36,7 +36,8 @@ def convert_to_fp8(
     A Linear layer stays as it was (in bf16 under autocast) when its sizes are not multiples of 16
     (a 10-class head), when precision.fp32_modules or precision.fp8.exclude names it or a module
     around it, when it has fewer input or output features than precision.fp8.min_size, or when it
-    sits in an nn.MultiheadAttention, which uses its weight without calling it. Without fp8, the
+    sits in an nn.MultiheadAttention, which uses its weight without calling it, or when the model
+    keeps it in bf16 itself (`fp8_keep`: name -> why; model=hf's output layer). Without fp8, the
     model and precision come back unchanged.
     """
     if precision.fp8 is None:
@@ -53,9 +54,11 @@ def convert_to_fp8(
             f"not have; its modules include {', '.join(list(modules)[1:6])}."
         )
     reasons: dict[str, str | None] = {}
+    kept = getattr(model, "fp8_keep", {})
 
     def convertible(module: nn.Module, name: str) -> bool:
-        reasons[name] = _fp8_unconvertible(module, name, modules, fp32_modules, precision.fp8)
+        why = _fp8_unconvertible(module, name, modules, fp32_modules, precision.fp8)
+        reasons[name] = why or kept.get(name)
         return reasons[name] is None
 
     model = float8.convert_to_float8_training(model, module_filter_fn=convertible, config=config)

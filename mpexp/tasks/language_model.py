@@ -61,9 +61,18 @@ class LanguageModelling(Task):
         return tokens, tokens.clone()
 
     def check_output(self, shape: tuple[int, ...]) -> str | None:
+        # a model of its own vocabulary (a pretrained one) may have more rows than the data's
+        # padded vocabulary, or fewer padding rows; never fewer than the data has ids
+        if len(shape) == 3 and shape[:2] == (1, self.block_size):
+            if shape[2] >= self.vocab_size:
+                return None
+            return (
+                f"has {shape[2]:,} vocabulary entries, and the data's token ids run to "
+                f"{self.vocab_size - 1:,} (vocabulary {self.vocab_size:,}): token id "
+                f"{shape[2]:,} and those above have no row in its embedding. Use a tokenizer "
+                "of the model's own vocabulary (dataset.tokenizer, dataset.vocab_size)"
+            )
         expected = (1, self.block_size, self.model_vocab_size)
-        if shape == expected:
-            return None
         return (
             f"gives outputs of shape {shape} for one window; the loss needs {expected}, "
             "one logit per vocabulary entry at every position"
