@@ -49,6 +49,9 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        # a second signal came: its KeyboardInterrupt may reach the caller as another error
+        # (torch.save turns one raised inside its writer into a RuntimeError), which this tells
+        self.again = False
         # before the command line's own code runs (its imports): nothing could catch the
         # KeyboardInterrupt of a second signal, so it ends the process here (see catch_from_start)
         self.before_start = False
@@ -63,6 +66,7 @@ class StopSignals:
             sys.stderr.write(INTERRUPTED_BEFORE_START)
             raise SystemExit(128 + signal.SIGINT)
         else:
+            self.again = True
             raise KeyboardInterrupt
 
     def __enter__(self) -> StopSignals:
@@ -92,6 +96,11 @@ class StopSignals:
 
 
 _active: StopSignals | None = None
+
+
+def stopped_again() -> bool:
+    """Whether a second stop signal came to this process: what cut short whatever failed."""
+    return _active is not None and _active.again
 
 INTERRUPTED_BEFORE_START = "Interrupted before the run started; nothing was trained.\n"
 

@@ -391,24 +391,47 @@ def test_a_stop_signal_that_no_run_answered_ends_the_command_with_one_line(monke
 # Runs the command as `python -m mpexp.train` does, with the checkpoint that a stop writes taking
 # 30 s once its file is written: a second Ctrl-C lands while it is being written, every time. (A
 # save that began before the first Ctrl-C is not slowed: the stop's own save comes after it.)
+# Runs the command with the checkpoint written for a stop made slow (30 s), inside torch.save's
+# writer (WHERE=write: at its third write, where a KeyboardInterrupt comes out of torch.save as a
+# RuntimeError) or after it (WHERE=sum: the checksum)
 SLOW_STOP_CHECKPOINT = """
-import runpy, sys, time
+import builtins, os, runpy, sys, time
 from mpexp.checkpoints import checkpoint, files
 from mpexp.stopping import StopSignals
 
 slow = False
+
+class SlowFile:
+    def __init__(self, f):
+        self.f, self.writes = f, 0
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 3:
+            print("third write", flush=True)  # the test's cue to press again
+            time.sleep(30)
+        return self.f.write(data)
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
 
 def save(self, *args, _save=checkpoint.Checkpointer.save):
     global slow
     slow = StopSignals.active().received is not None  # the loop saves for the stop
     return _save(self, *args)
 
+def slow_open(*args, **kwargs):
+    f = builtins.open(*args, **kwargs)
+    return SlowFile(f) if slow and os.environ["WHERE"] == "write" else f
+
 def sha256_of(path, _sha256_of=files.sha256_of):
-    if slow:
+    if slow and os.environ["WHERE"] == "sum":
         time.sleep(30)
     return _sha256_of(path)
 
-checkpoint.Checkpointer.save, files.sha256_of = save, sha256_of
+checkpoint.Checkpointer.save, files.sha256_of, files.open = save, sha256_of, slow_open
 sys.argv = ["mpexp.train", *sys.argv[1:]]
 runpy.run_module("mpexp.train", run_name="__main__", alter_sys=True)
 """
@@ -428,7 +451,11 @@ def start_script(script: str, run_dir, *overrides: str) -> subprocess.Popen:
     )
 
 
-def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("where", ["write", "sum"])
+def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path, monkeypatch, where):
+    """Pressed while torch.save writes (which reports a KeyboardInterrupt in its writer as a
+    RuntimeError: this run once said it could not write the checkpoint) or after."""
+    monkeypatch.setenv("WHERE", where)
     run_dir = tmp_path / "run"
     proc = start_script(SLOW_STOP_CHECKPOINT, run_dir, "trainer.checkpoint_every_steps=1")
     wait_for(lambda: checkpoint_files(run_dir), proc)
@@ -438,7 +465,7 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_last_checkpoint(tmp_path):
     said = []
     for line in proc.stdout:
         said.append(line)
-        if "Ctrl-C again quits at once" in line:
+        if ("third write" if where == "write" else "Ctrl-C again quits at once") in line:
             break
     proc.send_signal(signal.SIGINT)
     output = "".join(said) + proc.communicate(timeout=120)[0]

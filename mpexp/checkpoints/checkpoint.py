@@ -42,7 +42,7 @@ from mpexp.rundir import (
     resume_command,
     validated_losses,
 )
-from mpexp.stopping import Preempted
+from mpexp.stopping import Preempted, stopped_again
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,8 @@ class Checkpointer:
                 state["rng"] = rng_state(self.device)
                 write_atomically(state, path)
         except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
+            if stopped_again():  # a second Ctrl-C inside torch.save's writer, which it reports
+                raise KeyboardInterrupt from err  # as a RuntimeError: out at once, as it asks
             raise OutputError(self._failure(path, err)) from err
         if not self.world.is_main:
             return path
