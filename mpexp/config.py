@@ -367,6 +367,16 @@ class ViTConfig(ModelConfig):
 
 
 @dataclass
+class TimmConfig(ModelConfig):
+    """model=timm (mpexp/models/timm_models.py)."""
+
+    name: Optional[str] = None  # any of timm.list_models(): resnet50, convnext_tiny, ...
+    pretrained: Optional[str] = None  # a local weights file (.safetensors, .pth, .bin)
+    fp8_head: bool = False  # precision=fp8 converts the classifier too (else: the blocks only)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more of timm.create_model's arguments
+
+
+@dataclass
 class GPTConfig(ModelConfig):
     block_size: int = 64  # the context: tokens per window
     n_layer: int = 2
@@ -504,6 +514,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "resnet": ResNetConfig,
         "resnet_cifar": ResidualConfig,
         "vit": ViTConfig,
+        "timm": TimmConfig,
         "gpt": GPTConfig,
     },
     "precision": {"base": PrecisionConfig},
@@ -529,7 +540,19 @@ def register() -> None:
     store.store(name="train_schema", node=TrainConfig)
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
-            store.store(name=f"{group}_{name}_schema", node=schema)
+            store.store(name=f"{group}_{name}_schema", node=open_dicts(schema))
+
+
+def open_dicts(schema: type) -> DictConfig:
+    """The schema with its free-form dicts (`dict[str, Any]` fields, such as a library's own
+    keyword arguments: `model.kwargs`) open to keys of the user's, which then take
+    `model.kwargs.drop_path_rate=0.1` as well as Hydra's `+model.kwargs.drop_path_rate=0.1`."""
+    node = OmegaConf.structured(schema)
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and OmegaConf.get_type(child) is dict:
+            OmegaConf.set_struct(child, False)
+    return node
 
 
 def config_dir() -> Path:
