@@ -286,6 +286,11 @@ def test_model_kwargs_timm_does_not_take_are_refused(kwargs, message):
         timm_model(3, 10, (32, 32), "resnet10t", kwargs=kwargs)
 
 
+def test_a_dataset_of_another_task_is_refused_naming_what_it_gives():
+    with pytest.raises(ConfigError, match=r"model=timm classifies images; .* with block_size, "):
+        timm_model(vocab_size=256, block_size=64, name="resnet10t")
+
+
 # --- the step captured, or why not ----------------------------------------------------------------
 
 

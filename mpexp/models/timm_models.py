@@ -45,17 +45,25 @@ WEIGHTS_FILES = ".safetensors, .pth or .bin"
 
 
 def timm_model(
-    in_channels: int,
-    num_classes: int,
-    image_size: tuple[int, int],
+    in_channels: int | None = None,
+    num_classes: int | None = None,
+    image_size: tuple[int, int] | None = None,
     name: str | None = None,
     pretrained: str | None = None,
     fp8_head: bool = False,
     kwargs: dict[str, Any] | None = None,
+    **inputs: Any,
 ) -> nn.Module:
     """timm's `name` for images of `in_channels` x `image_size` in `num_classes` classes, with
     `kwargs` passed on to its constructor (`drop_path_rate`, `depth`, ...) and the weights of
-    the file `pretrained`, where given."""
+    the file `pretrained`, where given. `inputs`: what another task builds its model with
+    (a language model's vocab_size), refused."""
+    if inputs or None in (in_channels, num_classes, image_size):
+        raise ConfigError(
+            f"model=timm classifies images; this dataset's task builds its model with "
+            f"{', '.join(sorted(inputs)) or 'no image shape'}. Train it on an image dataset "
+            "(dataset=image_folder, cifar10, ...), or use a model made for this data."
+        )
     timm = import_timm()
     check_name(timm, name)
     image_size = tuple(image_size)
@@ -144,35 +152,43 @@ def create(
     """timm.create_model with the image size where the model's constructor takes one: it raises
     a TypeError at once, before any weight is made, where it takes none (a CNN)."""
     load = {} if weights is None else pretrained_args(timm, name, weights)
-    for sized in ({**args, "img_size": image_size}, args):
-        try:
-            with loading_log() as loaded:
-                model = timm.create_model(name, **sized, **load)
-        except TypeError as err:
-            if "img_size" in sized and "'img_size'" in str(err):
-                continue  # no image size in this model's constructor
-            raise ConfigError(
-                f"timm.create_model({name!r}) does not take these arguments ({reason(err)}): "
-                "check model.kwargs against the model's constructor."
-            ) from None
-        except ConfigError:
+    try:
+        return create_once(timm, name, {**args, "img_size": image_size}, load)
+    except TypeError as err:
+        if "'img_size'" not in str(err):
             raise
-        except Exception as err:
-            if weights is None:
-                raise
-            raise ConfigError(
-                f"model.pretrained={weights} does not fit timm's {name}: {one_line(err)}.\n"
-                f"Give a file saved from {name} ({WEIGHTS_FILES}), or the model.name it was "
-                "saved from."
-            ) from None
-        if weights is not None:
-            check_loaded(model, name, weights, loaded)
-            describe_load(name, weights, load["pretrained_cfg_overlay"], args)
-            for record in loaded:  # e.g. a first convolution it could not adapt
-                if record.levelno >= logging.WARNING:
-                    logging.getLogger(record.name).handle(record)
-        return model
-    raise AssertionError("unreachable: the second try has no img_size")
+    return create_once(timm, name, args, load)
+
+
+def create_once(timm, name: str, args: dict[str, Any], load: dict[str, Any]) -> nn.Module:
+    """One timm.create_model; a keyword its constructor does not take (other than img_size,
+    which `create` tries without) or a weights file that does not fit, as one message."""
+    weights = load.get("pretrained_cfg_overlay", {}).get("file")
+    try:
+        with loading_log() as said:
+            model = timm.create_model(name, **args, **load)
+    except TypeError as err:
+        if "unexpected keyword" not in str(err) or "'img_size'" in str(err):
+            raise
+        raise ConfigError(
+            f"timm.create_model({name!r}) does not take these arguments ({reason(err)}): "
+            "check model.kwargs against the model's constructor."
+        ) from None
+    except Exception as err:
+        if weights is None or isinstance(err, ConfigError):
+            raise
+        raise ConfigError(
+            f"model.pretrained={weights} does not fit timm's {name}: {one_line(err)}.\n"
+            f"Give a file saved from {name} ({WEIGHTS_FILES}), or the model.name it was saved "
+            "from."
+        ) from None
+    if weights is not None:
+        check_loaded(model, name, weights, said)
+        describe_load(name, weights, load["pretrained_cfg_overlay"], args)
+    for record in said:  # timm's warnings, e.g. a first convolution it could not adapt
+        if record.levelno >= logging.WARNING:
+            logging.getLogger(record.name).handle(record)
+    return model
 
 
 # how much of timm's (or torch's) error a message quotes: load_state_dict's list of missing keys
@@ -269,7 +285,7 @@ def loading_log():
             logger.propagate = propagate
 
 
-def check_loaded(model: nn.Module, name: str, weights: Path, records) -> None:
+def check_loaded(model: nn.Module, name: str, weights: str, records) -> None:
     """Refuse a file that left weights out, or held weights the model has no place for, beyond
     the classifier timm drops for another number of classes (timm loads with strict=False then,
     and only logs the difference)."""
@@ -294,7 +310,7 @@ def check_loaded(model: nn.Module, name: str, weights: Path, records) -> None:
         )
 
 
-def describe_load(name: str, weights: Path, overlay: dict[str, Any], args: dict[str, Any]) -> None:
+def describe_load(name: str, weights: str, overlay: dict[str, Any], args: dict[str, Any]) -> None:
     """The log's line on what timm did with the file: its classifier made anew, its first
     convolution adapted (timm's own log says so at INFO, in its words)."""
     changed = []
