@@ -125,13 +125,16 @@ def for_model(speed: Speed, cfg: DictConfig, model: nn.Module, task: Task) -> Sp
     with a warning that its Python-side per-step state is frozen."""
     if not speed.cuda_graph:
         return speed
-    blocker = graph_blocker(model, task)
-    if blocker is not None:
-        if cfg.trainer.cuda_graph:
+    declared = declares_capturable(model)
+    if declared or cfg.trainer.cuda_graph:  # one that is to be captured: what it does, checked
+        blocker = graph_blocker(model, task)
+        if blocker is not None and cfg.trainer.cuda_graph:
             raise ConfigError(f"trainer.cuda_graph=true cannot be taken: {blocker}.")
-        log.info("The training step runs without a CUDA graph: %s.", blocker)
-        return replace(speed, cuda_graph=False, fused=cfg.optimizer.get("fused"), graph_off=blocker)
-    if declares_capturable(model):
+        if blocker is not None:
+            log.info("The training step runs without a CUDA graph: %s.", blocker)
+            fused = cfg.optimizer.get("fused")
+            return replace(speed, cuda_graph=False, fused=fused, graph_off=blocker)
+    if declared:
         return speed
     name = type(model).__qualname__
     if cfg.trainer.cuda_graph:
