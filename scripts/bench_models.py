@@ -35,17 +35,17 @@ from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mpexp import config  # noqa: E402
-from mpexp.build import build  # noqa: E402
-from mpexp.precision.modes import setup_precision  # noqa: E402
-from mpexp.precision.scaling import build_scaler  # noqa: E402
-from mpexp.step.diagnostics import Diagnostics  # noqa: E402
-from mpexp.step.history import StepHistory  # noqa: E402
-from mpexp.step.objective import Objective  # noqa: E402
-from mpexp.step.stepper import Stepper  # noqa: E402
-from mpexp.tasks.base import Task  # noqa: E402
-from mpexp.tasks.classification import Classification  # noqa: E402
-from mpexp.tracking.null_tracker import NullTracker  # noqa: E402
+from mpexp import config
+from mpexp.build import build
+from mpexp.precision.modes import setup_precision
+from mpexp.precision.scaling import build_scaler
+from mpexp.step.diagnostics import Diagnostics
+from mpexp.step.history import StepHistory
+from mpexp.step.objective import Objective
+from mpexp.step.stepper import Stepper
+from mpexp.tasks.base import Task
+from mpexp.tasks.classification import Classification
+from mpexp.tracking.null_tracker import NullTracker
 
 CPU = torch.device("cpu")
 

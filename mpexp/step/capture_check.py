@@ -7,7 +7,8 @@ first ends the capture with an error, the second would replay one size forever. 
 either, a library's as well as one's own, so it is not left to the model's word
 (`mpexp.step.performance.declares_capturable` speaks of Python-side state only) but looked for:
 one forward and backward pass of a copy of the model on the meta device, which computes shapes
-only and leaves the model's weights, its statistics and the random generators as they were,
+only and leaves the model's weights, its statistics and the random generators (torch's,
+Python's, NumPy's) as they were,
 watched operator by operator. PyTorch tags the operators it cannot run without a value
 (`data_dependent_output`) or whose output's shape depends on values (`dynamic_output_shape`).
 
@@ -17,8 +18,11 @@ names) and why a captured step cannot.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import random
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -85,6 +89,19 @@ def _to_host(args, kwargs) -> bool:
     return host and args[0].device.type != "cpu"
 
 
+@contextlib.contextmanager
+def random_state_kept():
+    """The pass draws nothing the run would: a forward that draws from Python's or NumPy's
+    generators (as a model not made for capture may) leaves them where they were."""
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+
+
 def graph_blocker(model: nn.Module, task: Task) -> str | None:
     """Why `model`'s training step cannot be captured as a CUDA graph, in words; None when no
     operator of its forward and backward pass (and its task's loss) stands in the way, or when
@@ -103,7 +120,7 @@ def graph_blocker(model: nn.Module, task: Task) -> str | None:
         hooks.append(module.register_forward_hook(watch.leave, always_call=True))
     inputs, targets = task.example(2, "meta")
     try:
-        with watch:
+        with watch, random_state_kept():
             task.loss(meta(inputs), targets).backward()
     except _Found as found:
         return f"{type(model).__name__} {found}, which a captured step cannot replay"
