@@ -20,6 +20,7 @@ from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError
 from mpexp.models.timm_models import timm_model
 from mpexp.plan.rehearsal import rehearse
+from mpexp.precision.fp8 import convert_to_fp8
 from mpexp.step import performance
 from mpexp.step.capture_check import graph_blocker
 from mpexp.step.diagnostics import Diagnostics
@@ -27,7 +28,7 @@ from mpexp.step.history import StepHistory
 from mpexp.step.parts import Parts
 from mpexp.step.stepper import Stepper
 from mpexp.tasks.classification import Classification
-from tests.conftest import CPU, make_cfg, one_line_failure
+from tests.conftest import CPU, make_cfg, one_line_failure, precision_of
 from tests.test_resume import assert_same_final_state, comparable, crashed_and_resumed
 from tests.test_training import read_metrics
 
@@ -166,9 +167,13 @@ def test_the_model_is_timms_own_built_for_the_datas_channels_classes_and_size():
 
 
 def test_fp8_converts_the_classifier_when_asked():
-    built, _, _ = two_steps(with_mode([*VIT, "model.fp8_head=true", "dataset.num_classes=16"],
-                                      ["precision=fp8"]))  # fmt: skip
-    assert "head" in built.precision.fp8.converted
+    """16 classes: a head fp8 can take (sizes multiples of 16), converted on request only."""
+    for asked in (False, True):
+        model = timm_model(3, 16, (32, 32), "vit_tiny_patch16_224", fp8_head=asked,
+                           kwargs=VIT_KWARGS)  # fmt: skip
+        _, precision = convert_to_fp8(model, precision_of("fp8"), [], compiled=False)
+        assert ("head" in precision.fp8.converted) is asked
+        assert len(precision.fp8.converted) == 8 + asked  # 4 Linear layers a block
 
 
 # --- weights from a file, as timm loads them ------------------------------------------------------
