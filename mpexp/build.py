@@ -285,7 +285,7 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
     if precision.pure is not None:  # before the FLOP count's background pass runs the model
         model = hold_in_bf16(model, not task.takes_16_bit_output)
     # the user's model as built, before anything wraps it: whether it declares itself capturable
-    speed = performance.for_model(speed, cfg, model)
+    speed = performance.for_model(speed, cfg, model, task)
     parameters = sum(p.numel() for p in model.parameters())
     # counted once, on the plain model at the run's shapes, before anything wraps it
     name = device_name(device)

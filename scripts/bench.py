@@ -265,7 +265,8 @@ def bare_parts(args, precision: str, root: Path = Path("."), graph: bool = True)
     performance.configure_backends(device, cfg.trainer)
     mode = setup_precision(cfg.precision, device)
     weights = model_for(args, mode)
-    speed = performance.for_model(performance.plan_speed(cfg, device), cfg, weights)
+    mnist = Classification(channels=1, height=28, width=28, num_classes=10)  # fresh_model's
+    speed = performance.for_model(performance.plan_speed(cfg, device), cfg, weights, mnist)
     if not graph:
         speed = performance.replace(speed, cuda_graph=False)
     performance.apply_memory_format(weights, speed)

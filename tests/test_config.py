@@ -43,6 +43,8 @@ NAMES_ITS_MODEL = ("hf",)
 IMAGE_MODELS = [m for m in options("model") if m not in TEXT_MODELS + NAMES_ITS_MODEL]
 # models too large to initialise on a CPU in a test: their shapes are checked on the meta device
 LARGE_MODELS = ("gpt2_small", "hf_llama_1b")
+# what an option needs beside itself to build: model=timm, the name of one of timm's models
+NEEDS = {"timm": ("model.name=resnet10t",)}
 
 
 def test_groups_hold_the_documented_options():
@@ -69,6 +71,7 @@ def test_groups_hold_the_documented_options():
         "resnet50",
         "simplecnn",
         "simplecnn_small",
+        "timm",
         "vit",
         "vit_base",
     ]
@@ -104,6 +107,7 @@ def test_groups_hold_the_documented_options():
         "lr_sensitivity",
         "precision_grid",
         "quickstart",
+        "timm_precisions",
         "world4ai",
     ]
 
@@ -144,6 +148,8 @@ def test_defaults_are_the_world4ai_experiment():
 def test_no_group_option_carries_a_descriptive_name_key(group):
     """The chosen option is Hydra's record (hydra.runtime.choices), not a key that can disagree."""
     for option in options(group):
+        if (group, option) == ("model", "timm"):
+            continue  # model.name is what it builds: timm's name of the architecture
         assert "name" not in make_cfg(f"{group}={option}")[group], option
 
 
@@ -205,7 +211,10 @@ def test_language_models_build_for_byte_tokens(option):
 def test_model_options_build_and_adapt_to_the_data(option, shape):
     c, h, w = shape
     model = build(
-        make_cfg(f"model={option}").model, in_channels=c, num_classes=7, image_size=(h, w)
+        make_cfg(f"model={option}", *NEEDS.get(option, ())).model,
+        in_channels=c,
+        num_classes=7,
+        image_size=(h, w),
     )
     assert model(torch.randn(2, c, h, w)).shape == (2, 7)
 
@@ -247,18 +256,22 @@ PAIRS = pairs(IMAGE_MODELS, IMAGE_DATASETS) + pairs(list(TEXT_MODELS), list(TEXT
 IMAGE_PRESETS = ("cifar10_resnet",)
 # and presets that set an image folder's own keys (dataset.resize_size) with it alone
 FOLDER_PRESETS = ("imagenet_resnet50",)
+# and presets that set timm's own keys (model.name, model.kwargs) on an image folder alone
+TIMM_PRESETS = ("timm_precisions",)
 PRESET_CASES = [
     (experiment, model, dataset)
     for experiment in options("experiment")
     for model, dataset in PAIRS
     if (experiment not in IMAGE_PRESETS or dataset not in TEXT_DATASETS)
     and (experiment not in FOLDER_PRESETS or dataset == "image_folder")
-]
+    and experiment not in TIMM_PRESETS
+] + [(experiment, "timm", "image_folder") for experiment in TIMM_PRESETS]
 
 
 @pytest.mark.parametrize(("experiment", "model", "dataset"), PRESET_CASES)
 def test_every_preset_composes_and_builds_with_every_model_and_dataset(experiment, model, dataset):
-    cfg = make_cfg(f"experiment={experiment}", f"model={model}", f"dataset={dataset}")
+    needs = () if experiment in TIMM_PRESETS else NEEDS.get(model, ())
+    cfg = make_cfg(f"experiment={experiment}", f"model={model}", f"dataset={dataset}", *needs)
     assert unknown_keys(cfg) == []
     text = dataset in TEXT_DATASETS
     block_size = cfg.dataset.block_size if text else None

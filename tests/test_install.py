@@ -91,7 +91,7 @@ def test_the_wheel_offers_the_extras_the_readme_names(installed):
     target, _ = installed
     (metadata,) = target.glob("mpexp-*.dist-info/METADATA")
     text = metadata.read_text()
-    for extra in ("fp8", "slurm", "optuna", "joblib", "wandb-view", "bpe", "dev"):
+    for extra in ("fp8", "slurm", "optuna", "joblib", "wandb-view", "bpe", "timm", "dev"):
         assert f"Provides-Extra: {extra}" in text
     assert 'Requires-Dist: hydra-joblib-launcher>=1.2; extra == "joblib"' in text
     (view,) = [line for line in text.splitlines() if line.endswith('extra == "wandb-view"')]

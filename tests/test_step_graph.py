@@ -318,7 +318,7 @@ def test_mpexps_own_models_are_captured_by_default_on_cuda(name):
     else:
         task = Classification(channels=3, height=32, width=32, num_classes=10)
     model = build(cfg.model, **task.model_kwargs())
-    speed = performance.for_model(performance.plan_speed(cfg, CUDA), cfg, model)
+    speed = performance.for_model(performance.plan_speed(cfg, CUDA), cfg, model, task)
     assert speed.cuda_graph and speed.graph_off is None
     assert performance.describe_step(speed) == "step compiled, captured as one CUDA graph"
 
@@ -330,8 +330,9 @@ def test_a_model_that_does_not_declare_itself_capturable_runs_compiled_without_t
     """On CUDA by default: compiled, uncaptured, said once with the way to opt in, and the
     optimizer's choice left to the config again (a graph would have fused it)."""
     cfg = make_cfg()
+    mnist = Classification(channels=1, height=28, width=28, num_classes=10)
     with caplog.at_level(logging.INFO, logger="mpexp"):
-        speed = performance.for_model(performance.plan_speed(cfg, CUDA), cfg, model())
+        speed = performance.for_model(performance.plan_speed(cfg, CUDA), cfg, model(), mnist)
     name = model.__qualname__
     assert (speed.compile, speed.cuda_graph, speed.fused) == (True, False, None)
     assert speed.graph_off == f"{name} does not declare itself capturable"
@@ -345,7 +346,7 @@ def test_a_model_that_does_not_declare_itself_capturable_runs_compiled_without_t
     with caplog.at_level(logging.WARNING, logger="mpexp"):
         caplog.clear()
         forced = performance.for_model(
-            performance.plan_speed(forced_cfg, CUDA), forced_cfg, model()
+            performance.plan_speed(forced_cfg, CUDA), forced_cfg, model(), mnist
         )
     assert forced.cuda_graph and forced.fused
     assert "frozen" in caplog.text and name in caplog.text

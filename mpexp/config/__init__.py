@@ -62,6 +62,7 @@ from mpexp.config.models import (  # noqa: F401  (the package's names)
     ResidualConfig,
     ResNetConfig,
     SimpleCNNConfig,
+    TimmConfig,
     ViTConfig,
 )
 from mpexp.config.numerics import (  # noqa: F401  (the package's names)
@@ -114,6 +115,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "resnet": ResNetConfig,
         "resnet_cifar": ResidualConfig,
         "vit": ViTConfig,
+        "timm": TimmConfig,
         "gpt": GPTConfig,
         "hf": HFConfig,
     },
@@ -140,13 +142,25 @@ def register() -> None:
     store.store(name="train_schema", node=TrainConfig)
     for group, schemas in SCHEMAS.items():
         for name, schema in schemas.items():
-            node = OmegaConf.structured(schema)
-            if getattr(schema, "OPEN", False):
-                # a node whose own struct flag is false takes keys its schema lacks without
-                # Hydra's `+`, while the declared ones keep their types (OmegaConf honours the
-                # node's own flag over the struct mode Hydra sets on the root)
-                node._set_flag("struct", False)
-            store.store(name=f"{group}_{name}_schema", node=node)
+            store.store(name=f"{group}_{name}_schema", node=open_where_free(schema))
+
+
+def open_where_free(schema: type) -> DictConfig:
+    """The schema as a node, open to keys of the user's where they are free-form: the whole
+    node where the schema says so (`OPEN`: model=hf takes any of a transformers config's keys),
+    else its `dict[str, Any]` fields (a library's own keyword arguments: `model.kwargs`). Either
+    then takes `model.kwargs.drop_path_rate=0.1` as well as Hydra's `+model.kwargs...`, while the
+    declared keys keep their types (OmegaConf honours a node's own struct flag over the struct
+    mode Hydra sets on the root)."""
+    node = OmegaConf.structured(schema)
+    if getattr(schema, "OPEN", False):
+        node._set_flag("struct", False)
+        return node
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and OmegaConf.get_type(child) is dict:
+            OmegaConf.set_struct(child, False)
+    return node
 
 
 def config_dir() -> Path:

@@ -4,7 +4,7 @@ takes (mpexp/finetune/)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
@@ -72,6 +72,16 @@ class ViTConfig(ModelConfig):
     depth: int = 6
     heads: int = 3
     mlp_ratio: int = 4
+
+
+@dataclass
+class TimmConfig(ModelConfig):
+    """model=timm (mpexp/models/timm_models.py)."""
+
+    name: Optional[str] = None  # any of timm.list_models(): resnet50, convnext_tiny, ...
+    pretrained: Optional[str] = None  # a local weights file (.safetensors, .pth, .bin)
+    fp8_head: bool = False  # precision=fp8 converts the classifier too (else: the blocks only)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more of timm.create_model's arguments
 
 
 @dataclass

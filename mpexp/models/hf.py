@@ -18,7 +18,7 @@ pure_updates.py).
 
 The adapter is no wrapper: the model's class is swapped for a subclass that only changes what
 `forward` returns (the logits alone, with `use_cache=False` for a language model) and adds what
-mpexp asks of a model (`fsdp_units`, `kv_cache` and `decode` for sampling, `fp8_keep`). Its
+mpexp asks of a model (`fsdp_units`, `kv_cache` and `decode` for sampling, `fp8_left_out`). Its
 modules and parameters keep transformers' names (`model.layers.0.self_attn.q_proj`,
 `lm_head`), so precision.fp8.exclude, precision.fp32_modules, the diagnostics, FSDP, checkpoints
 and LoRA's target modules all read them as transformers writes them, and `save_pretrained` writes
@@ -72,7 +72,7 @@ def hf_model(
             "image classifiers on images; this dataset serves neither."
         )
     keep = "the output layer: model.fp8_head=true converts it"
-    model.fp8_keep = {} if fp8_head else dict.fromkeys(head_names(model), keep)
+    model.fp8_left_out = {} if fp8_head else dict.fromkeys(head_names(model), keep)
     return model
 
 

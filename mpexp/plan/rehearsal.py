@@ -172,7 +172,7 @@ class Stage:
             shape = output_shape(model, task)
         checked(model, shape, task, what)
         device = torch.device(self.device_type)  # the planned one: no tensor is made there
-        speed = performance.for_model(performance.plan_speed(cfg, device), cfg, model)
+        speed = performance.for_model(performance.plan_speed(cfg, device), cfg, model, task)
         self.captured = speed.cuda_graph
         fp32_modules = list(cfg.precision.fp32_modules)
         model, precision = convert_to_fp8(model, precision, fp32_modules, compiled=False)

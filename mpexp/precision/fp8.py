@@ -37,8 +37,8 @@ def convert_to_fp8(
     (a 10-class head), when precision.fp32_modules or precision.fp8.exclude names it or a module
     around it, when it has fewer input or output features than precision.fp8.min_size, or when it
     sits in an nn.MultiheadAttention, which uses its weight without calling it, or when the model
-    keeps it in bf16 itself (`fp8_keep`: name -> why; model=hf's output layer). Without fp8, the
-    model and precision come back unchanged.
+    names it in its `fp8_left_out` ({name: why}: model=hf's output layer, timm's classifier).
+    Without fp8, the model and precision come back unchanged.
     """
     if precision.fp8 is None:
         return model, precision
@@ -54,11 +54,14 @@ def convert_to_fp8(
             f"not have; its modules include {', '.join(list(modules)[1:6])}."
         )
     reasons: dict[str, str | None] = {}
-    kept = getattr(model, "fp8_keep", {})
+    # a model may name Linear layers it keeps as they are, and why (a transformers model's
+    # output layer, timm's classifier)
+    declared: dict[str, str] = getattr(model, "fp8_left_out", {})
 
     def convertible(module: nn.Module, name: str) -> bool:
-        why = _fp8_unconvertible(module, name, modules, fp32_modules, precision.fp8)
-        reasons[name] = why or kept.get(name)
+        reasons[name] = _fp8_unconvertible(
+            module, name, modules, fp32_modules, precision.fp8, declared
+        )
         return reasons[name] is None
 
     model = float8.convert_to_float8_training(model, module_filter_fn=convertible, config=config)
@@ -169,7 +172,12 @@ def check_fp8_rows(
 
 
 def _fp8_unconvertible(
-    module: nn.Module, name: str, modules: dict[str, nn.Module], fp32_modules: list[str], fp8
+    module: nn.Module,
+    name: str,
+    modules: dict[str, nn.Module],
+    fp32_modules: list[str],
+    fp8,
+    declared: dict[str, str],
 ) -> str | None:
     """Why fp8 leaves this Linear layer alone, or None when it converts it."""
     if any(_inside(name, keep) for keep in fp32_modules):
@@ -178,6 +186,8 @@ def _fp8_unconvertible(
         return "in precision.fp8.exclude: runs in bf16"
     if any(part in LORA_ADAPTERS for part in name.split(".")):
         return ADAPTER_REASON
+    if name in declared:
+        return declared[name]
     parent = modules.get(name.rpartition(".")[0])
     if isinstance(parent, nn.MultiheadAttention):
         return "inside nn.MultiheadAttention, which uses the weight without calling the layer"

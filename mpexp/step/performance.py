@@ -23,7 +23,9 @@ from torch import nn
 from mpexp.config import to_dict
 from mpexp.errors import ConfigError
 from mpexp.precision import pure_optimizers, pure_updates
+from mpexp.step.capture_check import graph_blocker
 from mpexp.step.schedules import runs_on_device, schedule_factor
+from mpexp.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -111,14 +113,28 @@ def declares_capturable(model: nn.Module) -> bool:
     return declared is True
 
 
-def for_model(speed: Speed, cfg: DictConfig, model: nn.Module) -> Speed:
+def for_model(speed: Speed, cfg: DictConfig, model: nn.Module, task: Task) -> Speed:
     """The plan settled for the built model (the user's own, before fp8, DDP or FSDP wrap it).
 
+    A model whose step cannot be captured (it reads a value on the host, or makes a tensor whose
+    size depends on its values: `capture_check.graph_blocker`) runs without the graph, recorded
+    in words as `ran.cuda_graph_off`; `trainer.cuda_graph=true` is then refused with the reason.
     With `trainer.cuda_graph=null` the step of a model that does not declare itself capturable
     (`declares_capturable`) is not captured: it runs compiled as planned, without the graph,
     and the log says why and how to opt in. `trainer.cuda_graph=true` captures it anyway,
     with a warning that its Python-side per-step state is frozen."""
-    if not speed.cuda_graph or declares_capturable(model):
+    if not speed.cuda_graph:
+        return speed
+    declared = declares_capturable(model)
+    if declared or cfg.trainer.cuda_graph:  # one that is to be captured: what it does, checked
+        blocker = graph_blocker(model, task)
+        if blocker is not None and cfg.trainer.cuda_graph:
+            raise ConfigError(f"trainer.cuda_graph=true cannot be taken: {blocker}.")
+        if blocker is not None:
+            log.info("The training step runs without a CUDA graph: %s.", blocker)
+            fused = cfg.optimizer.get("fused")
+            return replace(speed, cuda_graph=False, fused=fused, graph_off=blocker)
+    if declared:
         return speed
     name = type(model).__qualname__
     if cfg.trainer.cuda_graph:
