@@ -1,8 +1,8 @@
 """Achieved TFLOP/s: the training FLOPs of one sample, counted once at start, and device peaks.
 
 The count is PyTorch's FlopCounterMode over one batch at the run's shapes, forward, loss and
-backward, on a copy of the model moved to the meta device: shapes propagate without memory or
-compute, and the real model's weights, gradients, BatchNorm statistics and the random number
+backward, on a copy of the model on the meta device (`meta_copy`): shapes propagate without memory
+or compute, and the real model's weights, gradients, BatchNorm statistics and the random number
 generators are left as they were. The counter counts matrix multiplications and convolutions (the
 convention behind MFU figures); elementwise work is small next to them. A batch split for
 `trainer.accumulate` does the same work per sample, so the figure holds under accumulation too.
@@ -26,6 +26,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -60,11 +61,25 @@ def device_peak_tflops(device_name: str, precision: str) -> float | None:
 def flops_per_sample(model: nn.Module, task: Task, batch: int) -> float:
     """Forward and backward FLOPs of one training sample, counted on a batch of `batch` samples
     of the task's shapes, through the task's loss."""
-    meta = model if any(p.is_meta for p in model.parameters()) else copy.deepcopy(model).to("meta")
+    meta = model if any(p.is_meta for p in model.parameters()) else meta_copy(model)
     inputs, targets = task.example(batch, "meta")
     with _FlopCount() as counter:
         task.loss(meta(inputs), targets).backward()
     return counter.total / batch
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are meta tensors of the same shapes, dtypes
+    and requires_grad, made without copying one: deepcopy finds each already copied (its memo), so
+    a model that fills the GPU is never there twice (deepcopy, then `.to("meta")`, would briefly
+    be). A weight tied to another stays tied: both are one object, copied once."""
+    memo: dict[int, torch.Tensor] = {}
+    for param in model.parameters():
+        meta = torch.empty_like(param, device="meta")
+        memo[id(param)] = nn.Parameter(meta, requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
 
 
 class _FlopCount(TorchDispatchMode):
@@ -110,7 +125,7 @@ def throughput(
     that training may change the model meanwhile). A model the meta device cannot run (a forward
     that reads a tensor's value, say) trains all the same, without perf/tflops: the count is a
     measurement, not a reason to stop."""
-    meta = copy.deepcopy(model).to("meta")
+    meta = meta_copy(model)
 
     def count() -> Throughput:
         try:
