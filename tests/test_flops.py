@@ -12,6 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpexp
 from mpexp.models.deepcnn import DeepCNN
+from mpexp.plan.devices import step_seconds
+from mpexp.precision.modes import setup_precision
 from mpexp.run.runner import train
 from mpexp.step.flops import (
     Throughput,
@@ -127,6 +129,18 @@ def test_counting_sets_no_global_module_hooks():
 )
 def test_peak_by_device_name(name, precision, peak):
     assert device_peak_tflops(name, precision) == peak
+
+
+@pytest.mark.parametrize("preset", ["bf16", "bf16_pure", "bf16_pure_kahan"])
+@pytest.mark.parametrize("tf32", [False, True])
+def test_a_run_computing_in_bf16_is_measured_against_the_bf16_peak(preset, tf32):
+    """Pure bf16 computes in bf16 as autocast does: its perf/mfu, and the plan's time estimate,
+    are against the bf16 peak (TF32 for what stays in float32 changes neither)."""
+    cfg = make_cfg(f"precision={preset}", f"precision.tf32={tf32}")
+    mode = setup_precision(cfg.precision, torch.device("cpu")).mode  # the mode a GPU records
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3", mode) == 989.4
+    bf16 = step_seconds(1e15, "H100", "bf16", processes=1, mfu=0.5)
+    assert step_seconds(1e15, "H100", mode, processes=1, mfu=0.5) == bf16
 
 
 def test_mfu_of_a_distributed_run_is_against_every_device():

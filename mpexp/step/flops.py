@@ -51,11 +51,20 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float] | None], ...] = (
 
 
 def device_peak_tflops(device_name: str, precision: str) -> float | None:
-    """The dense peak of a listed GPU for `precision` (fp32, tf32, fp16, bf16, fp8), else None."""
+    """The dense peak of a listed GPU for a precision mode (fp32, tf32, fp16, bf16, fp8,
+    bf16_pure, each maybe `+tf32`), else None."""
     for key, peaks in PEAK_TFLOPS:
         if key in device_name:
-            return peaks.get(precision) if peaks else None
+            return peaks.get(arithmetic(precision)) if peaks else None
     return None
+
+
+def arithmetic(mode: str) -> str:
+    """The peak a precision mode's matrix products are held to: pure bf16 computes in bf16 as
+    autocast does, and `+tf32` (TF32 for what a 16-bit mode leaves in float32) changes nothing
+    for the products that count."""
+    kind = mode.split("+")[0]
+    return "bf16" if kind == "bf16_pure" else kind
 
 
 def flops_per_sample(model: nn.Module, task: Task, batch: int) -> float:
