@@ -579,20 +579,27 @@ def test_a_language_model_is_judged_by_its_val_loss_lower_being_better(tmp_path,
     assert rows["precision=fp32"]["val loss (nats)"] == "2.0100 ± 0.0248"
 
 
-def test_a_planned_runs_peak_is_shown_beside_the_measured_one(tmp_path):
-    """A GPU run plans itself (trainer.plan): the report puts the plan's peak beside the peak
-    the allocator measured, so that a sweep shows the plan's error; an unplanned run shows n/a."""
+def test_a_planned_runs_need_is_shown_beside_the_measured_peak(tmp_path):
+    """A GPU run plans itself (trainer.plan): the report puts the plan's need (what it judged
+    against the device) beside the peak the allocator measured, so that a sweep shows the plan's
+    error; a captured step's need is more than either peak. An unplanned run shows n/a, and a
+    run recorded before plans had a need shows its larger peak."""
     make_run(tmp_path, "0", "fp32", 0, [0.9] * 3, [5.0, 2.0, 2.0], gpu_mib=[1200, 1120, 1120])
     bf16 = make_run(tmp_path, "1", "bf16", 0, [0.9] * 3, [5.0, 1.0, 1.0], gpu_mib=[800, 740, 740])
-    summary = json.loads((bf16 / "summary.json").read_text())
-    planned = {"train_step": 700 * 2**20, "validation": 300 * 2**20}
-    summary["ran"]["plan"] = {"peak_bytes": planned, "bytes": {}}
-    (bf16 / "summary.json").write_text(json.dumps(summary))
+    fp16 = make_run(tmp_path, "2", "fp16", 0, [0.9] * 3, [5.0, 1.0, 1.0], gpu_mib=[800, 740, 740])
+    peaks = {"train_step": 700 * 2**20, "validation": 300 * 2**20}
+    plans = {  # a captured step: its pool stays reserved while validation allocates beside it
+        bf16: {"peak_bytes": peaks, "need_bytes": 950 * 2**20, "captured": True, "bytes": {}},
+        fp16: {"peak_bytes": peaks, "bytes": {}},  # recorded before the need was
+    }
+    for run, plan in plans.items():
+        summary = json.loads((run / "summary.json").read_text())
+        summary["ran"]["plan"] = plan
+        (run / "summary.json").write_text(json.dumps(summary))
     report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"])
-    fp32_row, bf16_row = read_table(tmp_path / "report.md", "Speed")
-    assert bf16_row["planned peak (MiB)"] == "700.0" and bf16_row["peak memory (MiB)"] == "740.0"
-    assert fp32_row["planned peak (MiB)"] == "n/a"
-    assert (
-        "Planned peak: the larger of the step's and validation's peaks"
-        in (tmp_path / "report.md").read_text()
-    )
+    rows = {r["configuration"]: r for r in read_table(tmp_path / "report.md", "Speed")}
+    assert rows["precision=bf16"]["planned peak (MiB)"] == "950.0"
+    assert rows["precision=bf16"]["peak memory (MiB)"] == "740.0"
+    assert rows["precision=fp16"]["planned peak (MiB)"] == "700.0"
+    assert rows["precision=fp32"]["planned peak (MiB)"] == "n/a"
+    assert "Planned peak: the need of the run's own plan" in (tmp_path / "report.md").read_text()

@@ -84,11 +84,14 @@ class Row:
 
     @property
     def planned_peak_mib(self) -> float | None:
-        """The larger of its plan's peaks (mpexp/plan/: a GPU run plans itself), in MiB; None for
-        a run that was not planned."""
-        peaks = (self.run.ran.get("plan") or {}).get("peak_bytes") or {}
-        known = [p for p in peaks.values() if p is not None]
-        return max(known) / 2**20 if known else None
+        """Its plan's need (mpexp/plan/: a GPU run plans itself), in MiB, what the run logged as
+        `mem/planned_peak_mib`; None for a run that was not planned."""
+        plan = self.run.ran.get("plan") or {}
+        needed = plan.get("need_bytes")
+        if needed is None:  # a plan recorded before it had a need: its larger peak was that
+            known = [p for p in (plan.get("peak_bytes") or {}).values() if p is not None]
+            needed = max(known) if known else None
+        return None if needed is None else needed / 2**20
 
     @property
     def step_peak_bytes(self) -> int | None:

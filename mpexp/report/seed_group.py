@@ -112,6 +112,6 @@ class SeedGroup:
 
     @property
     def planned_peak_mib(self) -> float | None:
-        """Its plan's peak (the same for every seed: a plan depends on no seed)."""
+        """Its plan's need (the same for every seed: a plan depends on no seed)."""
         planned = [p for p in self._each("planned_peak_mib") if p is not None]
         return max(planned) if planned else None

@@ -76,10 +76,12 @@ def section(report: Report) -> list[str]:
         )
     if any(c.planned_peak_mib is not None for c in report.configs):
         notes.append(
-            "Planned peak: the larger of the step's and validation's peaks in the run's own plan "
-            "(`trainer.plan`, on by default on a GPU; docs/plan.md), made on fake tensors before "
-            "its first step: beside the measured peak it shows the plan's error. A CPU run's "
-            "plan counts tensors only, its measured peak the whole process."
+            "Planned peak: the need of the run's own plan (`ran.plan.need_bytes`, logged as "
+            "`mem/planned_peak_mib`; `trainer.plan`, on by default on a GPU; docs/plan.md), made "
+            "on fake tensors before its first step: the larger of the step's and validation's "
+            "peaks, or for a step captured as a CUDA graph the step's peak and validation's "
+            "extra beside its pool. Beside the measured peak it shows the plan's error. A CPU "
+            "run's plan counts tensors only, its measured peak the whole process."
         )
     if "rss" in kinds:
         notes.append(
