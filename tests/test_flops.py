@@ -8,12 +8,17 @@ from typing import ClassVar
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpexp
 from mpexp.models.deepcnn import DeepCNN
+from mpexp.plan.devices import step_seconds
+from mpexp.precision.modes import setup_precision
 from mpexp.run.runner import train
 from mpexp.step.flops import Throughput, device_peak_tflops, flops_per_sample, throughput
+from mpexp.step.meta_copy import meta_copy
 from mpexp.tasks.classification import Classification
+from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.run_context import RunContext
 from mpexp.tracking.tracker import Tracker
 from tests.conftest import TINY, make_cfg
@@ -121,6 +126,18 @@ def test_peak_by_device_name(name, precision, peak):
     assert device_peak_tflops(name, precision) == peak
 
 
+@pytest.mark.parametrize("preset", ["bf16", "bf16_pure", "bf16_pure_kahan"])
+@pytest.mark.parametrize("tf32", [False, True])
+def test_a_run_computing_in_bf16_is_measured_against_the_bf16_peak(preset, tf32):
+    """Pure bf16 computes in bf16 as autocast does: its perf/mfu, and the plan's time estimate,
+    are against the bf16 peak (TF32 for what stays in float32 changes neither)."""
+    cfg = make_cfg(f"precision={preset}", f"precision.tf32={tf32}")
+    mode = setup_precision(cfg.precision, torch.device("cpu")).mode  # the mode a GPU records
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3", mode) == 989.4
+    bf16 = step_seconds(1e15, "H100", "bf16", processes=1, mfu=0.5)
+    assert step_seconds(1e15, "H100", mode, processes=1, mfu=0.5) == bf16
+
+
 def test_mfu_of_a_distributed_run_is_against_every_device():
     # the sample rate of a 4-rank run is the sum over ranks, so the peak is 4 devices'
     row = Throughput(flops_per_sample=1e9, peak_tflops=100.0, devices=4).metrics(80_000)
@@ -172,3 +189,63 @@ def test_what_the_model_logs_in_the_counts_pass_is_not_logged(tmp_path):
         tracker.close()
     assert counted.flops_per_sample == 2 * (2 * 4 * 2)  # the Linear layer: forward, weight grad
     assert not (tmp_path / "metrics.jsonl").read_text()
+
+
+class TiedNet(torch.nn.Module):
+    """An embedding tied to the output layer, a frozen layer and a BatchNorm's buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.out = torch.nn.Linear(8, 16, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.out(self.norm(self.frozen(self.emb(tokens)).transpose(1, 2)).transpose(1, 2))
+
+
+class TensorsMade(TorchDispatchMode):
+    """The devices of the tensors every operation run under it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.devices: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.devices.add(t.device.type)
+        return out
+
+
+def lora_wrapped() -> torch.nn.Module:
+    import peft
+
+    config = peft.LoraConfig(r=2, target_modules=["frozen"])
+    return peft.get_peft_model(TiedNet(), config).base_model.model
+
+
+@pytest.mark.parametrize("build", [TiedNet, lora_wrapped], ids=["tied", "lora"])
+def test_the_counts_copy_never_copies_a_weight_on_the_models_device(build):
+    """The copy the count runs on is made on the meta device from the start: a model that fills
+    the GPU (an 8B one in bf16) is never there twice, as a deepcopy moved to meta afterwards
+    would briefly make it. It keeps what the count needs: shapes, dtypes, which weights train,
+    tied weights tied."""
+    model = build()
+    with TensorsMade() as made:
+        meta = meta_copy(model)
+    assert made.devices <= {"meta"}  # not one tensor made on the CPU, where the model is
+    real, copied = dict(model.named_parameters()), dict(meta.named_parameters())
+    assert real.keys() == copied.keys()
+    for name, p in real.items():
+        c = copied[name]
+        alike = (c.shape, c.dtype, c.requires_grad) == (p.shape, p.dtype, p.requires_grad)
+        assert c.is_meta and alike, name
+        assert p.device.type == "cpu"  # the model itself is left as it was
+    assert all(b.is_meta for b in meta.buffers())
+    assert meta.out.weight is meta.emb.weight  # tied: counted once, as the model holds it
+    task = LanguageModelling(vocab_size=16, block_size=4)
+    assert flops_per_sample(meta, task, 2) == flops_per_sample(model, task, 2) > 0

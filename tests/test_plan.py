@@ -19,8 +19,10 @@ from mpexp.plan.before_run import plan_run
 from mpexp.plan.held import gib
 from mpexp.plan.rows import Target, plan_rows
 from mpexp.plan.table import table
+from mpexp.report import cli as report
 from tests.conftest import TINY, make_cfg, one_line_failure
 from tests.test_config import FOLDER_PRESETS, TIMM_PRESETS
+from tests.test_report import read_table
 
 GiB = 2**30
 CUDA = Target("cuda")
@@ -254,6 +256,9 @@ def test_a_planned_run_records_the_plan_beside_what_it_measured(tmp_path, in_pro
     assert plan["peak_bytes"]["train_step"] > plan["bytes"]["weights"] > 0
     assert summary["mem/planned_peak_mib"] == plan["need_bytes"] / 2**20
     assert plan["need_bytes"] == max(plan["peak_bytes"].values())  # no CUDA graph on a CPU
+    report.main([str(run_dir), "--wandb", "disabled", "--no-plots"])
+    (row,) = read_table(run_dir / "report.md", "Speed")
+    assert row["planned peak (MiB)"] == f"{plan['need_bytes'] / 2**20:.1f}"  # the run's need
 
     # a resume of the same config takes the plan the run directory keeps (marked here, to be
     # told from one rehearsed again); another config is planned

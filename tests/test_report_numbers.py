@@ -11,7 +11,9 @@ import pytest
 import yaml
 
 from mpexp.report import cli as report
+from mpexp.report.row import run_values
 from mpexp.report.table import build_report
+from mpexp.report.wandb_view import sections
 from mpexp.tasks.language_model import LanguageModelling
 from tests.test_report import read_table
 
@@ -32,11 +34,13 @@ def make_run(
     gpu_mib: list[float] | None = None,
     step_path: str | None = None,
     data_wait: list[float] | None = None,
+    reserved_mib: list[float] | None = None,
 ) -> Path:
     """A finished run directory as `python -m mpexp.train precision=<p> trainer.seed=<s>` leaves
     it, with the given val accuracy and time of each epoch (and, with `gpu_mib`, each epoch's
-    CUDA memory peak, as a GPU run logs it; a CPU run's resident set otherwise; with `data_wait`,
-    each epoch's share of time waiting on batches, as the loop logs it)."""
+    CUDA memory peak, as a GPU run logs it, with `reserved_mib` the allocator's reserved peak
+    beside it; a CPU run's resident set otherwise; with `data_wait`, each epoch's share of time
+    waiting on batches, as the loop logs it)."""
     path = root / name
     (path / ".hydra").mkdir(parents=True)
     overrides = [f"precision={precision}", f"trainer.seed={seed}"]
@@ -85,6 +89,8 @@ def make_run(
                 **(memory[epoch - 1] if memory else {"mem/peak_rss_mib": 100.0}),
             }
         )
+        if reserved_mib:
+            rows[-1]["mem/peak_reserved_mib"] = reserved_mib[epoch - 1]
         if data_wait:
             share = data_wait[epoch - 1]
             rows[-1].update({"perf/data_wait_share": share, "perf/data_wait_s": share * time})
@@ -579,20 +585,58 @@ def test_a_language_model_is_judged_by_its_val_loss_lower_being_better(tmp_path,
     assert rows["precision=fp32"]["val loss (nats)"] == "2.0100 ± 0.0248"
 
 
-def test_a_planned_runs_peak_is_shown_beside_the_measured_one(tmp_path):
-    """A GPU run plans itself (trainer.plan): the report puts the plan's peak beside the peak
-    the allocator measured, so that a sweep shows the plan's error; an unplanned run shows n/a."""
+def test_a_planned_runs_need_is_shown_beside_the_measured_peak(tmp_path):
+    """A GPU run plans itself (trainer.plan): the report puts the plan's need (what it judged
+    against the device) beside the peak the allocator measured, so that a sweep shows the plan's
+    error; a captured step's need is more than either peak. An unplanned run shows n/a, and a
+    run recorded before plans had a need shows its larger peak."""
     make_run(tmp_path, "0", "fp32", 0, [0.9] * 3, [5.0, 2.0, 2.0], gpu_mib=[1200, 1120, 1120])
     bf16 = make_run(tmp_path, "1", "bf16", 0, [0.9] * 3, [5.0, 1.0, 1.0], gpu_mib=[800, 740, 740])
-    summary = json.loads((bf16 / "summary.json").read_text())
-    planned = {"train_step": 700 * 2**20, "validation": 300 * 2**20}
-    summary["ran"]["plan"] = {"peak_bytes": planned, "bytes": {}}
-    (bf16 / "summary.json").write_text(json.dumps(summary))
+    fp16 = make_run(tmp_path, "2", "fp16", 0, [0.9] * 3, [5.0, 1.0, 1.0], gpu_mib=[800, 740, 740])
+    peaks = {"train_step": 700 * 2**20, "validation": 300 * 2**20}
+    plans = {  # a captured step: its pool stays reserved while validation allocates beside it
+        bf16: {"peak_bytes": peaks, "need_bytes": 950 * 2**20, "captured": True, "bytes": {}},
+        fp16: {"peak_bytes": peaks, "bytes": {}},  # recorded before the need was
+    }
+    for run, plan in plans.items():
+        summary = json.loads((run / "summary.json").read_text())
+        summary["ran"]["plan"] = plan
+        (run / "summary.json").write_text(json.dumps(summary))
+    report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"])
+    rows = {r["configuration"]: r for r in read_table(tmp_path / "report.md", "Speed")}
+    assert rows["precision=bf16"]["planned peak (MiB)"] == "950.0"
+    assert rows["precision=bf16"]["peak memory (MiB)"] == "740.0"
+    assert rows["precision=fp16"]["planned peak (MiB)"] == "700.0"
+    assert rows["precision=fp32"]["planned peak (MiB)"] == "n/a"
+    assert "Planned peak: the need of the run's own plan" in (tmp_path / "report.md").read_text()
+
+
+def test_a_gpu_runs_reserved_peak_reaches_the_report_and_its_wandb_tables(tmp_path):
+    """A GPU run logs the allocator's reserved peak beside its allocated one: what must fit the
+    device, and what a captured step's plan is read against. The report shows it per
+    configuration and per run (the W&B tables' columns), and the W&B view draws it."""
+    make_run(tmp_path, "0", "fp32", 0, [0.9] * 3, [5.0, 2.0, 2.0], gpu_mib=[1200, 1120, 1120],
+             reserved_mib=[2048, 1300, 1310])  # fmt: skip
+    make_run(tmp_path, "1", "bf16", 0, [0.9] * 3, [5.0, 1.0, 1.0], gpu_mib=[800, 740, 740],
+             reserved_mib=[1024, 900, 880])  # fmt: skip
+    built = build_report([tmp_path], 0.5)
+    bf16 = config(built, "bf16")
+    assert bf16.values()["peak_reserved_mib"] == 900  # as the allocated peak: after epoch 1
+    assert run_values(bf16.rows[0], None)["peak_reserved_mib"] == 900
     report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"])
     fp32_row, bf16_row = read_table(tmp_path / "report.md", "Speed")
-    assert bf16_row["planned peak (MiB)"] == "700.0" and bf16_row["peak memory (MiB)"] == "740.0"
-    assert fp32_row["planned peak (MiB)"] == "n/a"
-    assert (
-        "Planned peak: the larger of the step's and validation's peaks"
-        in (tmp_path / "report.md").read_text()
-    )
+    assert (fp32_row["reserved peak (MiB)"], bf16_row["reserved peak (MiB)"]) == ("1310.0", "900.0")
+    assert "Reserved peak: the caching allocator's" in (tmp_path / "report.md").read_text()
+    memory = sections(["val/acc"], {"mem/peak_allocated_mib", "mem/peak_reserved_mib"})[-1]
+    assert memory["name"] == "Memory"
+    assert [p["y"] for p in memory["panels"]] == [
+        ["mem/peak_allocated_mib"],
+        ["mem/peak_reserved_mib"],
+    ]
+
+
+def test_a_cpu_report_has_no_reserved_column(tmp_path):
+    final_only(tmp_path, "fp32", [0.9], seeds=(0,))
+    report.main([str(tmp_path), "--wandb", "disabled", "--no-plots"])
+    (row,) = read_table(tmp_path / "report.md", "Speed")
+    assert "reserved peak (MiB)" not in row and row["peak memory (MiB)"] == "100.0"

@@ -44,11 +44,7 @@ def names() -> str:
 
 def peak_tflops(device_name: str | None, precision: str) -> float | None:
     """The dense peak for `precision` (a row's effective precision) of a device known by name."""
-    if device_name is None:
-        return None
-    # pure bf16 computes in bf16; the peak tables know the arithmetic, not the mode
-    kind = "bf16" if precision.startswith("bf16") else precision
-    return device_peak_tflops(device_name, kind)
+    return None if device_name is None else device_peak_tflops(device_name, precision)
 
 
 def step_seconds(

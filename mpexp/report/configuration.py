@@ -187,6 +187,7 @@ class Config(SeedGroup):
             "reached_target": None if self.target is None else self.reached,
             "mem_kind": self.mem_kind,
             "peak_mem_mib": self.peak_mem_mib,
+            "peak_reserved_mib": self.peak_reserved_mib,
             "planned_peak_mib": self.planned_peak_mib,
             "mem_ratio": self.mem_ratio,
             "update_rounding": self.first.rounding,

@@ -16,7 +16,12 @@ from mpexp.tasks.base import Result
 # what a run's weights, gradients and optimizer states hold between steps (ran, from
 # mpexp.precision.pure_updates.stored_bytes)
 STATE_BYTES = ("bytes_weights", "bytes_grads", "bytes_states")
-MEMORY_KEYS = {"mem/peak_allocated_mib": "cuda", "mem/peak_rss_mib": "rss"}
+# a run's peak memory, by what it measures: CUDA tensors, or a CPU process's resident set
+PEAK_KEYS = {"mem/peak_allocated_mib": "cuda", "mem/peak_rss_mib": "rss"}
+# on a GPU beside the allocated peak: the allocator's reserved bytes, which hold a captured step's
+# pool (mpexp.system.PeakMemory), the figure that must fit the device
+RESERVED_KEY = "mem/peak_reserved_mib"
+MEMORY_KEYS = (*PEAK_KEYS, RESERVED_KEY)  # every memory metric a run logs
 
 
 @dataclass(eq=False)  # identity: a run is itself, whatever its numbers
@@ -35,6 +40,7 @@ class Row:
     data_wait_share: float | None  # of the epoch's time spent waiting on batches; None: not logged
     peak_mem_mib: float
     mem_kind: str
+    peak_reserved_mib: float | None  # a GPU's; None on a CPU and for runs from before it
     val_loss: float
     result: float  # the final value of the task's result metric (val/acc, val/loss)
     skipped_steps: int
@@ -84,11 +90,14 @@ class Row:
 
     @property
     def planned_peak_mib(self) -> float | None:
-        """The larger of its plan's peaks (mpexp/plan/: a GPU run plans itself), in MiB; None for
-        a run that was not planned."""
-        peaks = (self.run.ran.get("plan") or {}).get("peak_bytes") or {}
-        known = [p for p in peaks.values() if p is not None]
-        return max(known) / 2**20 if known else None
+        """Its plan's need (mpexp/plan/: a GPU run plans itself), in MiB, what the run logged as
+        `mem/planned_peak_mib`; None for a run that was not planned."""
+        plan = self.run.ran.get("plan") or {}
+        needed = plan.get("need_bytes")
+        if needed is None:  # a plan recorded before it had a need: its larger peak was that
+            known = [p for p in (plan.get("peak_bytes") or {}).values() if p is not None]
+            needed = max(known) if known else None
+        return None if needed is None else needed / 2**20
 
     @property
     def step_peak_bytes(self) -> int | None:
@@ -127,7 +136,7 @@ class Row:
 def measure(run: Run, folder: str, label: str) -> Row:
     """A finished run's row; KeyError names a metric its metrics.jsonl lacks."""
     timed_epochs = run.epochs[1:] or run.epochs
-    mem_key = next((k for k in MEMORY_KEYS if k in run.epochs[0]), None)
+    mem_key = next((k for k in PEAK_KEYS if k in run.epochs[0]), None)
     if mem_key is None:
         raise KeyError("mem/peak_*_mib")
     last = run.epochs[-1]
@@ -144,7 +153,8 @@ def measure(run: Run, folder: str, label: str) -> Row:
         # the timed epochs' too: the first epoch's CUDA peak holds cuDNN's autotuning workspaces
         # (DeepCNN in fp32 on an H100: 4628 MiB, then 1120), which are no precision's footprint
         peak_mem_mib=max(e[mem_key] for e in timed_epochs),
-        mem_kind=MEMORY_KEYS[mem_key],
+        mem_kind=PEAK_KEYS[mem_key],
+        peak_reserved_mib=_max_of(timed_epochs, RESERVED_KEY),
         val_loss=last["val/loss"],
         result=last[Result.from_record(run.ran.get("task")).metric],
         skipped_steps=int(skipped),
@@ -154,6 +164,11 @@ def measure(run: Run, folder: str, label: str) -> Row:
 def _median_of(epochs: list[dict], key: str) -> float | None:
     values = [e[key] for e in epochs if key in e]
     return statistics.median(values) if len(values) == len(epochs) else None
+
+
+def _max_of(epochs: list[dict], key: str) -> float | None:
+    values = [e[key] for e in epochs if key in e]
+    return max(values) if values and len(values) == len(epochs) else None
 
 
 def run_values(row: Row, target: float | None) -> dict[str, Any]:
@@ -178,6 +193,7 @@ def run_values(row: Row, target: float | None) -> dict[str, Any]:
         "data_wait_pct": None if row.data_wait_share is None else 100 * row.data_wait_share,
         "time_to_target_s": row.time_to(target),
         "peak_mem_mib": row.peak_mem_mib,
+        "peak_reserved_mib": row.peak_reserved_mib,
         "planned_peak_mib": row.planned_peak_mib,
         "skipped_steps": row.skipped_steps,
         "update_rounding": row.rounding,

@@ -111,7 +111,13 @@ class SeedGroup:
         return self.first.mem_kind
 
     @property
+    def peak_reserved_mib(self) -> float | None:
+        """The mean of its runs' reserved peaks, where each run logged one (a GPU's)."""
+        reserved = self._each("peak_reserved_mib")
+        return None if not reserved or None in reserved else statistics.fmean(reserved)
+
+    @property
     def planned_peak_mib(self) -> float | None:
-        """Its plan's peak (the same for every seed: a plan depends on no seed)."""
+        """Its plan's need (the same for every seed: a plan depends on no seed)."""
         planned = [p for p in self._each("planned_peak_mib") if p is not None]
         return max(planned) if planned else None

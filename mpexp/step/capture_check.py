@@ -19,7 +19,6 @@ names) and why a captured step cannot.
 from __future__ import annotations
 
 import contextlib
-import copy
 import random
 
 import numpy as np
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mpexp.step.meta_copy import meta_copy
 from mpexp.tasks.base import Task
 
 HOST_READ = "reads a tensor's value on the host"
@@ -108,7 +108,7 @@ def graph_blocker(model: nn.Module, task: Task) -> str | None:
     the meta device cannot run the model at all (then the capture itself is tried, and its
     failure recorded)."""
     try:
-        meta = copy.deepcopy(model).to("meta")
+        meta = meta_copy(model)
     except Exception:  # a model that cannot be copied: the capture will tell
         return None
     meta.train()

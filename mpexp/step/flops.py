@@ -1,8 +1,8 @@
 """Achieved TFLOP/s: the training FLOPs of one sample, counted once at start, and device peaks.
 
 The count is PyTorch's FlopCounterMode over one batch at the run's shapes, forward, loss and
-backward, on a copy of the model moved to the meta device: shapes propagate without memory or
-compute, and the real model's weights, gradients, BatchNorm statistics and the random number
+backward, on a copy of the model on the meta device (`meta_copy`): shapes propagate without memory
+or compute, and the real model's weights, gradients, BatchNorm statistics and the random number
 generators are left as they were. The counter counts matrix multiplications and convolutions (the
 convention behind MFU figures); elementwise work is small next to them. A batch split for
 `trainer.accumulate` does the same work per sample, so the figure holds under accumulation too.
@@ -21,7 +21,6 @@ sees it.
 
 from __future__ import annotations
 
-import copy
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from mpexp.step.meta_copy import meta_copy
 from mpexp.tasks.base import Task
 from mpexp.tracking.user_logs import user_logs_off
 
@@ -50,17 +50,26 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float] | None], ...] = (
 
 
 def device_peak_tflops(device_name: str, precision: str) -> float | None:
-    """The dense peak of a listed GPU for `precision` (fp32, tf32, fp16, bf16, fp8), else None."""
+    """The dense peak of a listed GPU for a precision mode (fp32, tf32, fp16, bf16, fp8,
+    bf16_pure, each maybe `+tf32`), else None."""
     for key, peaks in PEAK_TFLOPS:
         if key in device_name:
-            return peaks.get(precision) if peaks else None
+            return peaks.get(arithmetic(precision)) if peaks else None
     return None
+
+
+def arithmetic(mode: str) -> str:
+    """The peak a precision mode's matrix products are held to: pure bf16 computes in bf16 as
+    autocast does, and `+tf32` (TF32 for what a 16-bit mode leaves in float32) changes nothing
+    for the products that count."""
+    kind = mode.split("+")[0]
+    return "bf16" if kind == "bf16_pure" else kind
 
 
 def flops_per_sample(model: nn.Module, task: Task, batch: int) -> float:
     """Forward and backward FLOPs of one training sample, counted on a batch of `batch` samples
     of the task's shapes, through the task's loss."""
-    meta = model if any(p.is_meta for p in model.parameters()) else copy.deepcopy(model).to("meta")
+    meta = model if any(p.is_meta for p in model.parameters()) else meta_copy(model)
     inputs, targets = task.example(batch, "meta")
     with _FlopCount() as counter:
         task.loss(meta(inputs), targets).backward()
@@ -110,7 +119,7 @@ def throughput(
     that training may change the model meanwhile). A model the meta device cannot run (a forward
     that reads a tensor's value, say) trains all the same, without perf/tflops: the count is a
     measurement, not a reason to stop."""
-    meta = copy.deepcopy(model).to("meta")
+    meta = meta_copy(model)
 
     def count() -> Throughput:
         try:

@@ -7,10 +7,11 @@ Metric names are a contract read by dashboards and the report:
   per epoch  epoch, train/epoch_loss, val/loss, val/acc (val/acc5 with 5 classes or more;
              val_ema/... with trainer.ema_decay), perf/epoch_time_s, perf/samples_per_s
              (samples actually trained on: a last partial batch counts its size), perf/tflops,
-             mem/peak_allocated_mib (CUDA) or mem/peak_rss_mib (CPU); perf/mfu where the device's
-             peak is known (mpexp/step/flops.py); perf/data_wait_s and perf/data_wait_share (the
-             time the step waited for its batches, a GPU's idle time between steps, and that over
-             the epoch's time: mpexp/step/data_wait.py)
+             mem/peak_allocated_mib and mem/peak_reserved_mib (CUDA) or mem/peak_rss_mib
+             (CPU); perf/mfu where the device's peak is known (mpexp/step/flops.py);
+             perf/data_wait_s and perf/data_wait_share (the time the step waited for its
+             batches, a GPU's idle time between steps, and that over the epoch's time:
+             mpexp/step/data_wait.py)
   at the end  test/loss, test/acc (the task's validation metrics on a held-out test set, where the
              data has one: an image folder's test/), once, in a row with `step` and in the summary;
              perf/compute_only_samples_per_s likewise, with trainer.compute_only_steps

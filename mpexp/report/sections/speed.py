@@ -16,6 +16,9 @@ def _emulated(config: Config) -> bool:
 
 
 def section(report: Report) -> list[str]:
+    # a GPU run's reserved peak beside its allocated one; a CPU report has no such column
+    reserved = any(c.peak_reserved_mib is not None for c in report.configs)
+
     def cells(c: Config) -> list[str]:
         return [
             f"{c.label} {EMULATED_MARK}" if _emulated(c) else c.label,
@@ -30,13 +33,15 @@ def section(report: Report) -> list[str]:
             estimate(c.tflops, ".3g"),
             estimate(c.mfu_pct, ".1f"),
             number(c.peak_mem_mib, ".1f"),
+            *([number(c.peak_reserved_mib, ".1f")] if reserved else []),
             number(c.planned_peak_mib, ".1f"),
             number(c.mem_ratio, ".2f") + ("x" if c.mem_ratio is not None else ""),
         ]
 
     headers = ["configuration", "n", "epoch time (s)", "speedup", "compile (s)",
                "time to target (s)", "speedup at target", "samples/s", "data wait (%)",
-               "TFLOP/s", "MFU (%)", "peak memory (MiB)", "planned peak (MiB)",
+               "TFLOP/s", "MFU (%)", "peak memory (MiB)",
+               *(["reserved peak (MiB)"] if reserved else []), "planned peak (MiB)",
                "memory vs fp32"]  # fmt: skip
     lines = ["## Speed", "", *table(headers, report.configs, cells), ""]
     notes = []
@@ -74,12 +79,21 @@ def section(report: Report) -> list[str]:
             "Peak memory on a GPU: the largest per-epoch peak of CUDA tensor memory over the "
             "timed epochs (the first epoch's also holds cuDNN's autotuning workspaces)."
         )
+    if reserved:
+        notes.append(
+            "Reserved peak: the caching allocator's reserved memory at its peak over the timed "
+            "epochs (`mem/peak_reserved_mib`), what must fit the device: it holds the pool of a "
+            "step captured as a CUDA graph, whose replays the allocated peak does not see, so a "
+            "captured run's planned peak is read against it."
+        )
     if any(c.planned_peak_mib is not None for c in report.configs):
         notes.append(
-            "Planned peak: the larger of the step's and validation's peaks in the run's own plan "
-            "(`trainer.plan`, on by default on a GPU; docs/plan.md), made on fake tensors before "
-            "its first step: beside the measured peak it shows the plan's error. A CPU run's "
-            "plan counts tensors only, its measured peak the whole process."
+            "Planned peak: the need of the run's own plan (`ran.plan.need_bytes`, logged as "
+            "`mem/planned_peak_mib`; `trainer.plan`, on by default on a GPU; docs/plan.md), made "
+            "on fake tensors before its first step: the larger of the step's and validation's "
+            "peaks, or for a step captured as a CUDA graph the step's peak and validation's "
+            "extra beside its pool. Beside the measured peak it shows the plan's error. A CPU "
+            "run's plan counts tensors only, its measured peak the whole process."
         )
     if "rss" in kinds:
         notes.append(
