@@ -78,15 +78,39 @@ class World:
         """The facts every run writes under `ran`."""
         return {"strategy": self.strategy, "world_size": self.size, "backend": self.backend}
 
-    def wrap(self, model: nn.Module, precision: Precision) -> nn.Module:
-        """DDP or FSDP2 around a model already on this rank's device; call before the optimizer
-        is built (FSDP2 replaces the parameters with sharded ones)."""
+    def shard(
+        self,
+        model: nn.Module,
+        precision: Precision,
+        compile_unit: Callable[[nn.Module], None] | None = None,
+    ) -> nn.Module:
+        """Under FSDP2, `model` (on this rank's device) sharded unit by unit, each unit handed to
+        `compile_unit` first where given (a compiled run: torchtitan compiles each block, then
+        shards it); the model as it is otherwise. Call before the optimizer is built: FSDP2
+        replaces the parameters with sharded ones."""
+        if self.strategy == "fsdp":
+            return _fully_shard(model, precision, self.device, self.size, compile_unit)
+        return model
+
+    def replicate(self, forward: nn.Module) -> nn.Module:
+        """Under DDP, DDP around `forward`: the model with its loss, compiled already where the
+        run compiles (nanoGPT's order, compile then wrap: DDP's own code runs before the graph,
+        which holds the model and the loss whole); `forward` as it is otherwise."""
         if self.strategy == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
-            return nn.parallel.DistributedDataParallel(model, device_ids=ids)
-        if self.strategy == "fsdp":
-            return _fully_shard(model, precision, self.device, self.size)
-        return model
+            return nn.parallel.DistributedDataParallel(forward, device_ids=ids)
+        return forward
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Under DDP, rank 0's buffers (BatchNorm's statistics) on every rank, as DDP's next
+        forward pass would broadcast them: each rank's last training step updated its own."""
+        if self.strategy == "ddp":
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+
+    def gather(self, value: Any) -> list:
+        """Every rank's `value`, in rank order (a collective; `[value]` in one process)."""
+        return gathered(value) if self.distributed else [value]
 
     def prepare_scaler(self, scaler) -> None:
         """Under FSDP each rank unscales only its own gradient shard, so overflow flags must be
@@ -147,6 +171,16 @@ class World:
                 "they did not all take the same optimizer steps. Results are not trustworthy."
             )
         return {"replicas_identical": identical}
+
+
+def gathered(value: Any) -> list:
+    """Every rank's `value`, in rank order, where a process group is up; `[value]` otherwise.
+    For work split by rank whose results every rank needs (a scan of the data at setup)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
 
 
 @functools.cache
@@ -375,7 +409,13 @@ def _fsdp2():
     return fully_shard, MixedPrecisionPolicy
 
 
-def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> nn.Module:
+def _fully_shard(
+    model: nn.Module,
+    precision: Precision,
+    device,
+    size: int,
+    compile_unit: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
     """Shard parameters, gradients and optimizer state over the ranks with FSDP2.
 
     Parameters are gathered in the precision mode's autocast dtype (fp16 / bf16; fp32 otherwise)
@@ -388,6 +428,8 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
     token embedding, which the output layer uses too, stays with the root, gathered for the whole
     forward pass). Autocast stays on around the forward pass: it still runs softmax, losses and
     reductions in fp32. A model FSDP2 cannot shard stops the run with one message.
+    With `compile_unit`, each unit is compiled before it is sharded, as torchtitan compiles its
+    blocks: compiled whole, the model would break its graph at every unit's FSDP hooks.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -406,6 +448,8 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
                 fully_shard(module, mesh=mesh, mp_policy=full)
         for unit in units:
             if not isinstance(unit, _BatchNorm) and any(True for _ in unit.parameters()):
+                if compile_unit is not None:
+                    compile_unit(unit)
                 fully_shard(unit, mesh=mesh, mp_policy=low)
         fully_shard(model, mesh=mesh, mp_policy=low)
     except (ValueError, RuntimeError, TypeError) as err:

@@ -126,7 +126,8 @@ class Resume:
         it loads."""
         if self.state.get("sharded"):
             return
-        saved, now = self.state["model"], model.state_dict()
+        now = model.state_dict()
+        saved = self.state["model"] = named_as(self.state["model"], now)
         odd = sorted(saved.keys() ^ now.keys())
         if odd:
             where = "the checkpoint" if odd[0] in saved else "the model"
@@ -202,7 +203,7 @@ class Resume:
             sharded.load_into(self.path, model, optimizer)
             rng = sharded.load_rng(self.path, world.rank)
         else:
-            model.load_state_dict(self.state["model"])
+            model.load_state_dict(named_as(self.state["model"], model.state_dict()))
             optimizer.load_state_dict(self.state["optimizer"])
             rng = self.state["rng"]
         scaler.load_state_dict(self.state["scaler"])
@@ -226,6 +227,14 @@ class Resume:
         # the same on any number of ranks: a step takes the next dataset.batch_size samples of
         # the epoch's order, which the ranks share (rank r every world_size-th of them)
         return self.position
+
+
+def named_as(saved: dict, now: dict) -> dict:
+    """The saved weights under the model's own names: a DDP run's checkpoint written before DDP
+    wrapped the compiled model (mpexp/build.py) named each weight `module.<name>`, DDP's."""
+    if saved.keys() == now.keys() or not all(k.startswith("module.") for k in saved):
+        return saved
+    return {k.removeprefix("module."): v for k, v in saved.items()}
 
 
 def _shape(value) -> tuple | None:

@@ -175,7 +175,8 @@ class ImageFolderData(TrainingData):
         yield from self._to_device.batches(batches, device, static, draws)
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
-        """The validation images in a fixed order, each once, resized and centre-cropped."""
+        """The validation images in a fixed order, each once (this rank's share of them),
+        resized and centre-cropped."""
         return self._evaluated("val", device)
 
     def test_batches(self, device: torch.device) -> Iterator[Batch] | None:
@@ -183,7 +184,8 @@ class ImageFolderData(TrainingData):
         return self._evaluated("test", device) if "test" in self.splits else None
 
     def _evaluated(self, split: str, device: torch.device) -> Iterator[Batch]:
-        loader = self._loaders.read(split, [(i, None, 0) for i in range(len(self.splits[split]))])
+        share = range(len(self.splits[split]))[self.eval_share(len(self.splits[split]))]
+        loader = self._loaders.read(split, [(i, None, 0) for i in share])
         batches = self._host(split, loader, self._to_device.copy_stream)
         return self._to_device.batches(batches, device)
 
