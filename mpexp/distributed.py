@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -249,8 +251,32 @@ def start_world(strategy: str, device: torch.device) -> Iterator[World]:
             last.wait()
     finally:
         if world.distributed and dist.is_initialized():
+            # what the run left to the garbage collector (FSDP's modules, DDP's reducer, the
+            # handles of their collectives) freed now, while Python is whole
+            gc.collect()
             dist.destroy_process_group()
+            _release_meshes()
         del last  # freed here, by this thread, with the GIL
+
+
+# the device meshes FSDP2 shards over, made here (weakly: they go with their modules)
+_meshes: list[weakref.ref] = []
+
+
+def _release_meshes() -> None:
+    """Let go of the process groups that FSDP2's device meshes still hold, so that each is
+    destroyed now, its gloo worker threads joined, rather than in Python's shutdown.
+
+    destroy_process_group forgets the groups, but a DeviceMesh keeps its group (torch 2.14
+    holds it in `_pg_registry`) and DTensor's caches keep the mesh: the group's worker threads
+    then lived into the interpreter's shutdown, where one that frees a collective's tensor takes
+    the GIL and aborts the process ("terminate called without an active exception", seen
+    on rank 1 of tests/distributed_checks.py after every check had run)."""
+    for ref in _meshes:
+        mesh = ref()
+        if mesh is not None:
+            getattr(mesh, "_pg_registry", {}).clear()  # older torch names its groups only
+    _meshes.clear()
 
 
 # how long the other ranks wait for rank 0's work in `rank_zero_first`: building an image
@@ -436,6 +462,7 @@ def _fully_shard(
     fully_shard, MixedPrecisionPolicy = _fsdp2()
     # an explicit mesh: without one FSDP2 picks CUDA whenever a GPU exists, even for a gloo group
     mesh = init_device_mesh(device.type, (size,))
+    _meshes.append(weakref.ref(mesh))
     # pure bf16: its gradients' own dtype, which DDP reduces them in too (docs/precision.md)
     reduce = torch.bfloat16 if precision.pure is not None else torch.float32
     low = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=reduce)

@@ -409,6 +409,16 @@ def main(out: Path) -> None:
             "split_token_scan": split_token_scan(world, out),
         }
         (out / f"rank{world.rank}.json").write_text(json.dumps(result))
+    # the world torn down: no gloo thread of its groups lives on into Python's shutdown, where
+    # one that frees a tensor aborts the process (mpexp.distributed._release_meshes)
+    (out / f"threads{world.rank}.json").write_text(json.dumps(gloo_threads()))
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (Linux names its threads in /proc)."""
+    tasks = Path("/proc/self/task")
+    names = [(t / "comm").read_text().strip() for t in tasks.iterdir()] if tasks.is_dir() else []
+    return [name for name in names if "gloo" in name]
 
 
 if __name__ == "__main__":

@@ -130,7 +130,18 @@ def checks(tmp_path_factory) -> list[dict]:
     script = str(ROOT / "tests" / "distributed_checks.py")
     result = run_cli(*TORCHRUN, script, str(out), cwd=out)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r, rank in enumerate(ranks):
+        rank["threads_after"] = json.loads((out / f"threads{r}.json").read_text())
+    return ranks
+
+
+def test_a_torn_down_world_leaves_no_gloo_thread_to_pythons_shutdown(checks):
+    # FSDP2's device mesh kept the default group, and its worker threads, alive past
+    # destroy_process_group: now and then rank 1 aborted in Python's shutdown ("terminate
+    # called without an active exception") after every check had passed
+    for rank in checks:
+        assert rank["threads_after"] == []
 
 
 def test_under_ddp_an_overflow_on_one_rank_skips_the_step_on_both(checks):
