@@ -28,14 +28,14 @@ class BatchSplit:
         if k > 1 and k % n:
             raise ConfigError(
                 f"trainer.accumulate={k} micro-batches cannot be shared among {n} processes: "
-                f"each process runs accumulate / {n} of them. Use a multiple of {n} "
-                f"(trainer.accumulate={n * -(-k // n)}), or trainer.accumulate=1."
+                f"each process runs accumulate / {n} of them. {accumulate_advice(batch, k, n)}"
             )
         if batch % n:
+            step = k if k > 1 else n  # a multiple of the micro-batches, which are n's multiple
             raise ConfigError(
                 f"dataset.batch_size={batch} (the optimizer step's, over all processes) cannot "
-                f"be shared equally among {n} processes; use a multiple of {n} "
-                f"(dataset.batch_size={n * -(-batch // n)})."
+                f"be shared equally among {n} processes; use a multiple of {step} "
+                f"(dataset.batch_size={nearest_multiple(batch, step)})."
             )
 
     @property
@@ -68,3 +68,38 @@ class BatchSplit:
             f"micro-batch, {self.accumulate_per_process} micro-batch"
             f"{'es' if self.accumulate_per_process > 1 else ''}{where}"
         )
+
+
+def accumulate_choices(batch: int, processes: int) -> list[int]:
+    """The trainer.accumulate values that split `batch` among `processes`: 1 and those that
+    divide the batch into equal micro-batches and deal them out equally (multiples of
+    `processes`); none where the processes cannot share the batch at all."""
+    if batch % processes:
+        return []
+    return [1, *(k for k in range(processes, batch + 1, processes) if k > 1 and batch % k == 0)]
+
+
+def accumulate_advice(batch: int, accumulate: int, processes: int) -> str:
+    """What to set instead of `accumulate`: the choices nearest to it, or else a count with a
+    batch that takes it; never what the same run refuses next."""
+    choices = accumulate_choices(batch, processes)
+    near = sorted(
+        {*[k for k in choices if k < accumulate][-1:], *[k for k in choices if k > accumulate][:1]}
+        - {1}
+    )
+    one = ", or trainer.accumulate=1" if choices else ""
+    if near:
+        named = " or ".join(f"trainer.accumulate={k}" for k in near)
+        what = "a divisor of" if processes == 1 else f"a multiple of {processes} that divides"
+        return f"Use {named} ({what} dataset.batch_size={batch}){one}."
+    k = processes * -(-accumulate // processes)
+    return (
+        f"No count of micro-batches above 1 divides dataset.batch_size={batch}"
+        f"{'' if processes == 1 else f' and is a multiple of {processes}'}: use "
+        f"trainer.accumulate={k} with dataset.batch_size={nearest_multiple(batch, k)}{one}."
+    )
+
+
+def nearest_multiple(value: int, step: int) -> int:
+    """The multiple of `step` nearest to `value` (`step` itself at least)."""
+    return max(step, step * round(value / step))

@@ -1,7 +1,8 @@
 """What a config builds on one rank, in the order it must be built: the data, the model (tried on
-one image, its FLOPs counted, fp8-converted, fp32 modules wrapped, wrapped for DDP/FSDP), the
-precision and the loss scaler (`build_parts`); then, once the run's tracker has started W&B in the
-background, the optimizer, the schedule and the compiled forward pass (`build_training`)."""
+one image, its FLOPs counted, fp8-converted, fp32 modules wrapped, sharded by FSDP), the precision
+and the loss scaler (`build_parts`); then, once the run's tracker has started W&B in the
+background, the optimizer, the schedule and the compiled forward pass, which DDP wraps
+(`build_training`)."""
 
 from __future__ import annotations
 
@@ -234,7 +235,7 @@ class Built:
 
     data: TrainingData
     task: Task  # what the data's batches mean: the loss, validation, the run's result
-    model: torch.nn.Module  # as the loop calls it: fp8-converted, wrapped for DDP/FSDP
+    model: torch.nn.Module  # whose weights train: fp8-converted, sharded by FSDP (not DDP's)
     precision: Precision
     scaler: LossScaler
     speed: Speed
@@ -245,6 +246,8 @@ class Built:
     split: BatchSplit  # the optimizer step's batch in micro-batches and among processes
     tuning: FineTuning  # LoRA and frozen weights: what trains, for the record and the export
     frozen: dict | None  # the frozen weights' fingerprint, which checkpoints keep instead
+    world: World  # this process's place among the run's
+    units: performance.UnitCompilation | None = None  # FSDP2's units, compiled one by one
 
 
 def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -> Built:
@@ -258,6 +261,9 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
     split = BatchSplit(cfg.dataset.batch_size, cfg.trainer.accumulate, world.size)
     data: TrainingData = build(cfg.dataset)
     data.batch_size = split.per_process
+    # before setup: work that setup splits among the ranks (a scan of every token id) knows
+    # this rank's share
+    data.shard(world.rank, world.size)
     task = data.task = with_objective(data.setup(device, speed.memory_format()), cfg.trainer)
     dataset = f"dataset={choices.get('dataset') or cfg.dataset._target_}"
     declared = getattr(data, "task_type", None)
@@ -268,7 +274,6 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
         )
     if world.is_main:  # the same data on every rank: one warning
         data.check_values(dataset)
-    data.shard(world.rank, world.size)
     what = f"model={choices['model']}" if choices.get("model") else cfg.model._target_
     model = build_model(
         cfg.model,
@@ -307,8 +312,12 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
     check_fp8_rows(precision, rows, data.batch_size, split.accumulate_per_process, last)
     fp32_modules = run_in_float32(model, list(cfg.precision.fp32_modules), precision)
     tuning.hold_frozen(model, precision.autocast_dtype, fp32_modules, world.strategy == "fsdp")
-    performance.apply_memory_format(model, speed)  # before DDP/FSDP takes the parameters
-    model = world.wrap(model, precision)
+    performance.apply_memory_format(model, speed)  # before FSDP takes the parameters
+    # FSDP2's units compiled one by one before each is sharded (DDP wraps the compiled model
+    # with its loss, in build_training)
+    fsdp_compiled = speed.compile and world.strategy == "fsdp"
+    units = performance.UnitCompilation(speed) if fsdp_compiled else None
+    model = world.shard(model, precision, units)
     skip_nonfinite = cfg.trainer.on_nonfinite_loss == "skip"
     scaler = build_scaler(cfg.loss_scaling, precision, device, skip_nonfinite_loss=skip_nonfinite)
     world.prepare_scaler(scaler)
@@ -326,6 +335,8 @@ def build_parts(cfg: DictConfig, world: World, choices: dict[str, str | None]) -
         split=split,
         tuning=tuning,
         frozen=frozen,
+        world=world,
+        units=units,
     )
 
 
@@ -333,10 +344,17 @@ def build_training(
     cfg: DictConfig, built: Built, device: torch.device
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.nn.Module]:
     """The optimizer, the learning-rate schedule and what the loop calls: the model with its
-    task's loss (an Objective), compiled where asked, the loss inside the compiled graph."""
+    task's loss (an Objective), compiled where asked, the loss inside the compiled graph; under
+    DDP, DDP around the compiled graph, as nanoGPT wraps its compiled model, so that DDP's own
+    code runs before the graph instead of breaking it in two. Under FSDP2 the units are
+    compiled already (`build_parts`) and the loss is compiled apart."""
     optimizer = performance.build_optimizer(cfg, built.model, device, built.scaler, built.speed)
     _, total_steps = config.run_length(cfg.trainer, built.data.steps_per_epoch())
     schedule = build_schedule(cfg.scheduler, optimizer, built.scaler, total_steps)
     performance.configure_backends(device, cfg.trainer)
-    forward = performance.compile_model(Objective(built.model, built.task), built.speed)
-    return optimizer, schedule, forward
+    objective = Objective(built.model, built.task)
+    if built.units is not None:
+        forward = objective.compile_apart(built.units, built.speed)
+    else:
+        forward = performance.compile_model(objective, built.speed)
+    return optimizer, schedule, built.world.replicate(forward)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -79,19 +81,43 @@ class World:
         """The facts every run writes under `ran`."""
         return {"strategy": self.strategy, "world_size": self.size, "backend": self.backend}
 
-    def wrap(self, model: nn.Module, precision: Precision) -> nn.Module:
-        """DDP or FSDP2 around a model already on this rank's device; call before the optimizer
-        is built (FSDP2 replaces the parameters with sharded ones)."""
+    def shard(
+        self,
+        model: nn.Module,
+        precision: Precision,
+        compile_unit: Callable[[nn.Module], None] | None = None,
+    ) -> nn.Module:
+        """Under FSDP2, `model` (on this rank's device) sharded unit by unit, each unit handed to
+        `compile_unit` first where given (a compiled run: torchtitan compiles each block, then
+        shards it); the model as it is otherwise. Call before the optimizer is built: FSDP2
+        replaces the parameters with sharded ones."""
+        if self.strategy == "fsdp":
+            return _fully_shard(model, precision, self.device, self.size, compile_unit)
+        return model
+
+    def replicate(self, forward: nn.Module) -> nn.Module:
+        """Under DDP, DDP around `forward`: the model with its loss, compiled already where the
+        run compiles (nanoGPT's order, compile then wrap: DDP's own code runs before the graph,
+        which holds the model and the loss whole); `forward` as it is otherwise."""
         if self.strategy == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
             # the gradients are views of DDP's buckets, not a second copy of them (mpexp-plan
             # counts the buckets, held for the whole run)
             return nn.parallel.DistributedDataParallel(
-                model, device_ids=ids, gradient_as_bucket_view=True
+                forward, device_ids=ids, gradient_as_bucket_view=True
             )
-        if self.strategy == "fsdp":
-            return _fully_shard(model, precision, self.device, self.size)
-        return model
+        return forward
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Under DDP, rank 0's buffers (BatchNorm's statistics) on every rank, as DDP's next
+        forward pass would broadcast them: each rank's last training step updated its own."""
+        if self.strategy == "ddp":
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+
+    def gather(self, value: Any) -> list:
+        """Every rank's `value`, in rank order (a collective; `[value]` in one process)."""
+        return gathered(value) if self.distributed else [value]
 
     def prepare_scaler(self, scaler) -> None:
         """Under FSDP each rank unscales only its own gradient shard, so overflow flags must be
@@ -154,6 +180,16 @@ class World:
         return {"replicas_identical": identical}
 
 
+def gathered(value: Any) -> list:
+    """Every rank's `value`, in rank order, where a process group is up; `[value]` otherwise.
+    For work split by rank whose results every rank needs (a scan of the data at setup)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
 @contextlib.contextmanager
 def start_world(strategy: str, device: torch.device) -> Iterator[World]:
     """Join the process group that the launcher set up (nothing to join for `single`), and leave
@@ -172,8 +208,32 @@ def start_world(strategy: str, device: torch.device) -> Iterator[World]:
             last.wait()
     finally:
         if world.distributed and dist.is_initialized():
+            # what the run left to the garbage collector (FSDP's modules, DDP's reducer, the
+            # handles of their collectives) freed now, while Python is whole
+            gc.collect()
             dist.destroy_process_group()
+            _release_meshes()
         del last  # freed here, by this thread, with the GIL
+
+
+# the device meshes FSDP2 shards over, made here (weakly: they go with their modules)
+_meshes: list[weakref.ref] = []
+
+
+def _release_meshes() -> None:
+    """Let go of the process groups that FSDP2's device meshes still hold, so that each is
+    destroyed now, its gloo worker threads joined, rather than in Python's shutdown.
+
+    destroy_process_group forgets the groups, but a DeviceMesh keeps its group (torch 2.14
+    holds it in `_pg_registry`) and DTensor's caches keep the mesh: the group's worker threads
+    then lived into the interpreter's shutdown, where one that frees a collective's tensor takes
+    the GIL and aborts the process ("terminate called without an active exception", seen
+    on rank 1 of tests/distributed_checks.py after every check had run)."""
+    for ref in _meshes:
+        mesh = ref()
+        if mesh is not None:
+            getattr(mesh, "_pg_registry", {}).clear()  # older torch names its groups only
+    _meshes.clear()
 
 
 # how long the other ranks wait for rank 0's work in `rank_zero_first`: building an image
@@ -332,7 +392,13 @@ def _fsdp2():
     return fully_shard, MixedPrecisionPolicy
 
 
-def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> nn.Module:
+def _fully_shard(
+    model: nn.Module,
+    precision: Precision,
+    device,
+    size: int,
+    compile_unit: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
     """Shard parameters, gradients and optimizer state over the ranks with FSDP2.
 
     Parameters are gathered in the precision mode's autocast dtype (fp16 / bf16; fp32 otherwise)
@@ -345,12 +411,15 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
     token embedding, which the output layer uses too, stays with the root, gathered for the whole
     forward pass). Autocast stays on around the forward pass: it still runs softmax, losses and
     reductions in fp32. A model FSDP2 cannot shard stops the run with one message.
+    With `compile_unit`, each unit is compiled before it is sharded, as torchtitan compiles its
+    blocks: compiled whole, the model would break its graph at every unit's FSDP hooks.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     fully_shard, MixedPrecisionPolicy = _fsdp2()
     # an explicit mesh: without one FSDP2 picks CUDA whenever a GPU exists, even for a gloo group
     mesh = init_device_mesh(device.type, (size,))
+    _meshes.append(weakref.ref(mesh))
     # pure bf16: its gradients' own dtype, which DDP reduces them in too (docs/precision.md)
     reduce = torch.bfloat16 if precision.pure is not None else torch.float32
     low = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=reduce)
@@ -363,6 +432,8 @@ def _fully_shard(model: nn.Module, precision: Precision, device, size: int) -> n
                 fully_shard(module, mesh=mesh, mp_policy=full)
         for unit in units:
             if not isinstance(unit, _BatchNorm) and any(True for _ in unit.parameters()):
+                if compile_unit is not None:
+                    compile_unit(unit)
                 fully_shard(unit, mesh=mesh, mp_policy=low)
         fully_shard(model, mesh=mesh, mp_policy=low)
     except (ValueError, RuntimeError, TypeError) as err:

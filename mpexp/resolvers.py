@@ -59,6 +59,15 @@ def sweep_precisions() -> str:
     return modes + ",fp8" if hopper and importlib.util.find_spec("torchao") else modes
 
 
+def ema_decay(decay: float, batch: int, every: int, epochs: int) -> float:
+    """The decay per update of the weights' average as torchvision's reference train.py derives
+    it from its `model_ema_decay` (`decay`): the share (1 - decay) scaled by the images between
+    two updates (the optimizer step's `batch` over all processes, `every` steps) over the run's
+    `epochs`, at most 1. A recipe that gives the formula, not its value, stays right when the
+    epochs or the batch change (conf/experiment/imagenet_resnet50.yaml)."""
+    return 1.0 - min(1.0, (1.0 - decay) * batch * every / epochs)
+
+
 def expand_home(overrides: list[str]) -> list[str]:
     """`key=~/corpus.txt` with the home folder written out, as a shell does for a word that
     starts with `~` but not after `key=`.
@@ -106,3 +115,4 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("mpexp.job_dir", job_folder, replace=True)
     OmegaConf.register_new_resolver("mpexp.result_direction", result_direction, replace=True)
     OmegaConf.register_new_resolver("mpexp.sweep_precisions", sweep_precisions, replace=True)
+    OmegaConf.register_new_resolver("mpexp.ema_decay", ema_decay, replace=True)

@@ -9,7 +9,8 @@ for `--tokens` tokens, `--num-samples` times, under the run's autocast dtype: ea
 from the softmax of the `--top-k` likeliest at `--temperature` (0: the likeliest token), with a
 generator seeded by `--seed`. Each attention layer keeps its keys and values (a KV cache), so a
 token costs one position's forward pass until the context is full; past the model's context, the
-last `block_size` tokens are run whole for each token, as without a cache.
+last `block_size` tokens are run whole for each token, as without a cache (the output layer on the
+last position alone, as nanoGPT's sampling runs it).
 
 Byte-level runs are decoded as UTF-8; BPE runs with the run's own tokenizer file; dataset=tokens
 runs with nanoGPT's meta.pkl beside their files (a character-level run) with its characters, and
@@ -201,8 +202,9 @@ def generate(
         with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=bool(autocast)):
             if cache is not None and ids.shape[1] <= model.block_size:
                 logits = model.decode(unseen, cache)
-            else:  # the context is full: its last block_size tokens, whole, for every token
-                logits = model(ids[:, -model.block_size :])[:, -1]
+            else:  # the context is full: its last block_size tokens, whole, for every token,
+                # the output layer on the last position alone
+                logits = model.last_logits(ids[:, -model.block_size :])
         token = _draw(logits[:, :vocab_size].float(), draw, generator).to(device)
         ids = torch.cat([ids, token], dim=1)
         unseen = token

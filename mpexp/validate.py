@@ -12,8 +12,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from mpexp.batches import accumulate_advice, accumulate_choices
 from mpexp.config import HFConfig, TrainConfig, run_length
 from mpexp.errors import ConfigError
+from mpexp.launch import launched_processes
 from mpexp.rundir import train_command
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
@@ -348,14 +350,20 @@ def _validate_training_loop(cfg: DictConfig) -> None:
     batch = cfg.dataset.batch_size  # the optimizer step's, over all processes
     if batch % accumulate:
         # a batch splits into `accumulate` micro-batches of one size only when k divides it;
-        # otherwise torch's chunk() makes fewer, and the run would not do what it records
-        divisors = [k for k in range(1, batch + 1) if batch % k == 0]
-        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
-        raise ConfigError(
+        # otherwise torch's chunk() makes fewer, and the run would not do what it records.
+        # Among several processes only multiples of their count are dealt out equally: the
+        # divisors named are those this run takes (mpexp/batches.py)
+        processes = launched_processes()
+        choices = accumulate_choices(batch, processes)
+        refused = (
             f"trainer.accumulate={accumulate} does not divide dataset.batch_size={batch} "
-            f"into {accumulate} equal micro-batches; use a divisor of {batch}: "
-            f"{shown}."
+            f"into {accumulate} equal micro-batches"
         )
+        if not choices:  # the processes cannot share the batch itself
+            raise ConfigError(f"{refused}. {accumulate_advice(batch, accumulate, processes)}")
+        shown = ", ".join(map(str, choices[:12])) + (", ..." if len(choices) > 12 else "")
+        among = "" if processes == 1 else f" that {processes} processes can share"
+        raise ConfigError(f"{refused}; use a divisor of {batch}{among}: {shown}.")
     clip = trainer.clip_grad_norm
     if clip is not None and _number(clip, "trainer.clip_grad_norm") <= 0:
         raise ConfigError(

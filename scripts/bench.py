@@ -65,12 +65,14 @@ from mpexp.precision.modes import setup_precision  # noqa: E402
 from mpexp.precision.scaling import build_scaler  # noqa: E402
 from mpexp.step import performance  # noqa: E402
 from mpexp.step.flops import device_peak_tflops, flops_per_sample  # noqa: E402
+from mpexp.step.objective import Objective  # noqa: E402
 from mpexp.step.rollback import BufferRollback  # noqa: E402
 from mpexp.stopping import Preempted  # noqa: E402
 from mpexp.system import resolve_device, synchronize  # noqa: E402
 from mpexp.tasks.classification import Classification  # noqa: E402
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+MNIST_TASK = Classification(channels=1, height=28, width=28, num_classes=10)
 
 # Per device: what a run of a few minutes (CUDA) or under two (CPU) can afford. On CPU the point
 # is mpexp's per-step overhead, measured in fp32: CPUs without bf16/fp16 matrix units run 16-bit
@@ -257,9 +259,11 @@ def time_tutorial(args, root: Path, precision: str) -> dict:
 
 def bare_parts(args, precision: str, root: Path = Path("."), graph: bool = True):
     """What a run of `precision` builds for its steps, without the run around them: its config,
-    precision mode, model (converted, in the memory format and compiled as the config says), loss
-    scaler, optimizer and speed switches, with cuDNN set as a run sets it (`graph=False`: for an
-    eager loop of its own). Also scripts/profile_step.py's."""
+    precision mode, model (converted, in the memory format as the config says), the model with
+    its loss as the loop calls it (an Objective, compiled as the config says: the loss inside the
+    model's graph, as a run compiles them), loss scaler, optimizer and speed switches, with cuDNN
+    set as a run sets it (`graph=False`: for an eager loop of its own). Also
+    scripts/profile_step.py's."""
     device = args.device
     cfg = mpexp_config(args, root, precision, 1)
     performance.configure_backends(device, cfg.trainer)
@@ -272,13 +276,14 @@ def bare_parts(args, precision: str, root: Path = Path("."), graph: bool = True)
     performance.apply_memory_format(weights, speed)
     scaler = build_scaler(cfg.loss_scaling, mode, device)
     optimizer = performance.build_optimizer(cfg, weights, device, scaler, speed)
-    return cfg, mode, performance.compile_model(weights, speed), scaler, optimizer, speed
+    forward = performance.compile_model(Objective(weights, MNIST_TASK), speed)
+    return cfg, mode, weights, forward, scaler, optimizer, speed
 
 
 def time_bare(args, root: Path, precision: str) -> dict:
     """mpexp's model, optimizer, scaler and device-resident batches with no metrics at all."""
     device = args.device
-    _, mode, model, scaler, optimizer, speed = bare_parts(args, precision, root, graph=False)
+    _, mode, _, forward, scaler, optimizer, speed = bare_parts(args, precision, root, graph=False)
     data = MNISTData(root=str(root), download=False, batch_size=args.batch_size)
     data.setup(device, speed.memory_format())
     times = []
@@ -287,7 +292,7 @@ def time_bare(args, root: Path, precision: str) -> dict:
         start = time.perf_counter()
         for images, labels in data.train_batches(epoch, 0, device):
             with mode.autocast():
-                loss = F.cross_entropy(model(images), labels)
+                loss = forward(images, labels).sum()  # the loss's terms: one, cross-entropy's
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
@@ -379,8 +384,7 @@ def run(args) -> dict:
         root = root or write_data(Path(tmp), args.train_size)
         samples = (args.train_size // args.batch_size) * args.batch_size
         # as mpexp counts it for perf/tflops: one batch at the run's shapes, forward and backward
-        mnist = Classification(channels=1, height=28, width=28, num_classes=10)
-        flops = flops_per_sample(fresh_model(args, args.device), mnist, args.batch_size)
+        flops = flops_per_sample(fresh_model(args, args.device), MNIST_TASK, args.batch_size)
         with_bare = args.device.type == "cpu" or args.bare
         rows = []
         for precision in args.precisions:

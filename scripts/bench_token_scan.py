@@ -37,7 +37,7 @@ def main() -> None:
         print(f"{path.stat().st_size / 1e9:.2f} GB of uint16 ids")
         for _ in range(args.repeats):
             start = time.perf_counter()
-            data._check_ids(path, tokens)
+            data._check_ids({path: tokens})
             print(f"every id checked in {time.perf_counter() - start:.2f} s")
 
 

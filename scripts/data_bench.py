@@ -7,6 +7,7 @@ folder of images read by each of its paths (docs/benchmarks.md, "Data").
     python scripts/data_bench.py paths --workers 1 2 --step resnet18   # each path beside a step
     python scripts/data_bench.py large                       # a 12-megapixel JPEG, draft mode
     python scripts/data_bench.py start --files 100000        # what a start costs per file
+    python scripts/data_bench.py start --files 10000 --file-kb 110   # ImageNet's JPEG sizes
 
 `paths` times the training images per second of each way the image folder can be read: decoded
 by 1 and 2 DataLoader workers, from the resized cache (dataset.cache=resized, at its default size
@@ -16,9 +17,10 @@ per second for torchvision's model at the same size (fp32 here; on CUDA, bf16 au
 path that reads fewer images per second than the step takes leaves the step waiting: the run's
 perf/data_wait_share says by how much.
 
-`start` times what an image folder's start costs before any image is decoded, on --files empty
-JPEG files in 100 class folders: the one walk (each file's directory entry and stat), the split,
-the resume key and the cache's keys; and, beside it, one more pass of stats over the same files,
+`start` times what an image folder's start costs before any image is decoded, on --files files in
+100 class folders (empty, or of random bytes of about --file-kb KiB): the one walk (each file's
+directory entry and stat), the split, the content digests (mpexp/data/file_digest.py), the resume
+key and the cache's keys; the digests alone; and one more pass of stats over the same files,
 which the start made before it walked once (a second and third stat of every file).
 
 The main process runs on one thread, as it would beside a training step; `folder` and `paths`
@@ -190,40 +192,52 @@ def large_jpeg(root: Path, repeats: int) -> None:
         print(f"needed at {least or 'full size'}: decoded to {shape} in {seconds * 1e3:.0f} ms")
 
 
-def start_cost(root: Path, files: int, repeats: int) -> None:
-    """A start's walk, split and keys on `files` empty files, against one more stat pass."""
+def start_cost(root: Path, files: int, repeats: int, file_kb: float = 0.0) -> None:
+    """A start's walk, split, content digests and keys on `files` files of about `file_kb` KiB
+    of random bytes each (empty ones by default), the digests alone, and one more stat pass."""
+    from mpexp.data.file_digest import file_digests
     from mpexp.data.image_cache import ResizedImages, file_stats
 
     if not root.is_dir() or sum(1 for _ in root.rglob("*.jpg")) != files:
+        rng = np.random.default_rng(0)
         for i in range(files):
             folder = root / f"class{i % 100:03d}"
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"{i:07d}.jpg").touch()
-    walks, passes = [], []
-    for _ in range(repeats):  # interleaved: the machine's load falls on both alike
+            size = int(file_kb * 1024 * rng.uniform(0.5, 1.5))  # JPEGs' sizes spread so
+            (folder / f"{i:07d}.jpg").write_bytes(rng.bytes(size))
+    walks, digests, passes = [], [], []
+    for _ in range(repeats):  # interleaved: the machine's load falls on all alike
         began = time.perf_counter()
         data = ImageFolderData(path=str(root), image_size=224, mean=[0.5] * 3, std=[0.5] * 3)
         data._find_splits()
         data.resume_key()
         for split in data.splits.values():
-            paths = [split.path(i) for i in range(len(split))]
-            ResizedImages(paths, split.stats, 792, False, root, "x", decode).key()
+            paths = split.paths()
+            ResizedImages(paths, split.stats, 792, False, root, "x", decode, split.contents).key()
         walks.append(time.perf_counter() - began)
+        every = list(data.splits.values())
+        paths = [p for s in every for p in s.paths()]
         began = time.perf_counter()
-        file_stats(paths + [s.path(i) for s in data.splits.values() for i in range(len(s))])
+        file_digests(paths, np.concatenate([s.stats[:, 0] for s in every]))
+        digests.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        file_stats(paths)
         passes.append(time.perf_counter() - began)
-    walk, extra = statistics.median(walks), statistics.median(passes)
+    walk, digest, extra = (statistics.median(t) for t in (walks, digests, passes))
     print(
-        f"{files:,} files: a start's walk, split and keys {walk:.2f} s (median of {repeats}; "
-        f"{walk / files * 1e6:.1f} us a file, {walk / files * 1e6:.0f} s a million files)"
+        f"{files:,} files of about {file_kb:g} KiB: a start's walk, split, digests and keys "
+        f"{walk:.2f} s (median of {repeats}; {walk / files * 1e6:.1f} us a file, "
+        f"{walk / files * 1e6:.0f} s a million files); load {os.getloadavg()[0]:.1f}"
     )
+    print(f"of which the content digests: {digest:.2f} s ({digest / files * 1e6:.1f} us a file)")
     print(f"one more stat of every file: {extra:.2f} s ({extra / files * 1e6:.1f} us a file)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["augment", "folder", "paths", "large", "start"])
-    parser.add_argument("--files", type=int, default=100_000, help="start: empty files")
+    parser.add_argument("--files", type=int, default=100_000, help="start: files")
+    parser.add_argument("--file-kb", type=float, default=0.0, help="start: their size, KiB")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="32x32 PNGs at 32 px")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
@@ -242,7 +256,7 @@ def main() -> None:
             large_jpeg(root, args.repeats)
             return
         if args.what == "start":
-            start_cost(root, args.files, args.repeats)
+            start_cost(root, args.files, args.repeats, args.file_kb)
             return
         if not (root / "train").is_dir():
             write_folder(root, args.tiny)

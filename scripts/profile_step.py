@@ -60,7 +60,7 @@ def parse_args(argv=None):
 def build_step(args, precision: str):
     """One training step as mpexp's loop runs it: its Stepper, captured as a CUDA graph and
     replayed where a run would do so (after its warm-up steps), eager otherwise."""
-    cfg, mode, net, scaler, optimizer, speed = bare_parts(args, precision)
+    cfg, mode, net, forward, scaler, optimizer, speed = bare_parts(args, precision)
     device = args.device
     images = torch.randn(args.batch_size, 1, 28, 28, device=device)
     images = images.to(memory_format=speed.memory_format())
@@ -68,7 +68,8 @@ def build_step(args, precision: str):
     history = StepHistory(capacity=64, device=device)
     diagnostics = Diagnostics(cfg.diagnostics, net, scaler, None, mode)
     make = Stepper.with_graph if speed.cuda_graph else Stepper
-    stepper = make(net, optimizer, scaler, mode, history, diagnostics)
+    # the model with its loss, compiled together as a run compiles them
+    stepper = make(forward, optimizer, scaler, mode, history, diagnostics, loss_fn=None)
     count = 0
 
     def step() -> None:

@@ -15,12 +15,15 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from mpexp import config
+from mpexp.precision import tf32
 from mpexp.precision.modes import Precision, setup_precision
+from mpexp.resolvers import register_resolvers
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 CPU = torch.device("cpu")
 config.register()
+register_resolvers()  # what conf/ resolves (a preset's derived values), as the commands have it
 
 # One intra-op thread, here and in the commands the tests start: the tests' models are tiny, and
 # a second thread only adds its hand-offs. On a shared two-core machine a simplecnn step took
@@ -224,11 +227,6 @@ def _group_for_xdist(items) -> None:
 @pytest.fixture(autouse=True)
 def _restore_precision_flags():
     """Precision modes flip process-wide TF32 switches; give every test the defaults back."""
-    saved = (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.get_float32_matmul_precision(),
-    )
+    saved = tf32.switches()
     yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
-    torch.set_float32_matmul_precision(saved[2])
+    tf32.put_back(saved)

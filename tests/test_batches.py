@@ -4,10 +4,14 @@ that equals one process step for step is tests/test_distributed.py's)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mpexp.batches import BatchSplit
 from mpexp.errors import ConfigError
+from mpexp.validate import validate
+from tests.conftest import make_cfg
 
 
 @pytest.mark.parametrize(
@@ -52,3 +56,40 @@ def test_the_split_in_words_gives_tokens_per_step_and_per_micro_batch():
     assert BatchSplit(64, 1).describe() == (
         "64 samples per optimizer step, 64 samples per micro-batch, 1 micro-batch"
     )
+
+
+def _advised(message: str, batch: int, accumulate: int) -> list[tuple[int, int]]:
+    """The (dataset.batch_size, trainer.accumulate) pairs a refusal advises: the divisors the
+    config's check lists, or the values the split's message names."""
+    if "use a divisor of" in message:
+        return [(batch, int(k)) for k in re.findall(r"\d+", message.rsplit(": ", 1)[1])]
+    advice = re.split(r"\b[Uu]se ", message, maxsplit=1)[1]
+    pairs = re.findall(r"trainer\.accumulate=(\d+)(?: with dataset\.batch_size=(\d+))?", advice)
+    pairs = [(int(b) if b else batch, int(k)) for k, b in pairs]
+    alone = re.findall(r"\(dataset\.batch_size=(\d+)\)", advice)  # the batch: the one change
+    return pairs + [(int(b), accumulate) for b in alone]
+
+
+@pytest.mark.parametrize("processes", [2, 3, 8])
+def test_the_accumulation_advice_is_never_refused_in_its_turn(processes, monkeypatch):
+    # for batch 480 and accumulate 40 on 3 processes the advice was trainer.accumulate=42,
+    # which does not divide 480: refused by the config's own check next
+    monkeypatch.setenv("WORLD_SIZE", str(processes))
+    cfg = make_cfg()
+    for batch in (480, 100, 64):
+        for accumulate in range(1, 50):
+            cfg.dataset.batch_size, cfg.trainer.accumulate = batch, accumulate
+            try:
+                validate(cfg)
+                BatchSplit(batch, accumulate, processes)
+                continue
+            except ConfigError as refused:
+                message = str(refused)
+            advice = _advised(message, batch, accumulate)
+            assert advice, message
+            for advised_batch, advised in advice:
+                assert advised_batch % advised == 0, message
+                BatchSplit(advised_batch, advised, processes)  # taken
+    with pytest.raises(ConfigError) as refused:
+        BatchSplit(480, 40, 3)
+    assert _advised(str(refused.value), 480, 40) == [(480, 30), (480, 48), (480, 1)]

@@ -183,10 +183,15 @@ def declared(schema) -> set[str]:
 @pytest.mark.parametrize(
     ("dataset", "schema", "keys"),
     [
-        (
+        (  # the GPU's decoder is suggested only to a CUDA run of JPEGs (test_folder_edges.py)
             lambda: ImageFolderData(path="x"),
             ImageFolderDatasetConfig,
-            ["dataset.num_workers", "dataset.cache=resized", "dataset.decode=gpu"],
+            ["dataset.num_workers", "dataset.cache=resized"],
+        ),
+        (  # cache=resized is refused beside decode=gpu
+            lambda: ImageFolderData(path="x", decode="gpu"),
+            ImageFolderDatasetConfig,
+            ["dataset.num_workers"],
         ),
         (
             lambda: ImageFolderData(path="x", cache="resized"),
@@ -253,13 +258,10 @@ def test_the_warning_of_a_starved_image_folder_run_names_its_keys(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="mpexp"):
         summary = train(cfg, RunContext(tmp_path / "run"))
     (starved,) = [r.message for r in caplog.records if "for data" in r.message]
-    assert "dataset.cache=resized" in starved and "dataset.decode=gpu" in starved
+    # not dataset.decode=gpu: the same run refuses it on a CPU, and for PNGs
+    assert "dataset.cache=resized" in starved and "dataset.decode=gpu" not in starved
     assert "dataset.loader" not in starved
-    assert summary["ran"]["faster_data"] == [
-        "dataset.num_workers",
-        "dataset.cache=resized",
-        "dataset.decode=gpu",
-    ]
+    assert summary["ran"]["faster_data"] == ["dataset.num_workers", "dataset.cache=resized"]
 
 
 def test_the_report_names_each_data_bound_runs_own_keys(tmp_path):

@@ -134,7 +134,18 @@ def checks(tmp_path_factory) -> list[dict]:
     script = str(ROOT / "tests" / "distributed_checks.py")
     result = run_cli(*TORCHRUN, script, str(out), cwd=out)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r, rank in enumerate(ranks):
+        rank["threads_after"] = json.loads((out / f"threads{r}.json").read_text())
+    return ranks
+
+
+def test_a_torn_down_world_leaves_no_gloo_thread_to_pythons_shutdown(checks):
+    # FSDP2's device mesh kept the default group, and its worker threads, alive past
+    # destroy_process_group: now and then rank 1 aborted in Python's shutdown ("terminate
+    # called without an active exception") after every check had passed
+    for rank in checks:
+        assert rank["threads_after"] == []
 
 
 def test_under_ddp_an_overflow_on_one_rank_skips_the_step_on_both(checks):
@@ -190,6 +201,44 @@ def test_skip_together_sums_the_overflow_flags_over_ranks(checks):
 def test_replica_check_tells_identical_from_diverged_weights(checks):
     for rank in checks:
         assert rank["replicas"] == {"same_seed": True, "seed_per_rank": False}
+
+
+def test_under_ddp_the_model_and_its_loss_compile_as_one_graph_and_sync_once_a_step(checks):
+    # DDP wraps the compiled model with its loss (nanoGPT's order): before, compiling the
+    # Objective around DDP broke the graph at DDP's forward (2 graphs, 3 breaks), the logits
+    # leaving the model's graph whole
+    for rank in checks:
+        ddp = rank["ddp_compiled"]
+        assert (ddp["graphs"], ddp["breaks"]) == (1, 0)
+        assert ddp["model_and_loss"] == [[True, True]]  # the embedding and the logsumexp
+        # two optimizer steps of two micro-batches a rank: one all-reduce a step (no_sync)
+        assert ddp["all_reduces"] == 2
+    assert checks[0]["ddp_compiled"]["weights"] == checks[1]["ddp_compiled"]["weights"]
+
+
+def test_under_fsdp_each_block_is_compiled_before_it_is_sharded(checks):
+    # torchtitan's order: a block's graph (shared by both blocks) and the loss's, no break
+    for rank in checks:
+        fsdp = rank["fsdp_compiled"]
+        assert (fsdp["graphs"], fsdp["breaks"]) == (2, 0)
+        assert fsdp["block"] == [True, False]
+        assert fsdp["model_and_loss"] == [[False, False], [False, True]]
+
+
+@pytest.mark.parametrize("data", ["windows", "device", "dataloader"])
+def test_each_rank_validates_half_and_finds_one_processs_metrics(checks, data):
+    for rank in checks:
+        assert rank["split_validation"][data] == {"samples": 10, "same": True, "keys": True}
+
+
+def test_the_token_scan_is_split_among_ranks_and_each_refuses_what_one_found(checks):
+    rank0, rank1 = (rank["split_token_scan"] for rank in checks)
+    mine = [tuple(s) for s in rank0["mine"]], [tuple(s) for s in rank1["mine"]]
+    assert len(mine[0]) == len(mine[1]) == len(rank0["all"]) // 2
+    assert sorted(mine[0] + mine[1]) == sorted(tuple(s) for s in rank0["all"])
+    # the id out of range lies in rank 1's share alone: rank 0 refuses the files too
+    for rank in (rank0, rank1):
+        assert "val.bin holds token id 99 at position 300" in rank["said"]
 
 
 @pytest.mark.slow
@@ -305,7 +354,7 @@ def test_a_finished_replica_leaves_without_pythons_shutdown(tmp_path, rank):
 def test_a_single_process_world_changes_nothing():
     world = World(torch.device("cpu"))
     model = torch.nn.Linear(2, 2)
-    assert world.wrap(model, None) is model
+    assert world.shard(model, None) is model and world.replicate(model) is model
     assert world.reduce_epoch({"perf/samples_per_s": 3.0}) == {"perf/samples_per_s": 3.0}
     assert world.check_replicas(model) == {}
 

@@ -173,6 +173,9 @@ def test_the_adapter_reads_nothing_on_the_host_and_shards_by_the_models_own_bloc
 
 def test_sampling_uses_transformers_kv_cache_and_the_runs_tokenizer(pretrained, fine_tuned):
     model = hf_model(pretrained=str(pretrained / "llama"), block_size=16, vocab_size=320).eval()
+    window = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():  # past the context: the output layer on the last position alone
+        torch.testing.assert_close(model.last_logits(window), model(window)[:, -1])
     # 30 tokens: past the context of 16, where the cache gives way to the last 16 tokens
     for draw in (Draw(tokens=30, temperature=1.0, top_k=20, samples=2, seed=7),
                  Draw(tokens=30, temperature=0)):  # fmt: skip

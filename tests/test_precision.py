@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
 import torch
 from torch import nn
 
-from mpexp.precision.modes import set_tf32, setup_precision
+from mpexp.precision import tf32
+from mpexp.precision.modes import setup_precision
+from mpexp.precision.tf32 import set_tf32, tf32_flags
 from tests.conftest import CPU, make_cfg, precision_of
 
 
@@ -39,28 +42,53 @@ def test_conv_and_linear_compute_in_the_modes_dtype(mode, dtype):
 @pytest.mark.parametrize("enabled", [True, False])
 def test_tf32_switches_matmul_and_cudnn_together(enabled):
     # start from the opposite state so that a forgotten switch is caught
-    torch.backends.cuda.matmul.allow_tf32 = not enabled
-    torch.backends.cudnn.allow_tf32 = not enabled
+    set_tf32(not enabled)
     set_tf32(enabled)
-    assert torch.backends.cuda.matmul.allow_tf32 is enabled
-    assert torch.backends.cudnn.allow_tf32 is enabled
-    assert torch.get_float32_matmul_precision() == ("high" if enabled else "highest")
+    flags = tf32_flags()
+    assert flags["tf32_matmul"] is flags["tf32_cudnn"] is enabled
+    assert flags["float32_matmul_precision"] == ("high" if enabled else "highest")
 
 
 @pytest.mark.parametrize("mode", ["fp32", "tf32", "fp16", "bf16"])
 def test_on_cpu_every_mode_leaves_tf32_off_and_records_it_off(mode):
     set_tf32(True)  # as a previous run in this process may have left them
     record = precision_of(mode).record()
-    assert torch.backends.cuda.matmul.allow_tf32 is torch.backends.cudnn.allow_tf32 is False
-    assert torch.get_float32_matmul_precision() == "highest"
+    assert tf32_flags() == {
+        "tf32_matmul": False,
+        "tf32_cudnn": False,
+        "float32_matmul_precision": "highest",
+    }
     assert record["tf32_matmul"] is record["tf32_cudnn"] is False
     assert record["float32_matmul_precision"] == "highest"
 
 
 def test_strict_fp32_turns_off_cudnn_tf32_that_pytorch_leaves_on():
-    torch.backends.cudnn.allow_tf32 = True  # PyTorch's own default
+    if tf32.PER_BACKEND:
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+    else:
+        torch.backends.cudnn.allow_tf32 = True  # PyTorch's own default
     precision_of("fp32")
-    assert torch.backends.cudnn.allow_tf32 is False
+    assert tf32_flags()["tf32_cudnn"] is False
+
+
+@pytest.mark.skipif(not tf32.PER_BACKEND, reason="torch < 2.9 has no fp32_precision switches")
+@pytest.mark.parametrize(
+    "set_by_user",
+    [("fp32_precision", "tf32"), ("cuda.matmul.fp32_precision", "tf32"),
+     ("cudnn.conv.fp32_precision", "tf32")],
+)  # fmt: skip
+def test_a_process_that_set_the_newer_tf32_switches_still_sets_up_every_mode(set_by_user):
+    # mpexp switched TF32 through the older allow_tf32 flags, whose reading raises a
+    # RuntimeError (a mix of the two APIs) once user code has set torch.backends.fp32_precision
+    where, value = set_by_user
+    *path, name = where.split(".")
+    backend = functools.reduce(getattr, path, torch.backends)
+    setattr(backend, name, value)
+    for mode in ("fp32", "tf32", "bf16"):
+        record = precision_of(mode).record()
+        assert record["tf32_matmul"] is record["tf32_cudnn"] is False  # on a CPU: strict
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert torch.backends.cudnn.conv.fp32_precision == "ieee"
 
 
 def test_tf32_on_cpu_warns_once_and_records_what_acted(caplog):

@@ -298,6 +298,17 @@ def test_the_imagenet_resnet50_preset_is_torchvisions_recipe_on_an_image_folder(
     assert cfg.scheduler._target_.endswith("cosine")
 
 
+@pytest.mark.parametrize(
+    ("overrides", "images"),
+    [(["trainer.epochs=90"], 1024 * 32 / 90), (["dataset.batch_size=256"], 256 * 32 / 600)],
+)
+def test_the_presets_average_decay_follows_its_epochs_and_batch_as_torchvisions(overrides, images):
+    # torchvision's train.py: alpha = (1 - model_ema_decay) x batch x model_ema_steps / epochs;
+    # the preset held the value for 600 epochs of 1024, whatever the run changed
+    cfg = make_cfg("experiment=imagenet_resnet50", "dataset.path=/data/imagenet", *overrides)
+    assert cfg.trainer.ema_decay == pytest.approx(1 - 2e-5 * images)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "bf16_pure"])
 def test_on_a_gpu_the_recipe_trains_with_its_step_captured(tmp_path, precision):

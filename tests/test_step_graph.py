@@ -233,7 +233,7 @@ class FailsToCompile(nn.Module):
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.model = model
+        self._orig_mod = model  # where torch.compile's wrapper keeps the module it compiles
 
     def forward(self, inputs, targets):
         raise RuntimeError("backend='inductor' raised: CompilationError: no kernel for this op")

@@ -63,7 +63,8 @@ def with_mode(model: list[str], mode: list[str]):
 
 def two_steps(cfg, world: World | None = None):
     """Two optimizer steps of the run `cfg` configures, built as a run builds its parts and
-    stepped by its Stepper; the parts, the weights before, and the steps' rows."""
+    stepped by its Stepper; the parts, the weights before, and the steps' rows (the forward pass
+    the loop called: `two_steps.forward`)."""
     torch.manual_seed(0)
     built = build_parts(cfg, world or World(CPU), {"model": "timm", "dataset": "synthetic"})
     optimizer, schedule, forward = build_training(cfg, built, CPU)
@@ -77,6 +78,7 @@ def two_steps(cfg, world: World | None = None):
         stepper.step(step, images, labels)
         if step == 2:
             break
+    two_steps.forward = forward
     return built, before, history.flush(wait=True)
 
 
@@ -411,8 +413,9 @@ def test_ddp_and_fsdp_train_a_timm_model_fsdp_sharding_its_blocks(one_process_wo
         built, before, rows = two_steps(cfg, world)
     assert len(rows) == 2
     model = built.model
-    if strategy == "ddp":
-        assert isinstance(model, nn.parallel.DistributedDataParallel)
+    if strategy == "ddp":  # DDP around the model with its loss, compiled where the run compiles
+        assert isinstance(two_steps.forward, nn.parallel.DistributedDataParallel)
+        assert two_steps.forward.module.model is model
         return
     units = [n for n, m in model.named_modules() if type(m).__name__.startswith("FSDP")]
     assert units == ["", "blocks.0", "blocks.1", "norm"]  # the root holds the embeddings, the head

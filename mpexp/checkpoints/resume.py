@@ -134,7 +134,8 @@ class Resume:
         it loads."""
         if self.state.get("sharded"):
             return
-        saved, now = self.state["model"], model.state_dict()
+        now = model.state_dict()
+        saved = self.state["model"] = named_as(self.state["model"], now)
         frozen = frozen_names(model)
         if not frozen & saved.keys():  # its frozen weights are the model's as built
             now = {k: v for k, v in now.items() if k not in frozen}
@@ -227,7 +228,7 @@ class Resume:
             sharded.load_into(self.path, model, optimizer)
             rng = sharded.load_rng(self.path, world.rank)
         else:
-            load_trained(model, self.state["model"])
+            load_trained(model, named_as(self.state["model"], model.state_dict()))
             optimizer.load_state_dict(self.state["optimizer"])
             rng = self.state["rng"]
         scaler.load_state_dict(self.state["scaler"])
@@ -251,6 +252,14 @@ class Resume:
         # the same on any number of ranks: a step takes the next dataset.batch_size samples of
         # the epoch's order, which the ranks share (rank r every world_size-th of them)
         return self.position
+
+
+def named_as(saved: dict, now: dict) -> dict:
+    """The saved weights under the model's own names: a DDP run's checkpoint written before DDP
+    wrapped the compiled model (mpexp/build.py) named each weight `module.<name>`, DDP's."""
+    if saved.keys() == now.keys() or not all(k.startswith("module.") for k in saved):
+        return saved
+    return {k.removeprefix("module."): v for k, v in saved.items()}
 
 
 def _shape(value) -> tuple | None:

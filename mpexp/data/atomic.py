@@ -120,27 +120,55 @@ def remove_abandoned(path: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def exclusive(lock: Path, waiting: str) -> Iterator[None]:
+def exclusive(lock: Path, waiting: str, note: str) -> Iterator[None]:
     """The block run by one process at a time among those that take `lock` (an flock on that
     file, which the kernel drops if the holder dies); `waiting` is logged once by a process that
-    has to wait, with what the holder wrote into the lock file (its host, pid and start)."""
+    has to wait, with the note of the process it waits for.
+
+    Taking the lock and adding `note` to the file (time, host, pid, rank: what the holder does)
+    is one step to the others, so that a waiting process never reads the note of an earlier
+    holder, or none: both happen under a second lock (`<lock>.guard`), held for as long as
+    they take, under which a waiting process reads the note too."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    guard = lock.with_name(lock.name + ".guard")
+    said = False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = lock.read_text(errors="replace").strip().splitlines()
-            log.info("%s (%s).", waiting, holder[-1] if holder else "holder unknown")
+        while True:
+            with _held(guard):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = lock.read_text(errors="replace").strip().splitlines()
+                else:
+                    _note_holder(lock, note)
+                    break
+            if not said:
+                log.info("%s (%s).", waiting, holder[-1] if holder else "holder unknown")
+                said = True
+            # until the holder is done; then the lock is taken again under the guard, its
+            # note with it
             fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_UN)
         yield
     finally:
         os.close(fd)
 
 
-def note_holder(lock: Path, what: str) -> None:
+@contextlib.contextmanager
+def _held(path: Path) -> Iterator[None]:
+    """An flock on `path` for the block."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _note_holder(lock: Path, what: str) -> None:
     """Add a line saying who holds `lock` for what (time, host, pid, rank): a process waiting
-    on it names it, and the file lists every build of its store."""
+    on it names it, and the file lists every holder of its store."""
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rank = f" rank {os.environ['RANK']}" if "RANK" in os.environ else ""  # under torchrun
     with lock.open("a") as out:

@@ -106,11 +106,14 @@ class TrainingData(ABC):
 
     @abstractmethod
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
-        """The validation set in a fixed order, every sample once."""
+        """The validation set in a fixed order, every sample once: in a distributed run, this
+        rank's share of it (`eval_share`), whose sums validation adds up over the ranks. A
+        dataset that gives every rank the whole set is measured right too, N times over."""
 
     def test_batches(self, device: torch.device) -> Iterator[Batch] | None:
-        """A held-out test set as `val_batches` gives validation's, evaluated once when training
-        ends and reported as `test/...`; None where the data has none."""
+        """A held-out test set as `val_batches` gives validation's (this rank's share),
+        evaluated once when training ends and reported as `test/...`; None where the data has
+        none."""
         return None
 
     def shard(self, rank: int, world_size: int) -> None:
@@ -122,6 +125,13 @@ class TrainingData(ABC):
         once the remainder that would leave the ranks unequal shares is dropped."""
         n, world = len(items), self.world_size
         return items[: n - n % world][self.rank :: world]
+
+    def eval_share(self, n: int) -> slice:
+        """This rank's share of `n` items evaluated in order (validation's, the test set's): a
+        stretch of them, the ranks' stretches in rank order covering all `n` once, their sizes
+        at most one apart."""
+        world, rank = self.world_size, self.rank
+        return slice(rank * n // world, (rank + 1) * n // world)
 
     def epoch_order(self, seed: int, epoch: int, start: int = 0) -> torch.Tensor:
         """This rank's share of the epoch's seeded order of the training set, from batch
@@ -327,14 +337,17 @@ class InMemoryData(TrainingData):
             )
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
-        """The validation set in order, every sample once."""
+        """This rank's share of the validation set, in order."""
         if self.loader == "device":
             images, labels = self._ready["val"]
+            share = self.eval_share(len(labels))
+            images, labels = images[share], labels[share]
             for start in range(0, len(labels), self.batch_size):
                 stop = start + self.batch_size
                 yield self._batch_view(images[start:stop]), labels[start:stop]
         else:
-            yield from self._dataloader(self.val, device, shuffle=False)
+            share = self.eval_share(len(self.val[1]))
+            yield from self._dataloader(tuple(t[share] for t in self.val), device, shuffle=False)
 
     def _gather(
         self, data: Batch, order: torch.Tensor, static: bool, draws: torch.Tensor | None = None

@@ -27,7 +27,6 @@ should use the same `dataset.decode` (`ran.data.decode` records it).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 from collections.abc import Iterator
@@ -40,6 +39,7 @@ from torchvision.transforms import v2
 
 from mpexp.data.augment import mixed_seed
 from mpexp.errors import ConfigError, DataError
+from mpexp.precision.tf32 import exact_float32_matmul
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ def resample(
         axes = torch.tensor([[rows[i] for i in group], [cols[i] for i in group]])
         weights_h = bilinear_weights(axes[0].to(device), size, height)  # (group, size, height)
         weights_w = bilinear_weights(axes[1].to(device), size, width)
-        with _exact_float32_matmul():
+        with exact_float32_matmul():  # TF32's 10-bit mantissa would move pixels a level
             pixels = weights_h.unsqueeze(1) @ padded.float() @ weights_w.unsqueeze(1).mT
         index = torch.tensor(group).to(device)
         out.index_copy_(0, index, pixels.round_().clamp_(0, 255).to(torch.uint8))
@@ -340,15 +340,3 @@ def _groups(rows: list[tuple], cols: list[tuple]) -> Iterator[list[int]]:
         height, width = h, w
     if group:
         yield group
-
-
-@contextlib.contextmanager
-def _exact_float32_matmul() -> Iterator[None]:
-    """float32 matrix products without TF32 for the block: TF32's 10-bit mantissa would move
-    pixels by more than a level. The run's own setting is put back after."""
-    allowed = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allowed

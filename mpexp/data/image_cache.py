@@ -8,15 +8,17 @@ and test's are stored as validation resizes them (`dataset.resize_size`, 256 for
 its centre crop gives exactly the decoding workers' images.
 
 A store is a folder under `dataset.cache_dir` (by default `$MPEXP_DATA_DIR/images`) named after
-the image folder, the split, the size and its content key (a digest of every file's path, size
-and modification time):
+the image folder, the split, the size and its content key (a digest of every file's path, size,
+modification time and bytes, mpexp/data/file_digest.py):
 
     <name>-<key>/pixels.bin   uint8 pixels, image after image, each 3 x H x W; read through a
                               memory map (only the images asked for are read, by whichever
                               worker asks), so that a folder larger than memory trains
     <name>-<key>/index.npy    int64 (offset, H, W) of each image; H = 0: it could not be decoded
     <name>-<key>/key.json     the key, the pixels' length, the undecodable files
-    <name>-<key>.lock         taken by the one process that builds the store; the others wait
+    <name>-<key>.lock         taken by the one process that builds the store; the others wait,
+                              naming it from the note it wrote there as it took the lock
+                              (`<name>-<key>.lock.guard` makes the two one step)
 
 Many processes share it. A store is built once: a process that finds it missing takes its lock
 (an flock) and builds it while every other (a sweep's jobs, started together) waits on the lock
@@ -53,6 +55,7 @@ from torchvision.transforms import v2
 from tqdm import tqdm
 
 from mpexp.data import atomic
+from mpexp.data.file_digest import file_digests
 from mpexp.data.workers import WorkerLoader
 from mpexp.errors import DataError
 
@@ -123,11 +126,15 @@ class ResizedImages:
         folder: Path,
         name: str,
         decode: Decoder,
+        contents: np.ndarray | None = None,
     ):
         """`paths`: the split's files in label order, `stats` their (size, mtime) as the folder's
-        scan found them (no second walk); `side`, `enlarge`: see `fitted`; `name`: the stores'
-        names' stem, the key follows; `decode`: the image folder's own."""
+        scan found them (no second walk), `contents` their content digests
+        (mpexp/data/file_digest.py; taken here where not given); `side`, `enlarge`: see
+        `fitted`; `name`: the stores' names' stem, the key follows; `decode`: the image
+        folder's own."""
         self.paths, self.stats = paths, stats
+        self.contents = file_digests(paths, stats[:, 0]) if contents is None else contents
         self.side, self.enlarge, self.decode = side, enlarge, decode
         self.folder, self.name = folder, name
         self.store = folder / name  # set by open(): the store's folder, named by its key
@@ -136,18 +143,21 @@ class ResizedImages:
 
     def __getstate__(self) -> dict:
         # a worker maps the files itself: a pickled memory map would copy every pixel; the
-        # stats are the scan's business, not a reader's
-        return {**self.__dict__, "_pixels": None, "_index": None, "stats": None}
+        # stats and digests are the scan's business, not a reader's
+        return {**self.__dict__, "_pixels": None, "_index": None, "stats": None, "contents": None}
 
     @property
     def pixels_path(self) -> Path:
         return self.store / FILES[0]
 
     def key(self) -> dict:
-        """What the store is built from: each file's path, size and mtime, and the size."""
+        """What the store is built from: each file's path, size, mtime and content digest (a
+        file rewritten at the same size with its mtime put back gets a store of its own), and
+        the size."""
         digest = hashlib.sha256()
-        for path, (size, mtime) in zip(self.paths, self.stats.tolist(), strict=True):
-            digest.update(f"{path}\0{size}\0{mtime}\n".encode())
+        files = zip(self.paths, self.stats.tolist(), self.contents.tolist(), strict=True)
+        for path, (size, mtime), content in files:
+            digest.update(f"{path}\0{size}\0{mtime}\0{content}\n".encode())
         return {"version": CACHE_VERSION, "side": self.side, "enlarge": self.enlarge,
                 "count": len(self.paths), "digest": digest.hexdigest()}  # fmt: skip
 
@@ -162,10 +172,12 @@ class ResizedImages:
                 break
             lock = self.store.with_name(self.store.name + ".lock")
             try:
-                with atomic.exclusive(lock, f"Waiting for another process building {self.store}"):
+                waiting = f"Waiting for another process building {self.store}"
+                doing = f"to build {len(self.paths)} images ({self._fit()}) if none has"
+                with atomic.exclusive(lock, waiting, doing):
                     if self._problem(key) is None:  # built while this process waited
                         break
-                    self._build(key, lock, workers)
+                    self._build(key, workers)
                     break
             except _Changed:
                 if attempt == 0:
@@ -207,7 +219,7 @@ class ResizedImages:
             return f"holds {size:,} of its {saved.get('bytes')} bytes (cut short)"
         return None
 
-    def _build(self, key: dict, lock: Path, workers: int) -> None:
+    def _build(self, key: dict, workers: int) -> None:
         """Build the store (under its lock): decode and fit every image (in `workers`
         DataLoader workers) into a partial folder, check that the files did not change
         meanwhile (_Changed), and put it in place whole."""
@@ -220,12 +232,11 @@ class ResizedImages:
                 self.store.unlink()
         else:
             self._said_older()
-        atomic.note_holder(lock, f"building {len(self.paths)} images ({self._fit()})")
         with atomic.whole_folder(self.store) as partial:
             written, undecodable = self._write(partial, workers)
             now = file_stats(self.paths)
             if not np.array_equal(now, self.stats):
-                self.stats = now
+                self.stats, self.contents = now, file_digests(self.paths, now[:, 0])
                 raise _Changed
             record = {"key": key, "bytes": written, "undecodable": undecodable}
             (partial / FILES[2]).write_text(json.dumps(record))

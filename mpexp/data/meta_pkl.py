@@ -17,6 +17,7 @@ from pathlib import Path
 from mpexp.errors import DataError
 
 NAME = "meta.pkl"
+MOST_IDS = 1 << 32  # token files hold uint16 or uint32 ids
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -56,6 +57,12 @@ def read_meta(path: Path) -> Meta:
         raise DataError(
             f"{path} holds no vocab_size (a positive whole number) in a dict, as nanoGPT's "
             "prepare.py writes it. Fix the file, or remove it and give dataset.vocab_size."
+        )
+    if size > MOST_IDS:
+        raise DataError(
+            f"{path} gives vocab_size {size:,}, more ids than a token file can hold (uint32 "
+            f"ids: {MOST_IDS:,} at most). Fix the file, or remove it and give "
+            "dataset.vocab_size."
         )
     itos, stoi = meta.get("itos"), meta.get("stoi")
     itos_ok = isinstance(itos, dict) and all(

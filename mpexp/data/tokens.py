@@ -31,9 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mpexp.data.meta_pkl import MOST_IDS, Meta, read_meta
 from mpexp.data.meta_pkl import NAME as META_NAME
-from mpexp.data.meta_pkl import Meta, read_meta
 from mpexp.data.windows import TokenWindows
+from mpexp.distributed import gathered
 from mpexp.errors import ConfigError, DataError
 from mpexp.tasks.language_model import LanguageModelling
 
@@ -94,8 +95,11 @@ class TokenFiles(TokenWindows):
                 "dataset=tokens needs the folder of its token files: dataset.path=<folder with "
                 "train.bin and val.bin> (nanoGPT's data/<name>/ after its prepare.py)."
             )
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ConfigError(f"dataset.vocab_size={self.vocab_size} must be at least 1.")
+        if self.vocab_size is not None and not 1 <= self.vocab_size <= MOST_IDS:
+            raise ConfigError(
+                f"dataset.vocab_size={self.vocab_size} must lie in [1, {MOST_IDS:,}]: token "
+                "files hold uint16 or uint32 ids."
+            )
         self.folder = Path(self.path).expanduser().resolve()
         train_files, val_files = split_files(self.folder)
         if not train_files:
@@ -129,8 +133,7 @@ class TokenFiles(TokenWindows):
             )
         what = f" with dataset.val_fraction={self.val_fraction}" if self.split_from_train else ""
         self.check_windows(f"The token files in {self.folder}", what)
-        for path, tokens in opened.items():
-            self._check_ids(path, tokens)
+        self._check_ids(opened)
         self.task = LanguageModelling(
             vocab_size=self.vocab,
             block_size=self.block_size,
@@ -172,26 +175,37 @@ class TokenFiles(TokenWindows):
             )
         return DTYPES[self.dtype]
 
-    def _check_ids(self, path: Path, tokens: np.ndarray) -> None:
+    def _check_ids(self, files: dict[Path, np.ndarray]) -> None:
         """Refuse a file holding an id at or above the vocabulary, wherever it is: the embedding
-        would fail on it mid-run. One pass over the file, `SCAN` ids at a time."""
-        for first in range(0, len(tokens), SCAN):
-            chunk = np.asarray(tokens[first : first + SCAN])
-            if chunk.max() < self.vocab:
-                continue
-            at = int(np.flatnonzero(chunk >= self.vocab)[0])
-            if self.meta is not None:
-                where = f"meta.pkl's vocab_size {self.vocab:,}"
-            elif self.vocab_size is None:
-                where = f"GPT-2's {self.vocab:,}, as dataset.vocab_size is unset"
-            else:
-                where = f"dataset.vocab_size={self.vocab:,}"
-            raise DataError(
-                f"{path} holds token id {int(chunk[at]):,} at position {first + at:,}, at or "
-                f"above the vocabulary ({where}). Set dataset.vocab_size to the tokenizer's "
-                "vocabulary (50257 for GPT-2's, 128256 for LLaMA-3's), or dataset.dtype if the "
-                f"file is not {tokens.dtype.name}."
-            )
+        would fail on it mid-run. One pass over the files, `SCAN` ids at a time; in a
+        distributed run each rank scans every world_size-th stretch, and every rank refuses
+        the first id out of range that any of them found."""
+        arrays = list(files.values())
+        found = None  # (file's number, position, id) of the first id out of range found here
+        for k, first in scan_share(arrays, self.rank, self.world_size):
+            chunk = np.asarray(arrays[k][first : first + SCAN])
+            if chunk.max() >= self.vocab:
+                at = int(np.flatnonzero(chunk >= self.vocab)[0])
+                found = (k, first + at, int(chunk[at]))
+                break
+        every = gathered(found) if self.world_size > 1 else [found]
+        found = min((f for f in every if f is not None), default=None)
+        if found is None:
+            return
+        k, position, token = found
+        if self.meta is not None:
+            where = f"meta.pkl's vocab_size {self.vocab:,}"
+        elif self.vocab_size is None:
+            where = f"GPT-2's {self.vocab:,}, as dataset.vocab_size is unset"
+        else:
+            where = f"dataset.vocab_size={self.vocab:,}"
+        path, tokens = list(files)[k], arrays[k]
+        raise DataError(
+            f"{path} holds token id {token:,} at position {position:,}, at or above the "
+            f"vocabulary ({where}). Set dataset.vocab_size to the tokenizer's vocabulary (50257 "
+            f"for GPT-2's, 128256 for LLaMA-3's), or dataset.dtype if the file is not "
+            f"{tokens.dtype.name}."
+        )
 
     def resume_key(self) -> dict:
         """Both parts' lengths and a digest of samples of them: files replaced or re-tokenized
@@ -218,6 +232,13 @@ class TokenFiles(TokenWindows):
             f"{np.dtype(self.train_tokens.dtype).name}), validated on {len(self.val_tokens):,} of "
             f"{val}"
         )
+
+
+def scan_share(arrays: list, rank: int, world_size: int) -> list[tuple[int, int]]:
+    """The stretches of `SCAN` ids that rank `rank` of `world_size` checks, as (array's number,
+    first position): every world_size-th of all the arrays' stretches, in order."""
+    stretches = [(k, at) for k, ids in enumerate(arrays) for at in range(0, len(ids), SCAN)]
+    return stretches[rank::world_size]
 
 
 def split_files(folder: Path) -> tuple[list[Path], list[Path]]:
@@ -270,7 +291,10 @@ def _llmc_header(path: Path, required: bool) -> tuple[np.dtype, int] | None:
     """An llm.c shard's id type and token count, from its header; None for a headerless file (a
     nanoGPT .bin, which has no header to require)."""
     with path.open("rb") as f:
-        head = np.frombuffer(f.read(LLMC_HEADER), dtype="<i4")
+        head = f.read(LLMC_HEADER)
+    # a headerless file shorter than a header need not be a whole number of int32 (301 uint16
+    # ids): only its whole int32 are read as one
+    head = np.frombuffer(head[: len(head) - len(head) % 4], dtype="<i4")
     magic, version = (int(head[0]), int(head[1])) if len(head) >= 3 else (None, None)
     if magic not in LLMC_MAGICS:
         if not required:

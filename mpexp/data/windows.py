@@ -91,9 +91,11 @@ class TokenWindows(TrainingData):
         yield from self._prefetched(self.train_tokens, chunks, device)
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
-        """`val_size` windows spread evenly over the validation tokens, in order."""
+        """`val_size` windows spread evenly over the validation tokens, in order (this rank's
+        share of them)."""
         last = len(self.val_tokens) - self.block_size - 1  # the last offset with a whole window
         offsets = np.linspace(0, last, self.sizes[1]).round().astype(np.int64)
+        offsets = offsets[self.eval_share(len(offsets))]
         b = self.batch_size
         chunks = [offsets[first : first + b] for first in range(0, len(offsets), b)]
         yield from self._prefetched(self.val_tokens, chunks, device)

@@ -215,6 +215,16 @@ class GPT(nn.Module):
         return list(self.blocks)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._head(self._hidden(tokens))
+
+    def last_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The next-token logits (n, vocab_size) after windows `tokens` (n, length): the whole
+        window's forward pass, the output layer on its last position alone, as nanoGPT's
+        sampling runs it (over every position, GPT-2's head of 50,304 rows would cost about
+        a third of the pass)."""
+        return self._head(self._hidden(tokens)[:, -1])
+
+    def _hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
         if length > self.block_size:
             raise ValueError(
@@ -224,6 +234,9 @@ class GPT(nn.Module):
         x = self.drop(self.wte(tokens) + self.wpe(positions))
         for block in self.blocks:
             x = block(x)
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.ln_f(x), self.wte.weight)  # tied: the embedding's weights
 
     def kv_cache(self) -> KVCache:
@@ -240,4 +253,4 @@ class GPT(nn.Module):
         x = self.wte(tokens) + self.wpe(torch.arange(start, end, device=tokens.device))
         for block, layer in zip(self.blocks, cache.layers, strict=True):
             x = block(x, layer)
-        return F.linear(self.ln_f(x[:, -1]), self.wte.weight)
+        return self._head(x[:, -1])

@@ -269,6 +269,13 @@ class CausalLM(Adapter):
         """An empty cache of keys and values, transformers' own, for `decode`."""
         return hf_config.transformers().DynamicCache(config=self.config)
 
+    def last_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The next-token logits (n, vocab) after windows `tokens` (n, length), the output layer
+        on the last position alone where the model takes `logits_to_keep` (transformers' own
+        way of sparing the rest; older versions: every position's, the last kept)."""
+        keep = {"logits_to_keep": 1} if keeps_logits(type(self)) else {}
+        return super().forward(tokens, use_cache=False, **keep).logits[:, -1]
+
     def decode(self, tokens: torch.Tensor, cache) -> torch.Tensor:
         """The next-token logits (n, vocab) after `tokens` (n, length), which continue the
         positions `cache` holds; the cache takes theirs (mpexp/sample.py)."""
@@ -298,3 +305,9 @@ def cache_keyword(cls: type) -> str:
     recent transformers, `past_key_values` before."""
     parameters = inspect.signature(super(CausalLM, cls).forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
+
+
+@functools.cache
+def keeps_logits(cls: type) -> bool:
+    """Whether the transformers model under `cls` takes `logits_to_keep` in `forward`."""
+    return "logits_to_keep" in inspect.signature(super(CausalLM, cls).forward).parameters

@@ -23,6 +23,7 @@ from torch import nn
 from mpexp.errors import ConfigError
 from mpexp.precision.cpu import cpu_has_native
 from mpexp.precision.fp8_support import check_fp8, torchao_version, warn_fp8_emulated_once
+from mpexp.precision.tf32 import set_tf32, tf32_flags
 
 log = logging.getLogger(__name__)
 
@@ -124,25 +125,6 @@ class Precision:
             **(self.fp8.record() if self.fp8 else {}),
             **(self.pure.record() if self.pure else {"weights_dtype": "float32"}),
         }
-
-
-def tf32_flags() -> dict:
-    """The global TF32 switches as PyTorch holds them now."""
-    return {
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-    }
-
-
-def set_tf32(enabled: bool) -> None:
-    """Switch TF32 for matmul and cuDNN together.
-
-    PyTorch leaves cuDNN's TF32 on by default, so strict fp32 has to turn it off explicitly.
-    """
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def setup_precision(cfg: Mapping[str, Any], device: torch.device) -> Precision:

@@ -336,6 +336,32 @@ def compile_model(model: nn.Module, speed: Speed) -> nn.Module:
     return torch.compile(model, mode=speed.compile_mode, dynamic=False)
 
 
+class UnitCompilation:
+    """Modules compiled one by one: under FSDP2 each unit (a GPT's block) is compiled before it is
+    sharded, as torchtitan compiles its blocks, since the whole model compiled would break its
+    graph at every unit's FSDP hooks. Each unit's forward pass is replaced by its compiled
+    version, so the hooks around it stay eager; `undo` puts the eager ones back (a model that
+    cannot be compiled trains eagerly)."""
+
+    def __init__(self, speed: Speed):
+        self.speed = speed
+        # each unit, and the forward pass of its own it had (fp32_modules' wrapper), if any
+        self.eager: list[tuple[nn.Module, object]] = []
+
+    def __call__(self, unit: nn.Module) -> None:
+        self.eager.append((unit, vars(unit).get("forward")))
+        # shapes static, as compile_model's
+        unit.forward = torch.compile(unit.forward, mode=self.speed.compile_mode, dynamic=False)
+
+    def undo(self) -> None:
+        for unit, own in self.eager:
+            if own is None:
+                del unit.forward  # the class's forward again
+            else:
+                unit.forward = own
+        self.eager = []
+
+
 class Compilations:
     """Counts and times what torch.compile compiles while it is entered, wherever that happens:
     a training step, a batch of a new shape, the first validation (a graph of its own, in eval

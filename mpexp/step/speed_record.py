@@ -15,7 +15,7 @@ from mpexp.data.base import Batch
 from mpexp.distributed import World
 from mpexp.errors import reason
 from mpexp.step.history import StepHistory
-from mpexp.step.objective import Objective
+from mpexp.step.objective import Objective, eager, uncompiled
 from mpexp.step.parts import Parts
 from mpexp.step.performance import Compilations
 from mpexp.step.stepper import Stepper
@@ -40,36 +40,36 @@ class SpeedRecord:
     val_compile_s: float = 0.0  # the time validation spent compiling
     compile_failed: bool = False
     last_batch: Batch | None = None  # what compute_only_steps time the step on
-    # the model with its loss, eager: `forward` itself, or what a compiled `forward` wraps,
-    # which runs where compiling fails
-    objective: Objective = field(init=False)
+    # the model with its loss as evaluation calls it: what `forward` wraps (DDP, a compiled
+    # graph), eager where the run is; under FSDP2 its units stay compiled until compiling fails
+    objective: torch.nn.Module = field(init=False)
+    compiled: bool = field(init=False)  # whether the model runs compiled (until it fails to)
 
     def __post_init__(self) -> None:
-        parts, forward = self.parts, self.parts.forward
+        parts, under = self.parts, eager(self.parts.forward)
         self.objective = (
-            forward if isinstance(forward, Objective) else Objective(parts.model, parts.data.task)
+            under if isinstance(under, Objective) else Objective(parts.model, parts.data.task)
         )
         speed = parts.speed
-        if speed is not None and speed.compile:
+        self.compiled = speed is not None and speed.compile
+        if self.compiled:
             self.stepper.setup_steps = max(self.stepper.setup_steps, 1)
             self.stepper.on_compile_error = self.train_eagerly
             self.stepper.compiles = self.compiles
 
-    @property
-    def compiled(self) -> bool:
-        """Whether the model runs compiled (until it fails to compile)."""
-        return self.parts.forward is not self.objective
-
     def train_eagerly(self, err: Exception) -> torch.nn.Module:
-        """The model cannot be compiled: warn once and train (and evaluate) it eagerly."""
+        """The model cannot be compiled: warn once and train (and evaluate) it eagerly; DDP, if
+        any, stays around it."""
         log.warning(
             "torch.compile could not compile the model (%s); training it eagerly instead "
             "(recorded as compile: false). trainer.compile=false skips the attempt.",
             reason(err),
         )
-        self.parts.forward = self.objective
+        self.parts.forward = uncompiled(self.parts.forward)
+        self.objective = eager(self.parts.forward)
+        self.compiled = False
         self.compile_failed = True
-        return self.objective
+        return self.parts.forward
 
     def stop_compiling(self, err: Exception) -> None:
         """Validation's compilation failed: the model trains (and is evaluated) eagerly from

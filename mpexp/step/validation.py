@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from mpexp.data.base import Batch, TrainingData
+from mpexp.distributed import World
 from mpexp.errors import UserError
 from mpexp.precision.modes import Precision
 from mpexp.step.objective import objective_of
@@ -30,10 +31,13 @@ def evaluate(
     pad: bool = False,
     batches=None,
     micro_batch: int | None = None,
+    world: World | None = None,
 ) -> dict[str, float]:
     """The validation metrics of the data's task, summed on the device and read once; of
     `batches` (the test set's, say) where given, else of the validation set. `model` is the
-    model, or its Objective (mpexp/step/objective.py), compiled or not.
+    model, or its Objective (mpexp/step/objective.py), compiled or not. With a distributed
+    `world`, each rank sums its share of the batches (the data gives it that share) and the
+    ranks' sums are added up, so that every rank finds the metrics of the whole set.
 
     Each batch runs in micro-batches of `micro_batch` items (default: whole batches), the
     training step's: a pass over a whole optimizer batch of a large model would hold its
@@ -58,7 +62,12 @@ def evaluate(
                 total = sums if total is None else total + sums
     finally:  # a compiler's failure, which the loop survives, leaves the model training
         objective.train()
-    return task.val_metrics(total.tolist(), count)
+    mine = (total.tolist() if total is not None else None, count)
+    every = world.gather(mine) if world is not None else [mine]
+    # a rank whose share is empty (fewer batches than ranks) has no sums to add
+    sums = [s for s, _ in every if s is not None]
+    totals = [sum(column) for column in zip(*sums, strict=True)]
+    return task.val_metrics(totals, sum(c for _, c in every))
 
 
 def _padded(inputs: torch.Tensor, targets: torch.Tensor, size: int, task) -> Batch:
@@ -85,32 +94,37 @@ class Validation:
 
     def metrics(self) -> tuple[dict[str, float], float]:
         """The validation metrics (of the moving average too), and the time spent compiling."""
+        # every rank validates its share with rank 0's BatchNorm statistics, as one process would
+        self.record.world.sync_buffers(self.parts.model)
         metrics, val_compile_s = self._validate()
         if self.average is not None:
             metrics.update(self._average())
         return metrics, val_compile_s
+
+    def _measured(self, model, pad: bool = False, batches=None) -> dict[str, float]:
+        """`evaluate` of `model` in the step's micro-batches, summed over the ranks."""
+        p = self.parts
+        return evaluate(model, p.data, self.device, p.precision, pad, batches,
+                        self.micro_batch, self.record.world)  # fmt: skip
 
     def _validate(self) -> tuple[dict[str, float], float]:
         """The validation metrics, and the time spent compiling for them (the first validation
         compiles the model's graph in eval mode). A compiled model pads a last, smaller batch, so
         that no batch compiles a graph of its own; one whose compilation fails here is evaluated
         eagerly, and trains eagerly from here on, as when its first step fails to compile."""
-        p, objective = self.parts, self.record.objective
-        micro = self.micro_batch
         if not self.record.compiled:  # eager (or compiled no longer): the plain evaluation
-            metrics = evaluate(objective, p.data, self.device, p.precision, micro_batch=micro)
-            return metrics, 0.0
+            return self._measured(self.record.objective), 0.0
         compiles = self.record.compiles
         started, seconds = compiles.count, compiles.seconds
         try:
-            metrics = evaluate(p.forward, p.data, self.device, p.precision, True, micro_batch=micro)
+            metrics = self._measured(self.parts.forward, pad=True)
         except UserError:
             raise
         except Exception as err:
             if compiles.count == started:  # it compiled nothing: no compiler failure
                 raise
             self.record.stop_compiling(err)
-            metrics = evaluate(objective, p.data, self.device, p.precision, micro_batch=micro)
+            metrics = self._measured(self.record.objective)
         compiling = compiles.seconds - seconds
         self.record.val_compile_s += compiling
         return metrics, compiling
@@ -118,29 +132,19 @@ class Validation:
     def _average(self) -> dict[str, float]:
         """The validation metrics of the weights' moving average (`val_ema/...`), on the path
         that validated the weights themselves (compiled, once `_validate` has compiled it)."""
-        p = self.parts
-        compiled = self.record.compiled
         with self.average.swapped_in():  # in the step's micro-batches, as _validate runs them
-            metrics = evaluate(
-                p.forward, p.data, self.device, p.precision, compiled, micro_batch=self.micro_batch
-            )
+            self.record.world.sync_buffers(self.parts.model)  # rank 0's averaged statistics
+            metrics = self._measured(self.parts.forward, pad=self.record.compiled)
         return {f"val_ema/{key.split('/', 1)[1]}": value for key, value in metrics.items()}
 
     def test(self, step: int) -> dict[str, float]:
         """The test set's metrics (`test/...`), evaluated once, after the last epoch, eagerly,
         and written as a row of their own; none where the data has no test set."""
-        p = self.parts
-        batches = p.data.test_batches(self.device)
+        batches = self.parts.data.test_batches(self.device)
         if batches is None:
             return {}
-        metrics = evaluate(
-            self.record.objective,
-            p.data,
-            self.device,
-            p.precision,
-            batches=batches,
-            micro_batch=self.micro_batch,
-        )
+        self.record.world.sync_buffers(self.parts.model)
+        metrics = self._measured(self.record.objective, batches=batches)
         tested = {f"test/{key.split('/', 1)[1]}": value for key, value in metrics.items()}
         # a row of the step it followed, without `epoch`: readers take rows with one as epochs'
         self.tracker.log({"step": step, **tested})

@@ -41,11 +41,18 @@ def _compiling() -> bool:
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean cross-entropy of (rows, vocab) logits against (rows,) target ids, and the mean
-    squared log-normaliser (the z-loss before its weight), both float32 scalars."""
+    squared log-normaliser (the z-loss before its weight), both float32 scalars, over the rows
+    whose target is not IGNORE_INDEX, as `F.cross_entropy` leaves those out (a user's data may
+    mark padding so)."""
     if _compiling():
+        kept = targets != IGNORE_INDEX
         lse = torch.logsumexp(logits.float(), dim=-1)
-        picked = logits.gather(1, targets[:, None]).squeeze(1).float()
-        return (lse - picked).mean(), lse.square().mean()
+        picked = logits.gather(1, targets.clamp(min=0)[:, None]).squeeze(1).float()
+        count = kept.sum()
+        return (
+            torch.where(kept, lse - picked, 0.0).sum() / count,
+            torch.where(kept, lse.square(), 0.0).sum() / count,
+        )
     return _ChunkedCrossEntropy.apply(logits, targets)
 
 
@@ -55,16 +62,20 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor):
         lse, picked = _lse_and_picked(logits, targets)
-        ctx.save_for_backward(logits, targets, lse)
-        return (lse - picked).mean(), lse.square().mean()
+        # each row's share of the means: 1 / (rows kept), 0 for an ignored row (no host read)
+        share = (targets != IGNORE_INDEX).float()
+        share /= share.sum()
+        ctx.save_for_backward(logits, targets, lse, share)
+        return ((lse - picked) * share).sum(), (lse.square() * share).sum()
 
     @staticmethod
     def backward(ctx, grad_ce: torch.Tensor, grad_z: torch.Tensor):
-        logits, targets, lse = ctx.saved_tensors
+        logits, targets, lse, share = ctx.saved_tensors
         rows = logits.shape[0]
-        # d(mean ce)/dx = (softmax - onehot) / rows; d(mean lse^2)/dx = 2 lse softmax / rows
-        softmax_weight = ((grad_ce + 2 * grad_z * lse) / rows)[:, None]
-        onehot_weight = (-grad_ce / rows).reshape(1, 1)
+        # d(mean ce)/dx = (softmax - onehot) x share; d(mean lse^2)/dx = 2 lse softmax x share
+        softmax_weight = ((grad_ce + 2 * grad_z * lse) * share)[:, None]
+        onehot_weight = (-grad_ce * share)[:, None]
+        targets = targets.clamp(min=0)  # an ignored row's weights are 0: any column will do
         step = rows_per_chunk(logits.shape[1])
         grad = None
         for start in range(0, rows, step):
@@ -73,8 +84,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             # the chunk's probabilities faster than exp(x - lse) would
             chunk = torch.softmax(logits[start:end], dim=-1, dtype=torch.float32)
             chunk.mul_(softmax_weight[start:end])
-            index = targets[start:end, None]
-            chunk.scatter_add_(1, index, onehot_weight.expand(len(index), 1))
+            chunk.scatter_add_(1, targets[start:end, None], onehot_weight[start:end])
             if end >= rows and start == 0:  # one chunk: it is the gradient
                 return chunk.to(logits.dtype), None
             if grad is None:

@@ -76,6 +76,7 @@ class ImageFolderData(TrainingData):
         self.cache_side = cache_side  # training's stored size; None: what its crop needs
         self.cache_ran: dict = {"kind": "none"}  # what was read: ran.data.cache
         self.decode, self.decode_on = decode, "cpu"  # asked, and what ran: ran.data.decode
+        self._gpu_decodable = False  # whether dataset.decode=gpu could run here (see setup)
         self.classes: list[str] = []
         self.layout = ""
         self.splits: dict[str, Split] = {}
@@ -116,6 +117,8 @@ class ImageFolderData(TrainingData):
         else:
             every = [os.fsdecode(f) for split in self.splits.values() for f in split.files]
             self.decode_on = gpu_decode.choose(self.decode, device, every)
+            # what the slow-data advice may suggest: the GPU's decoder on a CUDA run of JPEGs
+            self._gpu_decodable = gpu_decode.choose("auto", device, every) == "gpu"
             for split in self.splits.values():
                 split.on_gpu, split.crop_scale = self.decode_on == "gpu", self.crop_scale
         self._gpu = (
@@ -150,6 +153,8 @@ class ImageFolderData(TrainingData):
             files = [f for c in self.classes for f in split[c]]
             labels = [i for i, c in enumerate(self.classes) for _ in split[c]]
             self.splits[name] = Split(root, files, labels, views, self.image_size)
+            # the bytes as well: the cache's key and the resume key (each rank reads its share)
+            self.splits[name].read_contents(self.rank, self.world_size)
         return root
 
     def build_cache(self) -> list[Path]:
@@ -186,7 +191,8 @@ class ImageFolderData(TrainingData):
         yield from self._to_device.batches(batches, device, static, draws)
 
     def val_batches(self, device: torch.device) -> Iterator[Batch]:
-        """The validation images in a fixed order, each once, resized and centre-cropped."""
+        """The validation images in a fixed order, each once (this rank's share of them),
+        resized and centre-cropped."""
         return self._evaluated("val", device)
 
     def test_batches(self, device: torch.device) -> Iterator[Batch] | None:
@@ -194,7 +200,8 @@ class ImageFolderData(TrainingData):
         return self._evaluated("test", device) if "test" in self.splits else None
 
     def _evaluated(self, split: str, device: torch.device) -> Iterator[Batch]:
-        loader = self._loaders.read(split, [(i, None, 0) for i in range(len(self.splits[split]))])
+        share = range(len(self.splits[split]))[self.eval_share(len(self.splits[split]))]
+        loader = self._loaders.read(split, [(i, None, 0) for i in share])
         batches = self._host(split, loader, self._to_device.copy_stream)
         return self._to_device.batches(batches, device)
 
@@ -208,21 +215,22 @@ class ImageFolderData(TrainingData):
 
     def faster_data_keys(self) -> list[str]:
         """More decoding workers; images stored resized (no decoding at all), or JPEGs decoded
-        on the GPU: the two are alternatives, and neither applies once taken."""
+        on the GPU where this run could (a CUDA device, a folder of JPEGs alone): the two are
+        alternatives, and neither is suggested once one is taken. Never what the run refuses."""
         keys = ["dataset.num_workers"]
-        if self.cache == "none":
+        if self.cache == "none" and "gpu" not in (self.decode, self.decode_on):
             keys.append("dataset.cache=resized")
-            if self.decode == "cpu":  # auto has tried the GPU where it can
+            if self._gpu_decodable:  # decode=auto takes it itself: only decode=cpu lands here
                 keys.append("dataset.decode=gpu")
         return keys
 
     # --- what the run records ------------------------------------------------------------------
 
     def resume_key(self) -> dict:
-        """Each class's training and validation files (names, sizes and modification times, as
-        the start's walk found them) and the normalisation: a file added, removed or rewritten
-        since a checkpoint, a class added or removed, moves images between the splits or the
-        labels, and a resume would validate on images it trained on.
+        """Each class's training and validation files (names, sizes, modification times and
+        content digests, as the start found them) and the normalisation: a file added, removed
+        or rewritten since a checkpoint, a class added or removed, moves images between the
+        splits or the labels, and a resume would validate on images it trained on.
         (The test split is evaluated once, at the end: what it holds then is what it reports.)"""
         key: dict = {"classes": len(self.classes)}
         for split in ("train", "val"):

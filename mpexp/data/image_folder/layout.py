@@ -47,6 +47,8 @@ def scan(
     images. With the layout, in words. `path`: dataset.path as given."""
     ignored: list[str] = []
     train = root / "train"
+    if train.is_dir():
+        refuse_folders_beside_train(root, path)
     val = val_folder(root, path) if train.is_dir() else None
     if val is not None:
         layout = f"train/ and {val.name}/"
@@ -98,22 +100,41 @@ def val_folder(root: Path, path: str) -> Path | None:
     return found[0] if found else None
 
 
+def refuse_folders_beside_train(root: Path, path: str) -> None:
+    """Beside train/ stand the other splits' folders only: the classes are train/'s folders,
+    and a class folder put beside train/ (root/dog/ by root/train/cat/) would be left out of
+    the run without a word. Refused, naming it."""
+    splits = {*VAL_FOLDERS, "test", "train"}
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        if folder.name.startswith(".") or folder.name.lower() in splits:
+            continue
+        raise DataError(
+            f"dataset.path={path} holds {folder.name}/ beside train/: with a train/ folder the "
+            f"classes are the folders in train/ (and in val/), so {folder.name}/ would be left "
+            f"out. If it is a class, move its images into {root}/train/{folder.name}/ (and "
+            f"some into val/{folder.name}/); otherwise move it out of {root}."
+        )
+
+
 def refuse_split_folders(root: Path, whole: Path, path: str) -> None:
-    """A folder named as a split (val/, test/, ...) among the class folders to split, holding
-    folders of its own, is a split put in the wrong place: trained as one more class, it would
-    swallow the images meant to validate or test. Refused, showing the layout to use."""
+    """A folder named as a split (val/, test/, ...) among the class folders to split is a split
+    put in the wrong place, or a class whose name says otherwise: trained as one more class, a
+    split would swallow the images meant to validate or test. Refused, showing the layout to
+    use: whether it holds folders of its own (a split's classes) or images alone."""
     for folder in sorted(p for p in whole.iterdir() if p.is_dir()):
         if folder.name.lower() not in SPLIT_FOLDERS:
             continue
+        where = "" if whole == root else f"{whole.name}/"
+        name = f"{where}{folder.name}/"
         inner = next((p for p in sorted(folder.iterdir()) if p.is_dir() and
                       not p.name.startswith(".")), None)  # fmt: skip
-        if inner is None:
-            continue
-        where = "" if whole == root else f"{whole.name}/"
+        if inner is not None:
+            held = f"and {name} holds folders of its own ({inner.name}/, ...)"
+        else:
+            held = f"and {name} holds images but no class folders (a split's images, unlabelled)"
         raise DataError(
-            f"dataset.path={path} holds {where}{folder.name}/ among its class folders, "
-            f"and {where}{folder.name}/ holds folders of its own ({inner.name}/, ...): it "
-            f"would be trained as a class named {folder.name}. Lay the folder out as "
+            f"dataset.path={path} holds {name} among its class folders, {held}: it would be "
+            f"trained as a class named {folder.name}. Lay the folder out as "
             f"{root}/train/<class>/ and {root}/{folder.name.lower()}/<class>/ (move the class "
             f"folders into train/), or rename {folder.name}/ if it is a class."
         )

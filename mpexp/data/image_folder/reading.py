@@ -24,6 +24,7 @@ from torchvision.transforms import v2
 
 from mpexp.data import gpu_decode
 from mpexp.data.augment import mixed_seed
+from mpexp.data.file_digest import file_digests
 from mpexp.data.image_cache import ResizedImages
 from mpexp.errors import DataError
 
@@ -100,6 +101,9 @@ class Split(Dataset):
         self.files = np.array([os.fsencode(f[0]) for f in files], dtype=np.bytes_)
         # (size, mtime) of each file when the run started: its cache's and its resume's key
         self.stats = np.array([f[1:] for f in files], dtype=np.int64).reshape(-1, 2)
+        # a digest of each file's bytes (mpexp/data/file_digest.py), in those keys too: set by
+        # `read_contents`, as the dataset's setup asks
+        self.contents = np.zeros(len(files), dtype=np.uint64)
         self.labels = np.array(labels, dtype=np.int64)
         self.views = views  # "train" and "val": (transform, the shorter side it needs)
         self.size = size  # of the square a transform gives
@@ -118,15 +122,25 @@ class Split(Dataset):
         where = np.flatnonzero(self.labels == label)
         return range(int(where[0]), int(where[-1]) + 1) if len(where) else range(0)
 
+    def paths(self) -> list[str]:
+        """Every file's path, in label order."""
+        return [self.path(i) for i in range(len(self))]
+
+    def read_contents(self, rank: int = 0, world_size: int = 1) -> None:
+        """Take each file's content digest (`contents`), the ranks sharing the reading."""
+        self.contents = file_digests(self.paths(), self.stats[:, 0], rank, world_size)
+
     def digest(self, label: int) -> str:
         """A class's files as the run started: their number, total size, the newest one's time
-        and a digest of their names, sizes and modification times (-1: a link to nothing)."""
+        and a digest of their names, sizes, modification times (-1: a link to nothing) and
+        contents (a file rewritten at the same size with its time put back changes it)."""
         members = self.of_class(label)
         digest = hashlib.sha256()
         stats = self.stats[members.start : members.stop]
-        for name, (size, mtime) in zip(self.files[members.start : members.stop], stats.tolist(),
-                                       strict=True):  # fmt: skip
-            digest.update(name + f"\0{size}\0{mtime}\0".encode())
+        contents = self.contents[members.start : members.stop].tolist()
+        names = self.files[members.start : members.stop]
+        for name, (size, mtime), content in zip(names, stats.tolist(), contents, strict=True):
+            digest.update(name + f"\0{size}\0{mtime}\0{content}\0".encode())
         total, newest = int(stats[:, 0].clip(min=0).sum()), int(stats[:, 1].max(initial=0))
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(newest // 10**9))
         files = f"{len(members)} files, {total:,} bytes"

@@ -93,7 +93,9 @@ class Stores:
                 stem = store_name(self.root, name, side)
                 # reading.decode as it is at the call, as Split.read looks it up (a test swaps it)
                 stores[name] = ResizedImages(
-                    paths, split.stats, side, enlarge, self.folder, stem, reading.decode
-                ).open(self.num_workers)
-                split.stats = stores[name].stats  # as the store found them, if they changed
+                    paths, split.stats, side, enlarge, self.folder, stem, reading.decode,
+                    split.contents,
+                ).open(self.num_workers)  # fmt: skip
+                # as the store found them, if they changed
+                split.stats, split.contents = stores[name].stats, stores[name].contents
         return stores
