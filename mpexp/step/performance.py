@@ -252,9 +252,8 @@ def _pure_optimizer(
     params = parameter_groups(model, cfg.optimizer)
     fused = True if fused is None else bool(fused)
     # the device's chunk, not its parameters': mpexp-plan builds it on the CPU for a GPU run
-    chunk = pure_optimizers.CUDA_CHUNK if device.type == "cuda" else pure_optimizers.CPU_CHUNK
     return pure_optimizers.build_pure(
-        spec["_target_"], settings, params, cfg, fused, captured, chunk
+        spec["_target_"], settings, params, cfg, fused, captured, device.type
     )
 
 
