@@ -102,6 +102,7 @@ def stopped_again() -> bool:
     """Whether a second stop signal came to this process: what cut short whatever failed."""
     return _active is not None and _active.again
 
+
 INTERRUPTED_BEFORE_START = "Interrupted before the run started; nothing was trained.\n"
 
 
