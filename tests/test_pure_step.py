@@ -18,8 +18,9 @@ from tests.conftest import CPU
 from tests.pure_reference import PureUpdates
 
 # a matrix and a vector spanning several 4 Ki-element batches, tensors that share a batch, odd
-# sizes (padding between pieces), a channels-last convolution
-SHAPES = [(96, 130), (70,), (4, 3, 3, 3), (9_001,), (1,)]
+# sizes (padding between pieces), a convolution larger than a batch (channels-last: cut along
+# its memory)
+SHAPES = [(96, 130), (70,), (16, 32, 3, 3), (9_001,), (1,)]
 
 
 def bf16_params(shapes=SHAPES, channels_last=False) -> list[torch.nn.Parameter]:
@@ -178,6 +179,24 @@ def test_sgd_with_dampening_starts_its_momentum_with_the_gradient_as_torch_does(
             optimizer.step()
     for a, b in zip(their_params, my_params, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "kahan"])
+def test_the_lost_update_counts_are_the_earlier_updates_per_parameter(rounding):
+    """Counted over a batch's stretch (masks summed by rows of 64, padding between pieces
+    kept zero), each parameter's counts of lost and nonzero updates are those the earlier
+    update counted tensor by tensor, over steps that walk several batches."""
+    params = bf16_params()
+    earlier = torch.optim.Adam(params, lr=1e-3, weight_decay=0.01, fused=True)
+    counted = PureUpdates(earlier, rounding, torch.bfloat16, 0, CPU)
+    mine = bf16_params()
+    optimizer = PureAdam(mine, lr=1e-3, weight_decay=0.01, rounding=rounding, chunk=1 << 12)
+    for step in range(4):
+        for each, ps in ((earlier, params), (optimizer, mine)):
+            set_grads(ps, step)
+            each.step()
+    assert counted.lost.counts.sum() > 0
+    assert torch.equal(counted.lost.counts, optimizer.lost.counts)
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "kahan"])

@@ -155,6 +155,10 @@ class PureOptimizer(torch.optim.Optimizer):
                 torch._foreach_add_(steps, 1)
             if whole:
                 self.arithmetic(self._whole(stepped, group, fresh), group, grad_scale, found_inf)
+                if self.lost is not None and self.batches.workspace is None:
+                    # made now rather than at the first count: what a step holds from its
+                    # first on, as a plan rehearsing the first steps sees
+                    self.batches.of(index, stepped, group)
             else:
                 for views in self.batches.of(index, stepped, group):
                     self._step_batch(views, group, fresh, counting, grad_scale, found_inf)
