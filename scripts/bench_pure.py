@@ -21,6 +21,11 @@ step of `--repeats` rounds of `--steps` steps each, the cases alternating within
 time and the thread's CPU time: on a shared machine the second is the steadier.
 
     OMP_NUM_THREADS=1 python scripts/bench_pure.py --step-times --repeats 5 --steps 5
+
+With `--kernels`, torch's for-loop, foreach and fused Adam, AdamW and SGD on float32 weights (mixed
+precision's), on the same shapes: which kernel a CPU's default should be.
+
+    OMP_NUM_THREADS=1 python scripts/bench_pure.py --kernels --repeats 3
 """
 
 from __future__ import annotations
@@ -182,6 +187,42 @@ def step_times(repeats: int, steps: int) -> None:
         print(f"| {name} | {' | '.join(cells)} |", flush=True)
 
 
+def kernels(repeats: int) -> None:
+    """torch's three implementations of Adam, AdamW and SGD (momentum 0.9) on float32 weights,
+    mixed precision's master copy: the thread's CPU time of a step (ms), median of `repeats`,
+    on `--step-times`' shape sets, one thread."""
+    torch.set_num_threads(1)
+    algorithms = [
+        (torch.optim.Adam, {}),
+        (torch.optim.AdamW, {}),
+        (torch.optim.SGD, {"momentum": 0.9}),
+    ]
+    print(
+        f"torch {torch.__version__}, 1 thread, CPU time of a step (ms): for-loop / foreach / fused"
+    )
+    print("| shapes | " + " | ".join(cls.__name__ for cls, _ in algorithms) + " |")
+    print("|---|---|---|---|")
+    for name, shapes in shape_sets().items():
+        cells = []
+        for cls, settings in algorithms:
+            times = []
+            for impl in ("for-loop", "foreach", "fused"):
+                params = [nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+                for p in params:
+                    p.grad = torch.randn(p.shape) * 1e-2
+                flags = {"foreach": impl == "foreach", "fused": impl == "fused"}
+                optimizer = cls(params, lr=1e-3, **settings, **flags)
+                optimizer.step()
+                runs = []
+                for _ in range(repeats):
+                    began = time.thread_time()
+                    optimizer.step()
+                    runs.append((time.thread_time() - began) * 1e3)
+                times.append(f"{statistics.median(runs):.1f}")
+            cells.append(" / ".join(times))
+        print(f"| {name} | {' | '.join(cells)} |", flush=True)
+
+
 def _optimizer(shapes, pure: dict | None, cls):
     """An AdamW over bf16 weights of `shapes` with gradients, one step taken (its states made):
     torch's fused one (`pure` None) or pure bf16's with `pure`'s settings."""
@@ -206,9 +247,13 @@ def main(argv=None) -> int:
     parser.add_argument("--dir")
     parser.add_argument("--steps", type=int, default=4, help="steps an epoch (batches of 128)")
     parser.add_argument("--step-times", action="store_true", help="time the optimizer step alone")
+    parser.add_argument("--kernels", action="store_true", help="time torch's optimizer kernels")
     args = parser.parse_args(argv)
     if args.step_times:
         step_times(args.repeats, args.steps)
+        return 0
+    if args.kernels:
+        kernels(args.repeats)
         return 0
     if args.child:
         print(json.dumps(child(args.child, args.width, args.dir, args.steps)))
