@@ -1,14 +1,22 @@
 """Each parameter group's batches (mpexp/precision/pure_layout.py), their views and the one
-workspace they share (mpexp/precision/pure_workspace.py), kept from step to step: made again
-only when which parameters step, or how the large ones are laid out, changes."""
+workspace they share (mpexp/precision/pure_workspace.py).
+
+How the batches are laid out, and where their pieces start on the device, is kept from step to
+step, made again only when which parameters step, or how the large ones are laid out, changes.
+On a CPU the workspace and the views into it are kept too: its allocator would hand the
+workspace back to the system and fault it in again every step, and making a batch's views costs
+microseconds a piece, which a step of small tensors would pay again every time. On a GPU the
+workspace is let go after each step, so that it is not held through the next forward and
+backward passes beside their activations (a caching allocator hands its memory to them; a step
+captured in a CUDA graph keeps it in the graph's own memory)."""
 
 from __future__ import annotations
 
 import torch
 
-from mpexp.precision.pure_layout import Batch, aligned, cuttable, plan_batches
+from mpexp.precision.pure_layout import Batch, cuttable, most_pieces, plan_batches
 from mpexp.precision.pure_updates import COMPENSATION
-from mpexp.precision.pure_workspace import BatchViews, Workspace
+from mpexp.precision.pure_workspace import BatchViews, PieceBounds, Workspace, aligned
 from mpexp.shards import local_shard
 
 
@@ -18,11 +26,21 @@ class Batches:
     def __init__(self, optimizer) -> None:
         self.optimizer = optimizer
         self.workspace: Workspace | None = None
-        self._views: dict[int, tuple] = {}  # per group: its views and what they were made for
+        # whether the workspace and views are kept between steps (see the module's docstring)
+        self.kept = optimizer.device_type == "cpu"
+        # per group: what its batches were made for, and the batches with their PieceBounds
+        self._layouts: dict[int, tuple] = {}
+        self._views: dict[int, tuple] = {}  # per group: what they were made for, its views
 
     def clear(self) -> None:
         """Forget every group's views (the states were made or loaded anew)."""
         self._views.clear()
+
+    def after_step(self) -> None:
+        """Let the workspace go where it is not kept from step to step."""
+        if not self.kept:
+            self.workspace = None
+            self._views.clear()
 
     def of(self, index: int, stepped: list[int], group: dict) -> list[BatchViews]:
         """Group `index`'s batches for the parameters `stepped` (those with gradients)."""
@@ -32,14 +50,23 @@ class Batches:
         cached = self._views.get(index)
         if cached is not None and cached[0] == key:
             return cached[1]
-        flat = dict(zip(big, key[1], strict=True))
-        entries = [(i, local_shard(o.params[i].detach()), flat.get(i, False)) for i in stepped]
-        batches = plan_batches(index, entries, o.chunk)
+        layout = self._layouts.get(index)
+        if layout is None or layout[0] != key:
+            flat = dict(zip(big, key[1], strict=True))
+            entries = [(i, local_shard(o.params[i].detach()), flat.get(i, False)) for i in stepped]
+            batches = plan_batches(index, entries, o.chunk)
+            device = local_shard(o.params[0].detach()).device
+            layout = (key, batches, [PieceBounds(b, device) for b in batches])
+            self._layouts[index] = layout
+        _, batches, bounds = layout
         self._fit(batches)
         states = [o.state[p] for p in o.params]
         sixteen = o.states_dtype != torch.float32
-        keys = o.keys(group)
-        views = [BatchViews(b, self.workspace, o.params, states, keys, sixteen) for b in batches]
+        keys, ws = o.keys(group), self.workspace
+        views = [
+            BatchViews(b, ws, o.params, states, keys, sixteen, s)
+            for b, s in zip(batches, bounds, strict=True)
+        ]
         self._views[index] = (key, views)
         return views
 
@@ -78,14 +105,19 @@ class Batches:
         }
 
     def bound(self) -> int:
-        """The most a step holds besides the weights, gradients and states: the workspace
-        (as large as the largest group's parameters, or a chunk, before there is one) and the
-        count's per-row sums (an eighth of a byte an element)."""
+        """The most a step holds besides the weights, gradients and states, whichever
+        parameters step and however the large ones are cut: the workspace (a chunk, or the
+        largest group's parameters if fewer, or a first-dimension row larger than a chunk),
+        every batch's PieceBounds, and the count's sums during a batch (a fifth of a byte a
+        workspace element, 300 bytes a piece; a batch holds at most one piece of each
+        parameter)."""
         o = self.optimizer
-        if self.workspace is not None:
-            extent = self.workspace.extent
-        else:
-            groups = [[p for p in g["params"]] for g in o.param_groups]
-            largest = max(sum(aligned(local_shard(p).numel()) for p in g) for g in groups)
-            extent = min(aligned(o.chunk), largest)
-        return Workspace.element_bytes(**self.buffers()) * extent + extent // 8 + 4096
+        groups = [[local_shard(p) for p in g["params"]] for g in o.param_groups]
+        cuts = [most_pieces(p, o.chunk) for g in groups for p in g]
+        largest = max(min(o.chunk, sum(p.numel() for p in g)) for g in groups)
+        extent = aligned(max(largest, *(size for _, size in cuts)))
+        pieces = sum(count for count, _ in cuts)  # a batch holds one piece at least
+        in_batch = max(len(g) for g in groups)
+        workspace = Workspace.element_bytes(**self.buffers()) * extent
+        sums = extent // 5 + 300 * (in_batch + 1)
+        return workspace + sums + PieceBounds.nbytes(pieces, pieces) + 4096

@@ -4,27 +4,20 @@ The step walks the parameters in batches of at most `precision.update_chunk` ele
 parameter that fits is one piece, whole; a larger one is cut into pieces of the chunk's size,
 along its memory (or, where its gradient or states are laid out otherwise, along its first
 dimension). Each batch's pieces sit one after another in the workspace (mpexp/precision/
-pure_workspace.py), each at a multiple of ALIGN elements, so that a batch's per-parameter counts
-are sums over whole rows of ALIGN. The optimizer's 16-bit states are made with the same spacing,
-in one buffer per kind (`zeroed_like`), so that a batch reads and writes each kind of state as
-one stretch of memory rather than a piece at a time: on a CPU a copy costs about a microsecond
-per tensor, which a model of many small tensors would otherwise pay several times a step.
+pure_workspace.py). The optimizer's 16-bit states are made in the same order, in one buffer per
+kind (`zeroed_like`), so that a batch reads and writes each kind of state as one stretch of
+memory rather than a piece at a time: on a CPU a copy costs about a microsecond per tensor,
+which a model of many small tensors would otherwise pay several times a step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from mpexp.shards import local_shard
-
-ALIGN = 64  # elements: where every piece starts, in the workspace and in the states' buffers
-
-
-def aligned(count: int) -> int:
-    """`count` rounded up to a multiple of ALIGN."""
-    return -(-count // ALIGN) * ALIGN
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -67,6 +60,9 @@ class Piece:
 
     @property
     def size(self) -> int:
+        """Its elements."""
+        if self.how == "rows":
+            return math.prod(self.shape)
         return self.stop - self.start
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
@@ -93,9 +89,9 @@ class Batch:
 
     @property
     def extent(self) -> int:
-        """The workspace's elements it spans, padding included."""
+        """The workspace's elements it spans."""
         last = self.pieces[-1]
-        return last.offset + aligned(last.size)
+        return last.offset + last.size
 
 
 def cuttable(weight: torch.Tensor, others: list[torch.Tensor]) -> bool:
@@ -108,19 +104,25 @@ def plan_batches(group: int, entries: list[tuple[int, torch.Tensor, bool]], chun
     """The batches of one group: `entries` are (parameter index, its local weight, whether it
     can be cut along its memory), in order. A piece that would overflow a batch starts the
     next one; a first-dimension row larger than `chunk` is a piece of its own."""
-    chunk = aligned(chunk)
     batches, current = [], Batch(group)
     used = 0
     for index, weight, flat in entries:
         for piece in _pieces(index, weight, flat, chunk):
-            if current.pieces and used + aligned(piece.size) > chunk:
+            if current.pieces and used + piece.size > chunk:
                 batches.append(current)
                 current, used = Batch(group), 0
             current.pieces.append(_at(piece, used))
-            used += aligned(piece.size)
+            used += piece.size
     if current.pieces:
         batches.append(current)
     return batches
+
+
+def most_pieces(weight: torch.Tensor, chunk: int) -> tuple[int, int]:
+    """The most pieces `weight` may be cut into, and the largest of them, whichever way it is
+    cut (which the gradient's and states' layouts decide)."""
+    ways = [_pieces(0, weight, flat, chunk) for flat in (True, False)]
+    return max(len(w) for w in ways), max((p.size for w in ways for p in w), default=0)
 
 
 def _pieces(index: int, weight: torch.Tensor, flat: bool, chunk: int) -> list[Piece]:
@@ -157,18 +159,18 @@ def _at(piece: Piece, offset: int) -> Piece:
 
 def zeroed_like(params: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """A zeroed state for each of `params`, shaped and laid out as it. Those of dense tensors
-    that are not sharded share one buffer, ALIGN apart in order, as `plan_batches` places their
-    pieces; a sharded (FSDP) parameter's state is sharded as it is, each its own tensor."""
+    that are not sharded share one buffer, one after another in order, as `plan_batches` places
+    their pieces; a sharded (FSDP) parameter's state is sharded as it is, each its own tensor."""
     shared = [p for p in params if local_shard(p) is p and is_dense(p)]
     buffer = None
     if shared:
-        total = sum(aligned(p.numel()) for p in shared)
+        total = sum(p.numel() for p in shared)
         buffer = torch.zeros(total, dtype=dtype, device=shared[0].device)
     states, offset = [], 0
     for p in params:
         if buffer is not None and local_shard(p) is p and is_dense(p):
             states.append(buffer.as_strided(p.shape, p.stride(), offset))
-            offset += aligned(p.numel())
+            offset += p.numel()
         else:
             states.append(torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format))
     return states
@@ -188,7 +190,7 @@ def stretch(pieces: list[torch.Tensor], places: list[torch.Tensor]) -> torch.Ten
             return None
         if piece.storage_offset() - place.storage_offset() != base:
             return None
-    extent = places[-1].storage_offset() + aligned(places[-1].numel())
+    extent = places[-1].storage_offset() + places[-1].numel()
     if base < 0 or (base + extent) * first.element_size() > storage.nbytes():
         return None
     return first.as_strided((extent,), (1,), base)

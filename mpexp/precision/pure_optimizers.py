@@ -238,8 +238,8 @@ def build_pure(
     `diagnostics.updates_lost=false` (which changes nothing else): on the last step of each
     `trainer.log_every`, or on every step of one `captured` in a CUDA graph, whose replays all
     run the same kernels. Its batches hold `precision.update_chunk` elements, by default as
-    many as suit `device_type` (the parameters' device unless given: a plan for CUDA builds
-    its optimizer on fake CPU tensors)."""
+    many as suit `device_type`, whose run it steps as (the parameters' device unless given: a
+    plan for CUDA builds its optimizer on fake CPU tensors)."""
     cls, fixed = PURE_OPTIMIZERS[target]
     p = cfg.precision
     states = torch.float32 if p.optimizer_states == "float32" else torch.bfloat16
@@ -254,7 +254,8 @@ def build_pure(
             device,
         )
         fused = False
-    chunk = p.get("update_chunk") or default_chunk(device_type or device.type)
+    device_type = device_type or device.type
+    chunk = p.get("update_chunk") or default_chunk(device_type)
     optimizer = cls(
         params,
         **settings,
@@ -266,6 +267,7 @@ def build_pure(
         count=cfg.diagnostics.get("updates_lost") is not False,
         count_every=1 if captured else int(cfg.trainer.log_every),
         chunk=int(chunk),
+        device_type=device_type,
     )
     warn_stalled_states(rounding, str(p.optimizer_states), _averages(cls, settings))
     return optimizer

@@ -60,7 +60,9 @@ def store_weights(
     w, g = views.flat(ws.w), views.flat(ws.g)
     old = views.flat(ws.old) if ws.old is not None else None
     counting = lost is not None
-    moved = views.summed(torch.ne(w, old, out=g)) if counting else None
+    if counting:
+        torch.ne(w, old, out=g)
+        moved = views.summed()
     if rounding == "nearest" and not counting:
         torch._foreach_copy_(views.weights, views.w)  # rounded to nearest by the copy
         return
@@ -72,19 +74,21 @@ def store_weights(
             new.copy_(w)
         else:
             round_stochastic(w, generator, new, ws.scratch())
-        changed = views.summed(torch.ne(g.copy_(new), old, out=g)) if counting else None
+        changed = None
+        if counting:
+            torch.ne(g.copy_(new), old, out=g)
+            changed = views.summed()
     if counting:
         lost.add_pieces(views.owner_index, moved, changed)
     torch._foreach_copy_(views.weights, views.new)
 
 
 def _load_carried(views: BatchViews, ws: Workspace) -> torch.Tensor:
-    """Kahan's buffer upcast into `ws.g`, zero between its pieces."""
+    """Kahan's buffer upcast into `ws.g`."""
     carried, stretch = views.flat(ws.g), views.stretches[COMPENSATION]
     if stretch is not None:
         carried.copy_(stretch)
     else:
-        carried.zero_()
         torch._foreach_copy_(views.g, views.carried)
     return carried
 
@@ -108,7 +112,10 @@ def _kahan(
     # old - new: exactly the negative of new - old, what the rounding applied
     unapplied = old.sub_(g.copy_(new))
     wanted.add_(unapplied)  # what the rounding left out of the sum
-    changed = views.summed(torch.ne(unapplied, 0, out=g)) if counting else None
+    changed = None
+    if counting:
+        torch.ne(unapplied, 0, out=g)
+        changed = views.summed()
     if found_inf is not None:
         wanted.addcmul_(_load_carried(views, ws), found_inf)
     stretch = views.stretches[COMPENSATION]

@@ -10,7 +10,7 @@ single-tensor step with `optimizer.fused=false`, as `_foreach_*` operations), an
 `precision.update_rounding` says (mpexp/precision/pure_rounding.py). So the step's peak is the
 bytes held between steps plus the workspace: 8 bytes a parameter for Adam (2 each for the
 weight, its gradient and the two moments), 10 with Kahan's buffer; with
-`precision.optimizer_states=float32`, 12 and 14; the workspace adds 16 to 24 bytes per chunk
+`precision.optimizer_states=float32`, 12 and 14; the workspace adds 8 to 24 bytes per chunk
 element. Under round-to-nearest with bfloat16 states a step that counts nothing skips the
 workspace: torch's fused kernel steps the bf16 tensors whole, with the same float32 arithmetic
 and rounding.
@@ -104,7 +104,8 @@ class PureOptimizer(torch.optim.Optimizer):
             self._indices.append(range(first, first + len(group["params"])))
             first += len(group["params"])
         device = self.params[0].device
-        self.chunk = int(chunk or default_chunk(device_type or device.type))
+        self.device_type = device_type or device.type  # what the workspace is sized and kept for
+        self.chunk = int(chunk or default_chunk(self.device_type))
         self.generator = None
         if rounding == "stochastic":
             self.generator = torch.Generator(device=device)
@@ -155,8 +156,8 @@ class PureOptimizer(torch.optim.Optimizer):
                 torch._foreach_add_(steps, 1)
             if whole:
                 self.arithmetic(self._whole(stepped, group, fresh), group, grad_scale, found_inf)
-                if self.lost is not None and self.batches.workspace is None:
-                    # made now rather than at the first count: what a step holds from its
+                if self.lost is not None and self.batches.kept and self.batches.workspace is None:
+                    # made now rather than at the first count: a CPU's step holds it from its
                     # first on, as a plan rehearsing the first steps sees
                     self.batches.of(index, stepped, group)
             else:
@@ -164,6 +165,7 @@ class PureOptimizer(torch.optim.Optimizer):
                     self._step_batch(views, group, fresh, counting, grad_scale, found_inf)
             if steps and found_inf is not None:
                 torch._foreach_sub_(steps, [found_inf] * len(steps))  # skipped: as torch's fused
+        self.batches.after_step()
         return loss
 
     def _whole(self, stepped: list[int], group: dict, fresh: set[int]) -> Lists:
@@ -185,7 +187,6 @@ class PureOptimizer(torch.optim.Optimizer):
         keys = self.keys(group)
         sixteen = self.states_dtype != torch.float32
         torch._foreach_copy_(views.w, views.weights)
-        views.zero_padding(ws.w)
         torch._foreach_copy_(views.g, views.grads())
         if sixteen:
             load_states(views, ws, keys)
