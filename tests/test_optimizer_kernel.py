@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mpexp.models.simplecnn import SimpleCNN
-from mpexp.plan.rows import plan_rows
+from mpexp.plan.rows import Target, plan_rows
 from mpexp.plan.table import table
 from mpexp.precision.modes import setup_precision
 from mpexp.precision.pure_step import CPU_CHUNK, CUDA_CHUNK
@@ -96,7 +96,7 @@ def test_a_pure_bf16_plan_shows_its_workspace_sized_for_the_planned_device():
             "precision=bf16_pure_kahan",
             f"trainer.device={device}",
         ]
-        (row,) = plan_rows(overrides, device=device, preset_sweeps=False)
+        (row,) = plan_rows(overrides, Target(device), preset_sweeps=False)
         workspace = row["optimizer_workspace"]
         assert workspace["elements"] == chunk and workspace["bytes"] > 0
         assert row["host_reads_per_step"] == 0
