@@ -262,13 +262,16 @@ def _validate_pure_bf16(cfg: DictConfig) -> None:
     p = cfg.precision
     pure = p.get("weights") == "bfloat16"
     if not pure:
-        for key in ("update_rounding", "optimizer_states"):
+        for key in ("update_rounding", "optimizer_states", "update_chunk"):
             if p.get(key) is not None:
                 raise ConfigError(
                     f"precision.{key}={p[key]} applies to pure bf16 weights only; use "
                     f"precision=bf16_pure precision.{key}={p[key]}, or drop it."
                 )
         return
+    if p.get("update_chunk") is not None:
+        # at least one padded piece; at most 2^24 elements, which float32 sums count exactly
+        _integer(p.update_chunk, "precision.update_chunk", 64, 1 << 24)
     if p.get("autocast") is not None or p.fp8.recipe is not None or p.get("fp32_modules"):
         what = (
             "precision.autocast"

@@ -5,12 +5,27 @@ synthetic MNIST-shaped set (`--steps` batches of 128 an epoch) for 2 epochs in a
 once at W=4096 and once at W=64 (a tiny run: the interpreter, torch and the data), and reports:
   growth   the growth of peak resident memory (ru_maxrss) of the big run over the tiny one: what
            the model's weights, gradients, states and the step's temporaries cost;
-  epoch    the second epoch's time (the first warms up), from the run's own perf/epoch_time_s.
+  epoch    the second epoch's time (the first warms up), from the run's own perf/epoch_time_s;
+  CPU      the big run's CPU time (user and system, both epochs) over the tiny run's: on a
+           loaded machine, where the epoch's wall time measures the load, the steadier figure.
 The cases alternate, repeated `--repeats` times, so that a shared machine's load falls on all
 of them alike; the table gives each case's median and its ratios to bf16 mixed's.
 
     python scripts/bench_pure.py                 # bf16, bf16_pure, bf16_pure_kahan, 2 repeats
     python scripts/bench_pure.py --cases bf16,bf16_pure_stochastic --repeats 1
+
+With `--step-times`, the optimizer step alone instead, on one thread: torch's fused AdamW on
+bf16 weights against pure bf16's AdamW with each rounding (and nearest's counting steps), on
+three sets of parameter shapes: 160 small tensors, ResNet-50's, the 36.8 M MLP's; the median
+step of `--repeats` rounds of `--steps` steps each, the cases alternating within a round. Wall
+time and the thread's CPU time: on a shared machine the second is the steadier.
+
+    OMP_NUM_THREADS=1 python scripts/bench_pure.py --step-times --repeats 5 --steps 5
+
+With `--kernels`, torch's for-loop, foreach and fused Adam, AdamW and SGD on float32 weights (mixed
+precision's), on the same shapes: which kernel a CPU's default should be.
+
+    OMP_NUM_THREADS=1 python scripts/bench_pure.py --kernels --repeats 3
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -86,9 +102,14 @@ def child(case: str, width: int, run_dir: str, steps: int) -> dict:
     train(cfg, RunContext(Path(run_dir)))
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     epochs = [r["perf/epoch_time_s"] for r in rows if "perf/epoch_time_s" in r]
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     params = sum(p.numel() for p in MLP(1, 10, (28, 28), width).parameters())
-    return {"peak_mib": peak_kib / 1024, "epochs_s": epochs, "params": params}
+    return {
+        "peak_mib": usage.ru_maxrss / 1024,  # KiB on Linux
+        "epochs_s": epochs,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "params": params,
+    }
 
 
 def run_child(case: str, width: int, steps: int) -> dict:
@@ -117,6 +138,106 @@ def run_child(case: str, width: int, steps: int) -> dict:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def shape_sets() -> dict[str, list[tuple[int, ...]]]:
+    """The parameter shapes `--step-times` steps: 160 small tensors (a 64x64 matrix and its
+    bias, 80 times), ResNet-50's (torchvision's, on the meta device) and the big MLP's."""
+    import torchvision
+
+    with torch.device("meta"):
+        resnet = torchvision.models.resnet50()
+        mlp = MLP(1, 10, (28, 28))
+    return {
+        "160 small tensors": [(64, 64), (64,)] * 80,
+        "ResNet-50's shapes": [tuple(p.shape) for p in resnet.parameters()],
+        "36.8 M MLP": [tuple(p.shape) for p in mlp.parameters()],
+    }
+
+
+def step_times(repeats: int, steps: int) -> None:
+    """The optimizer step's median time per case and shape set (see the module's docstring)."""
+    from mpexp.precision.pure_optimizers import PureAdam
+
+    torch.set_num_threads(1)
+    cases = {
+        "torch fused AdamW": None,
+        "nearest": {"rounding": "nearest", "count": False},
+        "nearest, counting": {"rounding": "nearest", "count_every": 1},
+        "kahan": {"rounding": "kahan", "count": False},
+        "stochastic": {"rounding": "stochastic", "count": False},
+    }
+    print(f"torch {torch.__version__}, 1 thread, median of {repeats} x {steps} steps (ms)")
+    print(f"| shapes | {' | '.join(cases)} |")
+    print("|---|" + "---|" * len(cases))
+    for name, shapes in shape_sets().items():
+        built = {case: _optimizer(shapes, pure, PureAdam) for case, pure in cases.items()}
+        wall: dict[str, list[float]] = {case: [] for case in cases}
+        cpu: dict[str, list[float]] = {case: [] for case in cases}
+        for _ in range(repeats):
+            for case, optimizer in built.items():
+                began, began_cpu = time.perf_counter(), time.thread_time()
+                for _ in range(steps):
+                    optimizer.step()
+                wall[case].append((time.perf_counter() - began) / steps * 1e3)
+                cpu[case].append((time.thread_time() - began_cpu) / steps * 1e3)
+        base = statistics.median(cpu["torch fused AdamW"])
+        cells = []
+        for case in cases:
+            w, c = statistics.median(wall[case]), statistics.median(cpu[case])
+            cells.append(f"{w:.1f} (cpu {c:.1f}, {c / base:.2f}x)")
+        print(f"| {name} | {' | '.join(cells)} |", flush=True)
+
+
+def kernels(repeats: int) -> None:
+    """torch's three implementations of Adam, AdamW and SGD (momentum 0.9) on float32 weights,
+    mixed precision's master copy: the thread's CPU time of a step (ms), median of `repeats`,
+    on `--step-times`' shape sets, one thread."""
+    torch.set_num_threads(1)
+    algorithms = [
+        (torch.optim.Adam, {}),
+        (torch.optim.AdamW, {}),
+        (torch.optim.SGD, {"momentum": 0.9}),
+    ]
+    print(
+        f"torch {torch.__version__}, 1 thread, CPU time of a step (ms): for-loop / foreach / fused"
+    )
+    print("| shapes | " + " | ".join(cls.__name__ for cls, _ in algorithms) + " |")
+    print("|---|---|---|---|")
+    for name, shapes in shape_sets().items():
+        cells = []
+        for cls, settings in algorithms:
+            times = []
+            for impl in ("for-loop", "foreach", "fused"):
+                params = [nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+                for p in params:
+                    p.grad = torch.randn(p.shape) * 1e-2
+                flags = {"foreach": impl == "foreach", "fused": impl == "fused"}
+                optimizer = cls(params, lr=1e-3, **settings, **flags)
+                optimizer.step()
+                runs = []
+                for _ in range(repeats):
+                    began = time.thread_time()
+                    optimizer.step()
+                    runs.append((time.thread_time() - began) * 1e3)
+                times.append(f"{statistics.median(runs):.1f}")
+            cells.append(" / ".join(times))
+        print(f"| {name} | {' | '.join(cells)} |", flush=True)
+
+
+def _optimizer(shapes, pure: dict | None, cls):
+    """An AdamW over bf16 weights of `shapes` with gradients, one step taken (its states made):
+    torch's fused one (`pure` None) or pure bf16's with `pure`'s settings."""
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter((torch.randn(s, generator=g) * 0.1).bfloat16()) for s in shapes]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-2).bfloat16()
+    if pure is None:
+        optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    else:
+        optimizer = cls(params, lr=1e-3, weight_decay=0.01, decoupled=True, **pure)
+    optimizer.step()
+    return optimizer
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="bf16,bf16_pure,bf16_pure_kahan")
@@ -125,7 +246,15 @@ def main(argv=None) -> int:
     parser.add_argument("--width", type=int, default=BIG)
     parser.add_argument("--dir")
     parser.add_argument("--steps", type=int, default=4, help="steps an epoch (batches of 128)")
+    parser.add_argument("--step-times", action="store_true", help="time the optimizer step alone")
+    parser.add_argument("--kernels", action="store_true", help="time torch's optimizer kernels")
     args = parser.parse_args(argv)
+    if args.step_times:
+        step_times(args.repeats, args.steps)
+        return 0
+    if args.kernels:
+        kernels(args.repeats)
+        return 0
     if args.child:
         print(json.dumps(child(args.child, args.width, args.dir, args.steps)))
         return 0
@@ -133,6 +262,7 @@ def main(argv=None) -> int:
     cases = args.cases.split(",")
     growth: dict[str, list[float]] = {c: [] for c in cases}
     epoch: dict[str, list[float]] = {c: [] for c in cases}
+    cpu: dict[str, list[float]] = {c: [] for c in cases}
     params = 0
     for repeat in range(args.repeats):
         for case in cases:
@@ -140,19 +270,25 @@ def main(argv=None) -> int:
             params = big["params"]
             growth[case].append(big["peak_mib"] - tiny["peak_mib"])
             epoch[case].append(big["epochs_s"][-1])
+            cpu[case].append(big["cpu_s"] - tiny["cpu_s"])
             print(
                 f"repeat {repeat + 1} {case}: growth {growth[case][-1]:.0f} MiB, "
-                f"epoch 2 {epoch[case][-1]:.2f} s",
+                f"epoch 2 {epoch[case][-1]:.2f} s, CPU {cpu[case][-1]:.1f} s",
                 flush=True,
             )
     base = cases[0]
     print(f"\n{params / 1e6:.1f} M parameters, torch {torch.__version__}, {args.repeats} repeats")
-    print(f"| precision | peak RSS growth | vs {base} | epoch 2 | vs {base} |")
-    print("|---|---|---|---|---|")
+    print(
+        f"| precision | peak RSS growth | vs {base} | epoch 2 | vs {base} | CPU time | vs {base} |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for case in cases:
-        g, e = statistics.median(growth[case]), statistics.median(epoch[case])
-        g0, e0 = statistics.median(growth[base]), statistics.median(epoch[base])
-        print(f"| {case} | {g:.0f} MiB | {g / g0:.2f}x | {e:.2f} s | {e / e0:.2f}x |")
+        g, e, c = (statistics.median(d[case]) for d in (growth, epoch, cpu))
+        g0, e0, c0 = (statistics.median(d[base]) for d in (growth, epoch, cpu))
+        print(
+            f"| {case} | {g:.0f} MiB | {g / g0:.2f}x | {e:.2f} s | {e / e0:.2f}x "
+            f"| {c:.1f} s | {c / c0:.2f}x |"
+        )
     return 0
 
 

@@ -14,6 +14,7 @@ from mpexp.plan.before_run import against_measured
 from mpexp.plan.devices import TYPICAL_MFU, named
 from mpexp.plan.rows import MARGIN_LEAVES_OUT, Target, plan_rows
 from mpexp.plan.table import table
+from mpexp.precision.pure_step import CPU_CHUNK, CUDA_CHUNK
 from tests.conftest import TINY
 
 CUDA = Target("cuda")
@@ -103,22 +104,29 @@ def test_a_captured_step_needs_its_pool_and_validations_extra_beside_it(shared):
 
 def test_pure_bf16s_counting_step_is_planned_with_chunks_of_the_planned_devices_size():
     """Pure bf16 counts its lost updates on each log interval's last step (every 50th here)
-    through a float32 workspace of one chunk: up to 16 Mi elements on CUDA, 4 Mi on a CPU,
-    whatever machine plans it. A steady state holds such a step: the plan rehearses one."""
+    through a float32 workspace of one batch: 2 Mi elements on CUDA, 256 Ki on a CPU, whatever
+    machine plans it. A steady state holds such a step: the plan rehearses one. A CPU keeps the
+    workspace from step to step (validation holds it too); a GPU lets it go after each step."""
     lm = ["model=gpt", "dataset=text", "dataset.vocab_size=50304", "dataset.tokenizer=bpe",
           "model.n_layer=1", "model.n_embd=128", "model.block_size=16", "dataset.batch_size=1",
-          "precision=bf16_pure"]  # fmt: skip
-    (cuda,) = plan_rows(lm, CUDA)
-    cpu, uncounted = plan_rows([*lm, "diagnostics.updates_lost=null,false"], Target("cpu"))
-    embedding = 50304 * 128  # the largest parameter: a chunk on CUDA, more than one on a CPU
-    for row, chunk in ((cuda, embedding), (cpu, 2**22)):
-        shapes = {(tuple(t["shape"]), t["dtype"]) for t in row["largest"]["train_step"]}
-        assert ((chunk,), "float32") in shapes, row["largest"]["train_step"]
-    step = {name: row["peak_bytes"]["train_step"] for name, row in
-            (("cuda", cuda), ("cpu", cpu), ("uncounted", uncounted))}  # fmt: skip
+          "precision=bf16_pure", "diagnostics.updates_lost=null,false"]  # fmt: skip
+    cuda, cuda_uncounted = plan_rows(lm, CUDA)
+    cpu, cpu_uncounted = plan_rows(lm, Target("cpu"))
+    # the embedding (6.4 M elements) is cut into batches of the chunk's size on either device
+    shapes = {(tuple(t["shape"]), t["dtype"]) for t in cuda["largest"]["train_step"]}
+    assert ((CUDA_CHUNK,), "float32") in shapes, cuda["largest"]["train_step"]
+    assert cpu["optimizer_workspace"]["elements"] == CPU_CHUNK
+    assert cuda["optimizer_workspace"]["elements"] == CUDA_CHUNK
     # the workspace: at least the weight's, gradient's and both moments' float32 copies
-    assert step["cpu"] - step["uncounted"] >= 4 * 2**22 * 4, step
-    assert step["cuda"] - step["cpu"] >= 4 * (embedding - 2**22) * 4, step
+    assert cuda["peak_bytes"]["train_step"] >= sum(cuda["bytes"].values()) + 16 * CUDA_CHUNK
+    growth = {
+        phase: cpu["peak_bytes"][phase] - cpu_uncounted["peak_bytes"][phase]
+        for phase in ("train_step", "validation")
+    }
+    assert min(growth.values()) >= 16 * CPU_CHUNK, growth
+    # a GPU's validation holds the count and where the batches' pieces start, no workspace
+    kept = cuda["peak_bytes"]["validation"] - cuda_uncounted["peak_bytes"]["validation"]
+    assert 0 <= kept < 64 * 1024, kept
 
 
 def test_the_margin_says_what_it_leaves_out_and_a_named_device_gives_memory_and_time(capsys):

@@ -171,7 +171,9 @@ def bytes_per_parameter(optimizer, params) -> tuple[float, float]:
             optimizer.step()
     held = [*params, *(p.grad for p in params)]
     held += [v for s in optimizer.state.values() for v in s.values() if v.ndim]
-    held_bytes = sum(t.untyped_storage().nbytes() for t in held)
+    # each storage once: the states of several parameters may share one
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    held_bytes = sum(storages.values())
     with LiveBytes(held) as live:
         optimizer.step()
     count = sum(p.numel() for p in params)

@@ -39,10 +39,12 @@ class PrecisionConfig:
     fp8: Fp8Config = field(default_factory=Fp8Config)  # float8 Linear layers (torchao)
     # bfloat16: pure bf16 (precision=bf16_pure), no fp32 master weights
     weights: WeightsDtype = WeightsDtype.float32
-    # pure bf16 only (null elsewhere): how each update is rounded into the bf16 weights, and the
-    # dtype of the optimizer's states between steps
+    # pure bf16 only (null elsewhere): how each update is rounded into the bf16 weights, the
+    # dtype of the optimizer's states between steps, and the elements of the step's float32
+    # workspace (null: by device, mpexp/precision/pure_step.py)
     update_rounding: Optional[UpdateRounding] = None
     optimizer_states: Optional[StatesDtype] = None
+    update_chunk: Optional[int] = None
 
 
 @dataclass

@@ -18,7 +18,7 @@ class OptimizerConfig:
     _partial_: bool = True  # built once the model's parameters exist
     lr: float = 1e-4
     weight_decay: float = 0.0
-    fused: Optional[bool] = None  # null: the fused kernel on CUDA, off on CPU
+    fused: Optional[bool] = None  # null: the fused kernel where torch has it (CUDA; CPU: 2.4+)
     # mpexp's, not the optimizer's: false exempts 1-D parameters (biases, norm gains) from weight
     # decay (mpexp.step.performance.parameter_groups)
     decay_norms_and_biases: bool = True

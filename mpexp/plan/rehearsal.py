@@ -82,6 +82,8 @@ class Rehearsal:
     captured: bool = False  # the step runs as a CUDA graph, in a memory pool of its own
     strategy: str = "single"
     estimated: list[str] = field(default_factory=list)  # numbers estimated, not rehearsed
+    # pure bf16's update workspace: its elements and bytes at most (None: no such optimizer)
+    workspace: dict | None = None
 
 
 def rehearse(
@@ -315,6 +317,7 @@ class Stage:
             captured=self.captured,
             strategy=strategy,
             estimated=estimated,
+            workspace=getattr(self.optimizer, "workspace_plan", lambda: None)(),
         )  # fmt: skip
 
     def _fsdp_share(self, peaks: dict) -> tuple[dict, dict]:

@@ -211,6 +211,7 @@ def row(
         "advice": [],
         "missing": rehearsal.missing,
         "host_reads_per_step": rehearsal.host_reads,
+        "optimizer_workspace": rehearsal.workspace,
     }
 
 

@@ -105,6 +105,12 @@ def details(row: dict) -> list[str]:
             f"  the step reads {row['host_reads_per_step']} values on the host (each {wait}; "
             "a fake has no value, so each was taken as 0)"
         )
+    workspace = row.get("optimizer_workspace")
+    if workspace:
+        text.append(
+            f"  pure bf16's update workspace: {gib(workspace['bytes'])} at most "
+            f"(precision.update_chunk={workspace['elements']:,} elements)"
+        )
     for what, why in row["missing"].items():
         text.append(f"  {what}: not planned ({why})")
     if row["advice"]:

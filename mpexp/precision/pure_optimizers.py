@@ -1,55 +1,22 @@
 """The optimizers of pure bf16: Adam, AdamW and SGD stepping bfloat16 weights with bfloat16
-gradients and 16-bit (or float32) states, the float32 arithmetic done a chunk at a time.
-
-A step never holds a float32 copy of the model. Each parameter is walked in chunks of `chunk`
-elements; a chunk of the weight, its gradient and its states is upcast into a workspace that
-every chunk of the step reuses, stepped in float32 by torch's own arithmetic (its fused kernel,
-`_fused_adam_` and friends, or the op-by-op formula of its single-tensor path with
-`optimizer.fused=false`), and rounded back as `precision.update_rounding` says. So the step's
-peak is the bytes held between steps plus the workspace: 8 bytes a parameter for Adam (2 each
-for the weight, its gradient and the two moments), 10 with Kahan's buffer; with
-`precision.optimizer_states=float32`, 12 and 14. Under round-to-nearest with bfloat16 states a
-step that counts nothing skips the chunks: torch's fused kernel steps the bf16 tensors whole,
-with the same float32 arithmetic and rounding.
-
-The rounding is part of the update, whatever the diagnostics say: `count=False`
-(`diagnostics.updates_lost=false`) only skips the count of lost updates, which is otherwise
-summed on the device in the same pass (two nonzero counts a chunk), on the last step of each
-`count_every`, and read at the metrics flush.
-
-The states keep torch's names (`step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer`) and the
-optimizer's state dict torch's layout, plus `kahan_compensation` per parameter under Kahan and
-the generator's state under stochastic rounding: a checkpoint of the earlier hook-based update
-(torch's optimizer with mpexp's hooks) loads here, and the reverse.
+gradients and 16-bit (or float32) states, in float32 (mpexp/precision/pure_step.py says how),
+each with torch's own arithmetic: its fused kernel, or with `optimizer.fused=false` the formula
+of its single-tensor step, bit for bit; and `build_pure`, which builds one from a run's config.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
-from mpexp.precision.pure_updates import (
-    COMPENSATION,
-    COUNTS,
-    GENERATOR,
-    GRAPH_GENERATORS,
-    STEPS,
-    StochasticScratch,
-    UpdatesLost,
-    round_stochastic,
-)
-from mpexp.shards import local_shard
+from mpexp.precision.pure_layout import zeroed_like
+from mpexp.precision.pure_step import Lists, PureOptimizer, default_chunk
+from mpexp.precision.pure_updates import COMPENSATION
+from mpexp.precision.pure_warnings import warn_stalled_states
 
 log = logging.getLogger(__name__)
-
-# elements per chunk: few enough that the workspace is small against a model worth pure bf16
-# (at most 160 MiB on a CPU), many enough that the chunks' operators, each a parallel region on
-# a CPU and a kernel launch on a GPU, do not dominate: on a busy 2-core CPU, 1 Mi-element chunks
-# made a 36.8 M-parameter Kahan step wait on its threads for seconds (docs/benchmarks.md)
-CPU_CHUNK = 1 << 22
-CUDA_CHUNK = 1 << 24
-TEMPORARY_BYTES = 40  # per chunk element, at most, that a step's temporaries take
 
 
 def has_fused_kernel(name: str, device: torch.device) -> bool:
@@ -58,6 +25,20 @@ def has_fused_kernel(name: str, device: torch.device) -> bool:
     kernel = getattr(torch, name, None)
     if kernel is None:
         return False
+    with _real_tensors():  # a fake tensor's kernel would run wherever a shape rule exists
+        return _runs(kernel, name, device)
+
+
+def _real_tensors():
+    """Real tensors even inside a plan's FakeTensorMode (torch 2.4 and later say how)."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
+
+
+def _runs(kernel, name: str, device: torch.device) -> bool:
     one = torch.zeros(1, device=device)
     try:
         if name == "_fused_sgd_":
@@ -72,266 +53,27 @@ def has_fused_kernel(name: str, device: torch.device) -> bool:
     return True
 
 
-class PureOptimizer(torch.optim.Optimizer):
-    """What Adam and SGD share: the chunked walk, the rounding, the count and the state dict.
-
-    `rounding` is nearest, kahan or stochastic; `states` the dtype of the states between steps;
-    `fused` whether torch's fused kernel does the float32 arithmetic (it also takes GradScaler's
-    overflow flag on the device, so that a skipped step needs no host read)."""
-
-    kernel = ""  # the name of torch's fused kernel for this algorithm
-    moments: tuple[str, ...] = ()  # the state keys shaped like their parameter
-
-    def __init__(
-        self,
-        params,
-        defaults: dict,
-        rounding: str = "nearest",
-        states: torch.dtype = torch.bfloat16,
-        fused: bool = True,
-        seed: int = 0,
-        count: bool = True,
-        count_every: int = 1,
-        chunk: int | None = None,
-    ) -> None:
-        super().__init__(params, {**defaults, "fused": fused})
-        self.rounding = rounding
-        self.states_dtype = states
-        self.fused = fused
-        # GradScaler hands a fused step its overflow flag instead of reading it on the host
-        self._step_supports_amp_scaling = fused
-        self.params = [p for group in self.param_groups for p in group["params"]]
-        device = self.params[0].device
-        self.chunk = chunk or (CUDA_CHUNK if device.type == "cuda" else CPU_CHUNK)
-        self.generator = None
-        if rounding == "stochastic":
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(seed)
-            if device.type == "cuda":
-                GRAPH_GENERATORS.add(self.generator)
-        self.lost = UpdatesLost(len(self.params), device) if count else None
-        # the count's steps: the last of each `count_every` (a log interval's, whose flush reads
-        # it); the others need no float32 result, and under round-to-nearest with bfloat16
-        # states skip the chunks: torch's fused kernel steps the bf16 tensors themselves, with
-        # the same float32 arithmetic and rounding
-        self.count_every = count_every
-        self.steps_taken = 0  # on the host: which steps count is known without a device read
-        # how the diagnostics find the counts (`params`, `lost`): none to find when not counting
-        self.pure_updates = self if count else None
-
-    # --- the step ------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step (fused only)
-        found_inf = getattr(self, "found_inf", None)
-        self.steps_taken += 1
-        counting = self.lost is not None and self.steps_taken % self.count_every == 0
-        whole = not counting and self.fused and self.rounding == "nearest"
-        whole = whole and self.states_dtype == torch.bfloat16
-        index = 0
-        self._workspace = None if whole else self._make_workspace()
-        for group in self.param_groups:
-            stepped = []
-            for p in group["params"]:
-                if p.grad is not None:
-                    first = not self.state[p]
-                    if first:
-                        self._init_state(p, self.state[p], group)
-                    if whole:
-                        stepped.append(p)
-                    else:
-                        self._step_param(index, p, group, first, counting, grad_scale, found_inf)
-                index += 1
-            if stepped:
-                self._step_whole(stepped, group, grad_scale, found_inf)
-        self._workspace = None  # freed between steps: held bytes are the states' only
-        return loss
-
-    def _make_workspace(self) -> Workspace:
-        """The buffers every chunk of this step reuses: as large as the largest chunk (a
-        parameter whose tensors do not share one contiguous layout is one chunk, whole)."""
-        sizes = [1]
-        for p in self.params:
-            if p.grad is not None:
-                local = local_shard(p.detach())
-                whole = not (local.is_contiguous() and local_shard(p.grad).is_contiguous())
-                sizes.append(local.numel() if whole else min(local.numel(), self.chunk))
-        sixteen = self.states_dtype != torch.float32
-        return Workspace(
-            max(sizes),
-            self.params[0].device,
-            len(self.moments) if sixteen else 0,
-            self.rounding == "kahan",
-            self.generator is not None,
-        )
-
-    def _step_whole(self, params, group, grad_scale, found_inf) -> None:
-        """torch's fused kernel over the group's bf16 weights, gradients and states at once."""
-        states = [self.state[p] for p in params]
-        steps = [s["step"] for s in states if "step" in s]
-        weights = [local_shard(p.detach()) for p in params]
-        grads = [local_shard(p.grad) for p in params]
-        moments = [[local_shard(s[k]) for s in states if k in s] for k in self.moments]
-        if steps:
-            torch._foreach_add_(steps, 1)
-        self._fused(weights, grads, moments, steps, group, grad_scale, found_inf)
-        if steps and found_inf is not None:
-            torch._foreach_sub_(steps, [found_inf] * len(steps))  # skipped: as torch's fused
-
-    def _step_param(self, index, p, group, first, counting, grad_scale, found_inf) -> None:
-        """One parameter, a chunk at a time, in float32."""
-        state = self.state[p]
-        step = state.get("step")
-        if step is not None:
-            step += 1
-        weight, grad = local_shard(p.detach()), local_shard(p.grad)
-        moments = [local_shard(state[k]) for k in self.moments if k in state]
-        compensation = local_shard(state[COMPENSATION]) if self.rounding == "kahan" else None
-        scalars = self._scalars(group, step)
-        ws = self._workspace
-        for chunk in _chunks([weight, grad, *moments, compensation], self.chunk):
-            w16, g16, *m16, c16 = chunk
-            w, g = ws.take(ws.w, w16), ws.take(ws.g, g16)
-            # float32 states are stepped in place; 16-bit ones in the workspace
-            m = [t if t.dtype == torch.float32 else ws.take(ws.m[i], t) for i, t in enumerate(m16)]
-            self._update(w, g, m, step, group, scalars, first, grad_scale, found_inf)
-            if counting:  # before Kahan's rounding, which reuses `w`
-                moved = torch.count_nonzero(torch.sub(w, w16, out=ws.view(ws.tmp, w)))
-            new = self._round_weight(w, w16, c16, found_inf, ws)
-            if counting:
-                changed = torch.sub(new, w16, out=ws.view(ws.changed, w16))
-                self.lost.add(index, moved, torch.count_nonzero(changed))
-            w16.copy_(new)
-            for stored, value in zip(m16, m, strict=True):
-                if value is not stored:
-                    self._round_state(value, stored, ws)
-        if step is not None and found_inf is not None:
-            step -= found_inf  # a skipped step counts for nothing, as torch's fused step
-
-    def _round_weight(self, w, w16, c16, found_inf, ws: Workspace) -> torch.Tensor:
-        """The float32 result `w` as the weight's dtype stores it (in the workspace)."""
-        new = ws.view(ws.new, w16)
-        if self.rounding == "stochastic":
-            return round_stochastic(w, self.generator, new, ws.scratch)
-        if self.rounding != "kahan":
-            return new.copy_(w)  # round to nearest
-        # optimi's order: the update wanted plus what earlier roundings lost, added to the
-        # stored weight; what this rounding loses in turn is kept for the next step
-        old, carried = ws.take(ws.old, w16), ws.take(ws.carried, c16)
-        wanted = w.sub_(old)
-        if found_inf is None:
-            wanted.add_(carried)
-        else:  # a skipped step (the kernel left `w` at `old`) adds nothing, not even the buffer
-            wanted.add_(carried * (1 - found_inf))
-        total = torch.add(old, wanted, out=ws.view(ws.tmp, w))
-        new.copy_(total)
-        wanted.sub_(total.copy_(new).sub_(old))  # what the rounding left out
-        if found_inf is not None:  # and leaves the buffer as it was
-            wanted.add_(carried.mul_(found_inf))
-        c16.copy_(wanted)
-        return new
-
-    def _round_state(self, value: torch.Tensor, stored: torch.Tensor, ws: Workspace) -> None:
-        if self.generator is not None:
-            # stochastic states keep moving where round-to-nearest would freeze them
-            round_stochastic(value, self.generator, stored, ws.scratch)
-        else:
-            stored.copy_(value)  # round to nearest
-
-    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
-        raise NotImplementedError
-
-    def _scalars(self, group: dict, step: torch.Tensor | None):
-        return None
-
-    def _update(self, w, g, m, step, group, scalars, first, grad_scale, found_inf) -> None:
-        raise NotImplementedError
-
-    def _fused(self, ws, gs, moments, steps, group, grad_scale, found_inf) -> None:
-        """torch's fused kernel on lists of tensors (`moments`: a list per state key)."""
-        raise NotImplementedError
-
-    def step_temporary_bytes(self) -> int:
-        """A bound on what a step allocates besides the weights, gradients and states: a dozen
-        float32 and bfloat16 temporaries of one chunk, at most 40 bytes an element (28 to 34
-        measured: tests/test_pure_update.py)."""
-        largest = max(p.numel() for p in self.params)
-        return TEMPORARY_BYTES * min(self.chunk, largest)
-
-    # --- the state dict ------------------------------------------------------------------------
-
-    def rank_state(self) -> dict:
-        """What is this rank's own besides its states: the generator, the open window's counts,
-        the step count. A sharded (FSDP) checkpoint keeps it in each rank's file of random
-        generators, as torch's sharded optimizer state dict holds per-parameter states only."""
-        state: dict = {STEPS: self.steps_taken}
-        if self.generator is not None:
-            state[GENERATOR] = self.generator.get_state()
-        if self.lost is not None:
-            state[COUNTS] = self.lost.counts.clone()
-        return state
-
-    def load_rank_state(self, state: dict) -> None:
-        self.steps_taken = int(state[STEPS])
-        if self.generator is not None and GENERATOR in state:
-            self.generator.set_state(state[GENERATOR])
-        if self.lost is not None and COUNTS in state:
-            self.lost.counts.copy_(state[COUNTS])
-
-    def state_dict(self) -> dict:
-        state_dict = super().state_dict()
-        if self.generator is not None:
-            state_dict[GENERATOR] = self.generator.get_state()
-        if self.lost is not None:  # the counts of a window that a stop left open
-            state_dict[COUNTS] = self.lost.counts.clone()
-        state_dict[STEPS] = self.steps_taken
-        return state_dict
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load, which would cast every floating state to its parameter's dtype, then the
-        states in the dtype this run keeps them in, the step counts on the parameters' device,
-        and the generator where this run has one."""
-        state_dict = dict(state_dict)
-        saved_generator = state_dict.pop(GENERATOR, None)
-        saved_counts = state_dict.pop(COUNTS, None)
-        steps_taken = state_dict.pop(STEPS, None)
-        super().load_state_dict(state_dict)
-        if steps_taken is None:  # the hook-based update's checkpoint: Adam's count says it
-            counts = [s["step"] for s in state_dict["state"].values() if "step" in s]
-            steps_taken = int(counts[0].item()) if counts else 0  # one read, at the resume
-        self.steps_taken = steps_taken
-        if self.lost is not None and saved_counts is not None:
-            self.lost.counts.copy_(saved_counts)
-        for index, p in enumerate(self.params):  # numbered from 0, group after group
-            saved = state_dict["state"].get(index, {})
-            state = self.state[p]
-            for key, value in saved.items():
-                if key == "step":
-                    state[key] = value.to(device=p.device, dtype=torch.float32)
-                elif key == COMPENSATION:
-                    state[key] = value.to(device=p.device, dtype=p.dtype)
-                elif key in self.moments:
-                    state[key] = value.to(device=p.device, dtype=self.states_dtype)
-            if self.rounding == "kahan" and state and COMPENSATION not in state:
-                state[COMPENSATION] = torch.zeros_like(p)  # from a nearest or stochastic run
-        if self.generator is not None and saved_generator is not None:
-            self.generator.set_state(saved_generator)
+def _float_lr(group: dict) -> float:
+    """The unfused formula's learning rate: a float, as torch's single-tensor step needs one on
+    the host; a tensor (a schedule on the device) would be a read every step, so it is refused
+    and the schedule runs on the host instead (mpexp.step.schedules.takes_tensor_lr)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        raise TypeError("pure bf16's unfused update takes a float learning rate")
+    return float(lr)
 
 
-def _zeros(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A state of `p`'s shape and layout in `dtype`, zeroed."""
-    return torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-
-
-def _kahan(p: torch.Tensor, state: dict, rounding: str) -> None:
-    """Kahan's compensation buffer for `p`, in its dtype, where the rounding keeps one."""
+def _zeros(params: list[torch.Tensor], states: torch.dtype, rounding: str, keys) -> list[dict]:
+    """Each parameter's zeroed states for `keys`, and Kahan's buffer where the rounding keeps
+    one, in shared buffers (`zeroed_like`)."""
+    made = [{} for _ in params]
+    for key in keys:
+        for state, zeros in zip(made, zeroed_like(params, states), strict=True):
+            state[key] = zeros
     if rounding == "kahan":
-        state[COMPENSATION] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for state, zeros in zip(made, zeroed_like(params, params[0].dtype), strict=True):
+            state[COMPENSATION] = zeros
+    return made
 
 
 class PureAdam(PureOptimizer):
@@ -339,6 +81,7 @@ class PureAdam(PureOptimizer):
 
     kernel = "_fused_adam_"
     moments = ("exp_avg", "exp_avg_sq")
+    counted = True
 
     def __init__(
         self,
@@ -356,47 +99,43 @@ class PureAdam(PureOptimizer):
         if decoupled:
             self.kernel = "_fused_adamw_"
 
-    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["exp_avg"] = _zeros(p, self.states_dtype)
-        state["exp_avg_sq"] = _zeros(p, self.states_dtype)
-        _kahan(p, state, self.rounding)
+    def keys(self, group: dict) -> tuple[str, ...]:
+        return self.moments
 
-    def _scalars(self, group: dict, step: torch.Tensor | None):
-        if self.fused:
-            return None
-        # torch's single-tensor Adam reads the count on the host and works in Python floats
-        beta1, beta2 = group["betas"]
-        count = max(step.item(), 1)  # mpexp-plan's fake tensors read as 0
-        lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
-        step_size = lr / (1 - beta1**count)
-        return lr, step_size, (1 - beta2**count) ** 0.5
+    def init_states(self, params: list[torch.Tensor], group: dict) -> None:
+        made = _zeros(params, self.states_dtype, self.rounding, self.moments)
+        for p, state in zip(params, made, strict=True):
+            self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device), **state}
 
-    def _fused(self, ws, gs, moments, steps, group, grad_scale, found_inf) -> None:
-        beta1, beta2 = group["betas"]
-        getattr(torch, self.kernel)(
-            ws, gs, *moments, [], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
-            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
-            grad_scale=grad_scale, found_inf=found_inf,
-        )  # fmt: skip
-
-    def _update(self, w, g, m, step, group, scalars, first, grad_scale, found_inf) -> None:
-        if self.fused:
-            self._fused([w], [g], [[t] for t in m], [step], group, grad_scale, found_inf)
-            return
-        exp_avg, exp_avg_sq = m
+    def arithmetic(self, t: Lists, group: dict, grad_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
         wd, eps = group["weight_decay"], group["eps"]
-        lr, step_size, correction2 = scalars
+        exp_avg, exp_avg_sq = t.m
+        if self.fused:
+            getattr(torch, self.kernel)(
+                t.w, t.g, exp_avg, exp_avg_sq, [], t.steps, lr=group["lr"], beta1=beta1,
+                beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+                grad_scale=grad_scale, found_inf=found_inf,
+            )  # fmt: skip
+            return
+        # torch's single-tensor Adam, each operation over the lists; its bias corrections in
+        # Python floats from each parameter's count of steps
+        lr = _float_lr(group)
         if wd != 0:
             if self.decoupled:
-                w.mul_(1 - lr * wd)
+                torch._foreach_mul_(t.w, 1 - lr * wd)
             else:
-                g = g.add(w, alpha=wd)
-        exp_avg.lerp_(g, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (exp_avg_sq.sqrt() / correction2).add_(eps)
-        w.addcdiv_(exp_avg, denom, value=-step_size)
+                torch._foreach_add_(t.g, t.w, alpha=wd)  # the gradient's buffer is a copy
+        torch._foreach_lerp_(exp_avg, t.g, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, t.g, t.g, value=1 - beta2)
+        denom = t.g  # read: its buffer takes the denominator
+        torch._foreach_copy_(denom, exp_avg_sq)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_div_(denom, [(1 - beta2 ** float(c)) ** 0.5 for c in t.counts])
+        torch._foreach_add_(denom, eps)
+        sizes = [-lr / (1 - beta1 ** float(c)) for c in t.counts]
+        torch._foreach_addcdiv_(t.w, exp_avg, denom, sizes)
 
 
 class PureSGD(PureOptimizer):
@@ -424,81 +163,56 @@ class PureSGD(PureOptimizer):
         }
         super().__init__(params, defaults, **pure)
 
-    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
-        if group["momentum"] != 0:
-            # zeros before the first step, as mpexp gives torch's fused SGD (its first step then
-            # stores (1 - dampening) * g); the unfused formula stores g, as torch's does
-            state["momentum_buffer"] = _zeros(p, self.states_dtype)
-        _kahan(p, state, self.rounding)
+    def keys(self, group: dict) -> tuple[str, ...]:
+        return self.moments if group["momentum"] != 0 else ()
 
-    def _fused(self, ws, gs, moments, steps, group, grad_scale, found_inf) -> None:
-        (buffers,) = moments if moments else ([],)
-        torch._fused_sgd_(
-            ws, gs, buffers, weight_decay=group["weight_decay"], momentum=group["momentum"],
-            lr=group["lr"], dampening=group["dampening"], nesterov=group["nesterov"],
-            maximize=False, is_first_step=False, grad_scale=grad_scale, found_inf=found_inf,
-        )  # fmt: skip
+    def init_states(self, params: list[torch.Tensor], group: dict) -> None:
+        # zeros before the first step, which then stores the gradient in them, as torch's
+        # first step does (`is_first_step` of its fused kernel), whatever the dampening
+        made = _zeros(params, self.states_dtype, self.rounding, self.keys(group))
+        for p, state in zip(params, made, strict=True):
+            self.state[p] = state
 
-    def _update(self, w, g, m, step, group, scalars, first, grad_scale, found_inf) -> None:
+    def arithmetic(self, t: Lists, group: dict, grad_scale, found_inf) -> None:
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        (buffers,) = t.m if t.m else ([],)
         if self.fused:
-            self._fused([w], [g], [[t] for t in m], [], group, grad_scale, found_inf)
+            for first, take in _by_first(t.first):
+                torch._fused_sgd_(
+                    take(t.w), take(t.g), take(buffers), weight_decay=wd, momentum=momentum,
+                    lr=lr, dampening=group["dampening"], nesterov=group["nesterov"],
+                    maximize=False, is_first_step=first and momentum != 0,
+                    grad_scale=grad_scale, found_inf=found_inf,
+                )  # fmt: skip
             return
-        lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+        lr = _float_lr(group)
         if wd != 0:
-            g = g.add(w, alpha=wd)
+            torch._foreach_add_(t.g, t.w, alpha=wd)  # the gradient's buffer is a copy
+        update = t.g
         if momentum != 0:
-            (buf,) = m
-            if first:
-                buf.copy_(g)
+            for first, take in _by_first(t.first):
+                if first:
+                    torch._foreach_copy_(take(buffers), take(t.g))
+                else:
+                    torch._foreach_mul_(take(buffers), momentum)
+                    torch._foreach_add_(take(buffers), take(t.g), alpha=1 - group["dampening"])
+            if group["nesterov"]:
+                torch._foreach_add_(t.g, buffers, alpha=momentum)
             else:
-                buf.mul_(momentum).add_(g, alpha=1 - group["dampening"])
-            g = g.add(buf, alpha=momentum) if group["nesterov"] else buf
-        w.add_(g, alpha=-lr)
+                update = buffers
+        torch._foreach_add_(t.w, update, alpha=-lr)
 
 
-class Workspace:
-    """The buffers one step's chunks share, so that no chunk allocates: float32 copies of the
-    weight, gradient and 16-bit states, a temporary, the rounded weight and its difference
-    (bfloat16), Kahan's two float32 copies, stochastic rounding's integers. Allocated once a
-    step: a CPU's allocator would otherwise hand a chunk's megabytes back to the system and
-    fault them in again for the next."""
-
-    def __init__(
-        self, size: int, device: torch.device, moments: int, kahan: bool, stochastic: bool
-    ) -> None:
-        def buffer(dtype=torch.float32):
-            return torch.empty(size, dtype=dtype, device=device)
-
-        self.w, self.g, self.tmp = buffer(), buffer(), buffer()
-        self.m = [buffer() for _ in range(moments)]
-        self.new, self.changed = buffer(torch.bfloat16), buffer(torch.bfloat16)
-        self.old = self.carried = None
-        if kahan:
-            self.old, self.carried = buffer(), buffer()
-        self.scratch = StochasticScratch(size, device) if stochastic else None
-
-    @staticmethod
-    def view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """The start of `buffer`, shaped as `like`."""
-        return buffer[: like.numel()].view(like.shape)
-
-    def take(self, buffer: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        """`source` copied (upcast) into the start of `buffer`."""
-        return self.view(buffer, source).copy_(source)
-
-
-def _chunks(tensors: list[torch.Tensor | None], size: int):
-    """Matching pieces of a parameter's tensors (None stays None): flat slices of `size`
-    elements where all share one contiguous layout, else each tensor whole."""
-    present = [t for t in tensors if t is not None]
-    if not all(t.is_contiguous() for t in present):
-        yield tensors
-        return
-    flat = [None if t is None else t.view(-1) for t in tensors]
-    numel = present[0].numel()
-    for start in range(0, numel, size):
-        yield [None if t is None else t[start : start + size] for t in flat]
+def _by_first(first: list[bool]):
+    """(whether first, a function taking those entries of a list) for the entries stepped for
+    the first time and the others; one pair when all are alike."""
+    if all(f == first[0] for f in first):
+        return [(bool(first and first[0]), lambda xs: xs)]
+    split = []
+    for flag in (True, False):
+        chosen = [i for i, f in enumerate(first) if f == flag]
+        split.append((flag, lambda xs, chosen=chosen: [xs[i] for i in chosen] if xs else xs))
+    return split
 
 
 # torch's optimizers that pure bf16 steps with its own (mpexp/validate.py refuses the
@@ -511,30 +225,40 @@ PURE_OPTIMIZERS = {
 
 
 def build_pure(
-    target: str, settings: dict, params, cfg, fused: bool, captured: bool = False, chunk: int = 0
+    target: str,
+    settings: dict,
+    params,
+    cfg,
+    fused: bool,
+    captured: bool = False,
+    device_type: str | None = None,
 ) -> PureOptimizer:
     """Pure bf16's optimizer for the `optimizer` group's `target` (torch.optim.Adam, AdamW,
     SGD) with its `settings`, rounding as `cfg.precision` says and counting lost updates unless
     `diagnostics.updates_lost=false` (which changes nothing else): on the last step of each
     `trainer.log_every`, or on every step of one `captured` in a CUDA graph, whose replays all
-    run the same kernels. `chunk`: the training device's (0: the parameters' device's)."""
+    run the same kernels. Its batches hold `precision.update_chunk` elements, by default as
+    many as suit `device_type`, whose run it steps as (the parameters' device unless given: a
+    plan for CUDA builds its optimizer on fake CPU tensors)."""
     cls, fixed = PURE_OPTIMIZERS[target]
     p = cfg.precision
     states = torch.float32 if p.optimizer_states == "float32" else torch.bfloat16
     rounding = str(p.update_rounding)
-    if fused and not has_fused_kernel(cls.kernel, _device_of(params)):
+    device = _device_of(params)
+    if fused and not has_fused_kernel(cls.kernel, device):
         log.warning(
             "optimizer.fused=true: this torch (%s) has no fused %s kernel on %s; pure bf16's "
             "update runs the op-by-op formula instead (recorded as fused: false).",
             torch.__version__,
             target.rpartition(".")[2],
-            _device_of(params),
+            device,
         )
         fused = False
-    kwargs = dict(settings)
+    device_type = device_type or device.type
+    chunk = p.get("update_chunk") or default_chunk(device_type)
     optimizer = cls(
         params,
-        **kwargs,
+        **settings,
         **fixed,
         rounding=rounding,
         states=states,
@@ -542,11 +266,27 @@ def build_pure(
         seed=cfg.trainer.seed + _shard_rank(cfg),
         count=cfg.diagnostics.get("updates_lost") is not False,
         count_every=1 if captured else int(cfg.trainer.log_every),
-        chunk=chunk,
+        chunk=int(chunk),
+        device_type=device_type,
     )
-    if cls is PureAdam:
-        warn_frozen_second_moment(rounding, states, float(kwargs.get("betas", (0.9, 0.999))[1]))
+    warn_stalled_states(rounding, str(p.optimizer_states), _averages(cls, settings))
     return optimizer
+
+
+def _averages(cls, settings: dict) -> list[tuple[str, str, float, float]]:
+    """The optimizer's running averages: what each is, its beta's setting, beta, and its input
+    under a constant gradient of 1 (mpexp/precision/pure_warnings.py)."""
+    if cls is PureAdam:
+        beta1, beta2 = (float(b) for b in settings.get("betas", (0.9, 0.999)))
+        return [
+            ("Adam's first moment", "beta1", beta1, 1.0),
+            ("Adam's second moment", "beta2", beta2, 1.0),
+        ]
+    momentum = float(settings.get("momentum", 0.0))
+    if momentum == 0:
+        return []
+    damped = 1 - float(settings.get("dampening", 0.0))
+    return [("SGD's momentum buffer", "momentum", momentum, damped / (1 - momentum))]
 
 
 def _shard_rank(cfg) -> int:
@@ -560,21 +300,3 @@ def _shard_rank(cfg) -> int:
 def _device_of(params) -> torch.device:
     first = params[0]
     return (first["params"][0] if isinstance(first, dict) else first).device
-
-
-def warn_frozen_second_moment(rounding: str, states: torch.dtype, beta2: float) -> None:
-    """16-bit states rounded to nearest with beta2 above 0.99: each step multiplies Adam's second
-    moment v by beta2, a change of less than half of bfloat16's step (2^-8 of v) once 1 - beta2
-    is below 2^-8 (0.0039), so v stays where its first steps put it."""
-    if states != torch.bfloat16 or rounding == "stochastic" or beta2 <= 0.99:
-        return
-    log.warning(
-        "precision=bf16_pure with bfloat16 optimizer states rounded to nearest and Adam's "
-        "beta2=%g: each step's decay of the second moment (a factor %g) is smaller than "
-        "bfloat16's resolution, so the second moment stops moving after its first steps (under a "
-        "constant gradient of 1 it stays at 0.25 where float32 reaches 0.63 after 1000 steps) "
-        "and Adam's steps keep the size they had then. Use precision.update_rounding=stochastic "
-        "(states rounded stochastically too) or precision.optimizer_states=float32.",
-        beta2,
-        beta2,
-    )

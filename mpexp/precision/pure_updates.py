@@ -95,6 +95,13 @@ class StochasticScratch:
         self.words = torch.empty((size + 3) // 4, dtype=torch.int64, device=device)
         self.bits = torch.empty(size, dtype=torch.int32, device=device)
 
+    @classmethod
+    def over(cls, words: torch.Tensor, bits: torch.Tensor) -> StochasticScratch:
+        """Scratch in buffers that are already there (a step's workspace)."""
+        scratch = cls.__new__(cls)
+        scratch.words, scratch.bits = words, bits
+        return scratch
+
     def noise(self, count: int, generator: torch.Generator) -> torch.Tensor:
         """`count` integers drawn uniformly from [0, 2^16), as int32: each 64-bit draw gives
         four (a CPU's generator makes 32 bits at a time, so this draws an eighth of what one
@@ -119,6 +126,12 @@ class UpdatesLost:
         a CPU counts a float tensor's nonzeros several times faster than a boolean's trues).
         A changed weight had a nonzero update: the lost ones are the moved less the changed."""
         self.counts[index] += torch.stack((moved - changed, moved))
+
+    def add_pieces(self, owners: torch.Tensor, moved: torch.Tensor, changed: torch.Tensor) -> None:
+        """The same for a batch's pieces at once: `owners` their parameters' indices, `moved`
+        and `changed` their counts (as floats: sums of masks)."""
+        pairs = torch.stack((moved - changed, moved), 1).to(torch.int64)
+        self.counts.index_add_(0, owners, pairs)
 
     def take(self) -> torch.Tensor:
         """The counts so far (lost, nonzero per parameter), and zeros from here on."""

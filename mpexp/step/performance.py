@@ -10,6 +10,7 @@ None of them is allowed to fall back silently: a switch that cannot take effect 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -247,31 +248,65 @@ def build_optimizer(
 
 def choose_fused(cfg: DictConfig, device: torch.device, scaler, speed: Speed | None) -> bool:
     """Whether the optimizer on `device` is fused (see `build_optimizer`): as `optimizer.fused`
-    (or the step's speed plan) says, else on CUDA wherever no host read needs the unfused step."""
+    (or the step's speed plan) says, else wherever torch has the fused kernel (CUDA; a CPU
+    since torch 2.4) and no host read needs the unfused step. On a CPU as on a GPU it is the
+    fastest kernel torch has (docs/benchmarks.md: 4 to 8 times its for-loop Adam at 36.8 M
+    parameters), so that mixed precision and pure bf16 (whose update is fused) compare
+    precisions, not kernels."""
     fused = cfg.optimizer.get("fused") if speed is None else speed.fused
     if fused is not None:
         return bool(fused)
     # a schedule on the host must see each skipped step: unfused, GradScaler skips on the host
     scheduled = not schedule_on_device(cfg) and scaler.continues_after_skip()
-    return device.type == "cuda" and cfg.trainer.strategy != "fsdp" and not scheduled
+    if cfg.trainer.strategy == "fsdp" or scheduled:
+        return False
+    return device.type == "cuda" or _fused_on(cfg.optimizer.get("_target_"), device)
+
+
+# torch's optimizers with a fused kernel, and its name
+FUSED_KERNELS = {
+    "torch.optim.Adam": "_fused_adam_",
+    "torch.optim.AdamW": "_fused_adamw_",
+    "torch.optim.SGD": "_fused_sgd_",
+}
+
+
+@functools.cache
+def _fused_on(target: str | None, device: torch.device) -> bool:
+    """Whether this torch has `target`'s fused kernel on `device` (tried once)."""
+    kernel = FUSED_KERNELS.get(target)
+    return kernel is not None and pure_optimizers.has_fused_kernel(kernel, device)
+
+
+def optimizer_kernel(optimizer) -> str:
+    """Which of torch's implementations steps the optimizer: "fused" (one kernel over every
+    tensor), "foreach" (each operation over lists of tensors) or "for-loop" (tensor by tensor,
+    torch's default where neither is chosen and a tensor is off CUDA). Pure bf16's unfused
+    update runs torch's formula as foreach operations."""
+    defaults = optimizer.defaults
+    if defaults.get("fused"):
+        return "fused"
+    if isinstance(optimizer, pure_optimizers.PureOptimizer) or defaults.get("foreach"):
+        return "foreach"
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    on_cuda = all(p.device.type == "cuda" for p in params)
+    return "foreach" if defaults.get("foreach") is None and on_cuda else "for-loop"
 
 
 def _pure_optimizer(
     cfg: DictConfig, model: nn.Module, fused: bool | None, captured: bool, device: torch.device
 ):
     """Pure bf16's own optimizer (mpexp/precision/pure_optimizers.py): fused by default on
-    every device, as its update takes no host read then (torch's fused kernel, a chunk at a
-    time, the chunk `device`'s), and with `optimizer.fused=false` the op-by-op formula of
-    torch's unfused step."""
+    every device, as its update takes no host read then (torch's fused kernel over a batch of
+    pieces at a time), and with `optimizer.fused=false` the op-by-op formula of torch's
+    unfused step; its workspace sized for `device`, and kept between steps or not as a run
+    there does (mpexp-plan builds it on the CPU for a GPU run)."""
     spec = optimizer_spec(cfg.optimizer)
     settings = {k: v for k, v in spec.items() if k not in ("_target_", "_partial_", "fused")}
     params = parameter_groups(model, cfg.optimizer)
     fused = True if fused is None else bool(fused)
-    # the device's chunk, not its parameters': mpexp-plan builds it on the CPU for a GPU run
-    chunk = pure_optimizers.CUDA_CHUNK if device.type == "cuda" else pure_optimizers.CPU_CHUNK
-    return pure_optimizers.build_pure(
-        spec["_target_"], settings, params, cfg, fused, captured, chunk
-    )
+    target = spec["_target_"]
+    return pure_optimizers.build_pure(target, settings, params, cfg, fused, captured, device.type)
 
 
 # keys of the optimizer group that are mpexp's own, not arguments of the optimizer
@@ -404,6 +439,7 @@ def describe(optimizer, speed: Speed) -> dict:
     """The speed settings that ran, for the run record."""
     return {
         "fused_optimizer": bool(optimizer.defaults.get("fused")),
+        "optimizer_kernel": optimizer_kernel(optimizer),
         "channels_last": speed.channels_last,
         "compile": speed.compile_mode if speed.compile else False,
         "cuda_graph": speed.cuda_graph,
@@ -415,8 +451,9 @@ def describe(optimizer, speed: Speed) -> dict:
 def step_path(ran: dict) -> str:
     """How the training step ran, in words the sweep report compares across precisions: two
     legs whose paths differ are timing the harness as much as the precision."""
+    kernel = ran.get("optimizer_kernel")
     parts = [
-        "fused" if ran.get("fused_optimizer") else "unfused",
+        f"{kernel} optimizer" if kernel else "fused" if ran.get("fused_optimizer") else "unfused",
         "compiled" if ran.get("compile") else "eager",
         "captured" if ran.get("cuda_graph") else "not captured",
     ]

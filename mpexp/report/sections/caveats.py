@@ -1,6 +1,6 @@
 """report.md's Warnings: what makes its numbers less than they seem (few timed epochs, jobs that
-overlapped, another step path, runs waiting on data, cut-off metrics, divergence, one or two
-seeds), each with what to do about it."""
+overlapped, another step path, different optimizer kernels, runs waiting on data, cut-off
+metrics, divergence, one or two seeds), each with what to do about it."""
 
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ def section(report: Report) -> list[str]:
             f"ran {reference}. Its speed against fp32 measures that difference as much as the "
             "precision's."
         )
+    kernels = _optimizer_kernels(report)
+    if kernels:
+        warnings.append(kernels)
     data_bound = report.data_bound
     if data_bound:
         warnings.append(
@@ -110,3 +113,24 @@ def _faster_data(rows: list[Row]) -> str:
             advice = ", or ".join(f"`{key}`" if "=" in key else f"a higher `{key}`" for key in keys)
         said.append(f"{run_names(group)}: {advice}" if len(by_keys) > 1 else advice)
     return "; ".join(said)
+
+
+def _optimizer_kernels(report: Report) -> str | None:
+    """The warning for configurations whose optimizers ran different implementations of torch's
+    (`ran.optimizer_kernel`: fused, foreach, for-loop), None where all ran one (runs recorded
+    before mpexp recorded it are left out): on a CPU torch's for-loop Adam takes 4 to 8 times
+    its fused kernel's time, which a comparison of their epochs would credit to the precision."""
+    by_kernel: dict[str, list[str]] = {}
+    for config in report.configs:
+        for kernel in sorted({str(r.run.ran["optimizer_kernel"]) for r in config.rows
+                              if r.run.ran.get("optimizer_kernel")}):  # fmt: skip
+            by_kernel.setdefault(kernel, []).append(f"`{config.label}`")
+    if len(by_kernel) < 2:
+        return None
+    ran = "; ".join(f"{kernel}: {', '.join(names)}" for kernel, names in sorted(by_kernel.items()))
+    return (
+        f"**Different optimizer kernels.** The optimizers ran different implementations ({ran}): "
+        "their epoch times and step peaks compare the kernels as much as the precisions. Set "
+        "`optimizer.fused` alike for every leg (null picks the fused kernel wherever torch has "
+        "one) to compare precisions."
+    )
