@@ -5,6 +5,12 @@
 #           steps validated every 10, in bf16, fp16, fp8 and bf16_pure_kahan: each run plans
 #           itself first (trainer.plan), so its summary holds the planned peak beside the measured
 #           one (mem/plan_error) with tokens/s and MFU; the sweep's report tabulates them;
+#   models  the models people train (issue 55): a Llama of about 1 B parameters from its config
+#           (model=hf_llama_1b at GPT-2's vocabulary), 20 steps of 8 windows of 2,048 tokens in
+#           bf16 and fp8 (tokens/s, MFU, fp8's ratio); LoRA (experiment=finetune_lora) over a
+#           save_pretrained Llama of 8 such layers, its measured peak against its own plan; timm's
+#           ConvNeXt-T and ViT-S at 224 px on 1,000 classes, batch 128, in bf16 and fp8; each
+#           run's summary gathered into models.json;
 #   bench   DeepCNN on 60,000 MNIST-format samples per epoch, batch 256: the defaults a user's
 #           command gets on a GPU (compiled, channels_last, the whole step as one CUDA graph:
 #           ran.cuda_graph asserted) for fp16 and bf16 against the bare loop, then the same with
@@ -27,8 +33,8 @@
 # have the machine to themselves.
 #
 #   scripts/gpu_proof.sh [OUT_DIR]                 # default: gpu-proof/
-#   PARTS="bench lm" scripts/gpu_proof.sh          # some parts only (shipped warm tests bench
-#                                                  # lm vit resnet images pure); a second call
+#   PARTS="bench lm" scripts/gpu_proof.sh          # some parts only (shipped models warm tests
+#                                                  # bench lm vit resnet images pure); a second call
 #                                                  # names those its steps.log did not finish
 #   ARCHIVE=$OUT/proof.tar.gz scripts/gpu_proof.sh # OUT_DIR tarred after every part, so that a
 #                                                  # call stopped at its limit returns the rest
@@ -56,7 +62,7 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/mpexp-inductor-c
 device="${DEVICE:-cuda}"
 status=0
 deadline=$((SECONDS + ${BUDGET:-540}))
-parts=" ${PARTS:-shipped warm tests bench lm vit resnet images pure} "
+parts=" ${PARTS:-shipped models warm tests bench lm vit resnet images pure} "
 want() { [[ "$parts" == *" $1 "* ]]; }
 
 archive() {  # OUT_DIR as one file where the caller asked for it, renamed into place when whole
@@ -134,8 +140,31 @@ vit=("${train[@]}" experiment=fp8_vit trainer.seed=0 dataset.train_size=25000
 resnet=("${train[@]}" experiment=cifar10_resnet dataset=synthetic_cifar10 dataset.train_size=25000)
 folder=("${train[@]}" dataset=image_folder "dataset.path=$images" model=resnet18 precision=bf16
   dataset.batch_size=64 dataset.num_workers=8 "dataset.cache_dir=$work/image-cache")
+# the models part: a Llama of about 1 B parameters from its config, LoRA over a pretrained one
+# of 8 such layers (written first by save_pretrained), timm's ConvNeXt-T and ViT-S at 224 px
+llama=("${train[@]}" model=hf_llama_1b dataset=tokens "dataset.path=$tokens"
+  "dataset.vocab_size=$vocab" dataset.batch_size=8 optimizer=adamw trainer.epochs=null
+  trainer.max_steps=20 trainer.eval_every_steps=20 dataset.val_size=64)
+pretrained="$work/llama-pretrained"
+llama_layers=8
+lora=("${train[@]}" experiment=finetune_lora "model.pretrained=$pretrained" dataset=tokens
+  "dataset.path=$tokens" "dataset.vocab_size=$vocab" dataset.block_size=1024 trainer.epochs=null
+  trainer.max_steps=20 trainer.eval_every_steps=20 dataset.val_size=64 trainer.plan=true
+  scheduler.warmup_steps=2)
+timm_sizes=(dataset.channels=3 dataset.height=224 dataset.width=224 dataset.num_classes=1000
+  dataset.train_size=3840 dataset.val_size=256 dataset.batch_size=128 trainer.epochs=2)
+timm=("${train[@]}" model=timm dataset=synthetic optimizer=adamw)
+timm_names=(convnext_tiny vit_small_patch16_224)
 small_lm=()
 if [ "$device" = cpu ]; then
+  llama+=(model=hf_llama_tiny dataset.batch_size=4 trainer.max_steps=4 trainer.eval_every_steps=4
+    dataset.val_size=8)
+  llama_layers=2
+  lora+=(dataset.block_size=32 dataset.batch_size=4 trainer.max_steps=4 trainer.eval_every_steps=4
+    dataset.val_size=8 scheduler.warmup_steps=1)
+  timm_sizes=(dataset.channels=3 dataset.height=32 dataset.width=32 dataset.num_classes=16
+    dataset.train_size=64 dataset.val_size=32 dataset.batch_size=32 trainer.epochs=1)
+  timm_names=(convnext_tiny vit_tiny_patch16_224)  # convnext_atto's MLPs are convolutions
   bench+=(--device cpu --train-size 512 --process-repeats 0)
   small_lm=(--model gpt --batch-size 4)
   pure+=(model=gpt dataset.batch_size=4 trainer.eval_every_steps=2)
@@ -174,6 +203,43 @@ if want shipped; then  # first: what matters most, each run compiling for itself
     step "shipped-$p" 150 "${shipped[@]}" precision="$p" "hydra.run.dir=$out/shipped/$p"
   done
   step shipped-report 60 python3 -m mpexp.report "$out/shipped" --wandb disabled --no-plots
+fi
+
+if want models; then  # second: the models of the models issue, each compiling for itself
+  for p in bf16 fp8; do
+    step "models-llama-$p" 150 "${llama[@]}" precision="$p" "hydra.run.dir=$out/models/llama-$p"
+  done
+  step models-pretrained 90 python3 -c "import torch, transformers
+config = transformers.LlamaConfig(vocab_size=$vocab, hidden_size=2048 if '$device' == 'cuda' else 64,
+    num_hidden_layers=$llama_layers, num_attention_heads=32 if '$device' == 'cuda' else 4,
+    num_key_value_heads=8 if '$device' == 'cuda' else 2,
+    intermediate_size=8192 if '$device' == 'cuda' else 128, tie_word_embeddings=True,
+    max_position_embeddings=2048)
+with torch.device('$device'):
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+model.save_pretrained('$pretrained')
+print(sum(p.numel() for p in model.parameters()), 'parameters written to $pretrained')"
+  step models-lora-bf16 150 "${lora[@]}" precision=bf16 "hydra.run.dir=$out/models/lora-bf16"
+  for name in "${timm_names[@]}"; do
+    for p in bf16 fp8; do
+      step "models-$name-$p" 120 "${timm[@]}" "model.name=$name" "${timm_sizes[@]}" \
+        precision="$p" "hydra.run.dir=$out/models/$name-$p"
+    done
+  done
+  step models-json 30 python3 -c "import json, pathlib
+keys = ('status', 'perf/tokens_per_s', 'perf/samples_per_s', 'perf/mfu', 'perf/tflops',
+        'perf/epoch_time_s', 'mem/peak_allocated_mib', 'mem/peak_reserved_mib',
+        'mem/planned_peak_mib', 'mem/plan_error', 'val/loss', 'val/acc')
+rows = {}
+for summary in sorted(pathlib.Path('$out/models').glob('*/summary.json')):
+    values = json.loads(summary.read_text())
+    ran = values.get('ran', {})
+    rows[summary.parent.name] = {**{k: values[k] for k in keys if k in values},
+        **{k: ran.get(k) for k in ('precision', 'parameters', 'trainable_parameters', 'step_path',
+                                   'device_name', 'peak_tflops')},
+        'plan_need_mib': (ran.get('plan') or {}).get('need_bytes', 0) / 2**20 or None}
+pathlib.Path('$out/models.json').write_text(json.dumps(rows, indent=1))
+print(json.dumps(rows, indent=1))"
 fi
 
 if want warm; then  # compile everything timed below, several at a time; nothing here is timed
