@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_lm_step import DTYPES, mpexp_step  # the same mpexp step as for the GPT
+from bench_lm_step import mpexp_step  # the same mpexp step as for the GPT
+from bench_lm_step import plain_step as lm_plain_step
 
 from mpexp.models.hf import hf_model
 from mpexp.models.hf_config import transformers
@@ -37,24 +37,10 @@ from mpexp.tasks.language_model import LanguageModelling
 
 
 def plain_step(args, model, task, mode: str):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    vocab = task.model_vocab_size
-    dtype = DTYPES.get(mode)
-
-    def loss_of(x, y):
-        logits = model(input_ids=x, use_cache=False).logits
-        return F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
-
-    forward = torch.compile(loss_of) if args.compile else loss_of
-
-    def step(x, y):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = forward(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    """bench_lm_step's plain step, calling the model as a transformers user does."""
+    return lm_plain_step(
+        args, model, task, mode, lambda x: model(input_ids=x, use_cache=False).logits
+    )
 
 
 def models(args, task: LanguageModelling):

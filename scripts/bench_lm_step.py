@@ -70,13 +70,16 @@ def mpexp_step(args, model, task, mode: str):
     return step
 
 
-def plain_step(args, model, task, mode: str):
+def plain_step(args, model, task, mode: str, logits_of=None):
+    """A user's own step: `logits_of(x)` (the model called on the tokens by default), the
+    cross-entropy under autocast, backward, AdamW's step, zero_grad."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     vocab = task.model_vocab_size
     dtype = DTYPES.get(mode)
+    logits_of = logits_of or model
 
     def loss_of(x, y):  # nanoGPT's model computes its loss in its forward pass
-        return F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+        return F.cross_entropy(logits_of(x).reshape(-1, vocab), y.reshape(-1))
 
     forward = torch.compile(loss_of) if args.compile else loss_of
 

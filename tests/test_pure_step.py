@@ -63,6 +63,11 @@ def step_bytes(optimizer, params, transposed: bool = False) -> tuple[int, int]:
     set_grads(params, 0, transposed)
     optimizer.step()
     set_grads(params, 1, transposed)
+    return held_and_step_peak(optimizer, params)
+
+
+def held_and_step_peak(optimizer, params) -> tuple[int, int]:
+    """(the weights', gradients' and states' bytes, the peak of one step) of the next step."""
     held = [*params, *(p.grad for p in params)]
     held += [v for s in optimizer.state.values() for v in s.values() if v.ndim]
     tracker = LiveBytes()
@@ -142,15 +147,8 @@ def test_a_step_on_fake_tensors_peaks_within_its_bound():
         optimizer, params = fake_adam(MLP, rounding="stochastic", device_type="cuda")
         for p in params:
             p.grad = torch.empty_like(p)
-        held = [*params, *(p.grad for p in params)]
-        held += [v for state in optimizer.state.values() for v in state.values() if v.ndim]
-        tracker = LiveBytes()
-        with tracker:
-            for t in held:
-                tracker.adopt(t, "held")
-            tracker.start("step")
-            optimizer.step()
-    added = tracker.peaks["step"].nbytes - tracker.live_bytes(held)
+        held, peak = held_and_step_peak(optimizer, params)
+    added = peak - held
     assert 0 < added <= optimizer.step_temporary_bytes()
 
 
