@@ -65,6 +65,14 @@ def ema_decay(decay: float, batch: int, every: int, epochs: int) -> float:
     two updates (the optimizer step's `batch` over all processes, `every` steps) over the run's
     `epochs`, at most 1. A recipe that gives the formula, not its value, stays right when the
     epochs or the batch change (conf/experiment/imagenet_resnet50.yaml)."""
+    if epochs is None:  # a run of trainer.max_steps: its length in epochs is the data's to say
+        raise ValueError(
+            "it follows trainer.epochs (the images between two updates of the average over the "
+            "run's epochs, as torchvision's train.py scales its model_ema_decay), and "
+            "trainer.epochs=null. Give trainer.epochs, or trainer.ema_decay=<a value> "
+            f"({ema_decay(decay, batch, every, 600):.7f} is this batch's over 600 epochs), or "
+            "trainer.ema_decay=null for no average."
+        )
     return 1.0 - min(1.0, (1.0 - decay) * batch * every / epochs)
 
 

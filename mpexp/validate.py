@@ -11,6 +11,7 @@ from dataclasses import fields, is_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from mpexp.batches import accumulate_advice, accumulate_choices
 from mpexp.config import HFConfig, TrainConfig, run_length
@@ -95,7 +96,16 @@ def accepts_key(schema: type | None, key: str) -> bool:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError naming the first value that cannot work, and the fix."""
+    """Raise ConfigError naming the first value that cannot work, and the fix; a value computed
+    by a resolver that cannot be (mpexp/resolvers.py) is named with the resolver's own words."""
+    try:
+        _validate(cfg)
+    except InterpolationResolutionError as err:
+        said = str(err).splitlines()[0].split("while resolving interpolation: ", 1)[-1]
+        raise ConfigError(f"{err.full_key} cannot be worked out: {said}") from None
+
+
+def _validate(cfg: DictConfig) -> None:
     check_schema(cfg)
     trainer, data, opt = cfg.trainer, cfg.dataset, cfg.optimizer
 

@@ -23,6 +23,7 @@ from mpexp.step.weight_average import WeightAverage
 from mpexp.tasks.classification import Classification
 from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.run_context import RunContext
+from mpexp.validate import validate
 from tests.conftest import TINY, make_cfg
 from tests.test_training import read_metrics
 
@@ -296,6 +297,14 @@ def test_the_imagenet_resnet50_preset_is_torchvisions_recipe_on_an_image_folder(
     assert not opt.decay_norms_and_biases and t.epochs == 600
     assert t.ema_every == 32 and t.ema_decay == pytest.approx(1 - 2e-5 * 8 * 128 * 32 / 600)
     assert cfg.scheduler._target_.endswith("cosine")
+    # a run of max_steps has no epochs for the decay to follow: one message, the values to give
+    short = make_cfg("experiment=imagenet_resnet50", "dataset.path=/data/imagenet",
+                     "trainer.epochs=null", "trainer.max_steps=10")  # fmt: skip
+    said = (
+        r"trainer\.ema_decay cannot be worked out: .* trainer\.epochs=null\. Give trainer\.epochs"
+    )
+    with pytest.raises(ConfigError, match=said + r", or .*0\.9989077"):
+        validate(short)
 
 
 @pytest.mark.parametrize(
