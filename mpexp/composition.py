@@ -1,12 +1,14 @@
 """Hydra's composition of the command line, with mpexp's one message for a key that the config
-does not have.
+does not have, and for an option that a config group does not have.
 
 Hydra answers `precison=bf16` or `trainer.epoch=1` with seven lines that advise `+precison=bf16`,
 which adds the key past the schema, and only then does mpexp's own check say "did you mean
-precision?". So while Hydra composes, its errors are asked to come here (Hydra re-raises them
-under HYDRA_FULL_ERROR, its documented switch) instead of being printed by Hydra: an unknown key
-becomes mpexp's "Unknown config key: precison (did you mean precision?)", alone; any other error
-of the composition is printed as Hydra prints it. Once a job starts (`composed`, called by the
+precision?"; and `precision=bf61` with seventeen, its search path among them. So while Hydra
+composes, its errors are asked to come here (Hydra re-raises them under HYDRA_FULL_ERROR, its
+documented switch) instead of being printed by Hydra: an unknown key becomes mpexp's "Unknown
+config key: precison (did you mean precision?)", alone, and an unknown option "precision=bf61 is
+none of precision's options: ... The closest: bf16."; any other error of the composition is
+printed as Hydra prints it. Once a job starts (`composed`, called by the
 run's first Hydra callback), Hydra reports as it always does: a sweep's failed job, a crash.
 
 A schema may take keys beyond its fields: a classmethod `accepts_key(key) -> bool` on it says
@@ -25,7 +27,11 @@ from collections.abc import Callable
 from dataclasses import fields, is_dataclass
 
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import CompactHydraException, ConfigCompositionException
+from hydra.errors import (
+    CompactHydraException,
+    ConfigCompositionException,
+    MissingConfigException,
+)
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from mpexp.config import GROUPS
@@ -49,6 +55,12 @@ def composing(main: Callable[[], None]) -> None:
             try:
                 main()
                 return
+            except MissingConfigException as err:  # an option a group does not have
+                message = _missing_option(err)
+                if message is None:
+                    _as_hydra_says(err)
+                sys.stderr.write(f"{message}\n")
+                raise SystemExit(2) from None
             except ConfigCompositionException as err:
                 unknown = _unknown_key(err)
                 if unknown is None:
@@ -72,11 +84,28 @@ def composed() -> None:
         _asked = False
 
 
-def unknown_key_message(err: BaseException) -> str | None:
+def mistyped_message(err: BaseException) -> str | None:
     """mpexp's one message where `err` is Hydra's answer to an override of a key the config does
-    not have (for the commands that compose through Hydra's API: mpexp-plan); None otherwise."""
+    not have, or of a group to an option it does not have (for the commands that compose through
+    Hydra's API: mpexp-plan); None otherwise."""
+    if isinstance(err, MissingConfigException):
+        return _missing_option(err)
     unknown = _unknown_key(err) if isinstance(err, ConfigCompositionException) else None
     return None if unknown is None else _message(err, unknown[0], unknown[2])
+
+
+def _missing_option(err: MissingConfigException) -> str | None:
+    """`group=value is none of group's options: ...`, with the closest, where `err` says that a
+    config group has no option of that name; None for another missing config."""
+    group, _, value = (err.missing_cfg_file or "").rpartition("/")
+    if not group or not err.options:
+        return None
+    close = difflib.get_close_matches(value, err.options, n=1)
+    closest = f" The closest: {close[0]}." if close else ""
+    return (
+        f"{group.replace('/', '.')}={value} is none of {group}'s options: "
+        f"{', '.join(sorted(err.options))}.{closest}"
+    )
 
 
 def _unknown_key(err: ConfigCompositionException) -> tuple[str, type, list[str]] | None:

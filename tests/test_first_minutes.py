@@ -42,6 +42,27 @@ def test_a_mistyped_key_gets_one_message_naming_the_key_it_meant(in_process, tmp
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["precision=bf61"], "precision=bf61 is none of precision's options: bf16, "),
+        # a preset misspelt trained the defaults without a word while the group was optional
+        (["experiment=gpt2smal"], "experiment=gpt2smal is none of experiment's options: "),
+        (["-m", "model=resnt50,vit"], "model=resnt50 is none of model's options: "),
+    ],
+)
+def test_a_mistyped_option_gets_one_message_naming_the_closest(in_process, tmp_path, overrides,
+                                                               said):  # fmt: skip
+    result = in_process(*overrides, "trainer.epochs=1", "wandb.mode=disabled", cwd=tmp_path)
+    output = one_line_failure(result).strip()
+    closest = {"precision": "bf16", "experiment": "gpt2_small", "model": "resnet50"}
+    group = said.split("=", 1)[0]
+    assert output.startswith(said) and output.endswith(f"The closest: {closest[group]}."), output
+    assert "\n" not in output and result.returncode == 2
+    jobs = [p for p in (tmp_path / "outputs").rglob("*") if p.name[:2] in ("0_", "1_")]
+    assert jobs == [] and not list((tmp_path / "outputs").rglob("*.log"))  # nothing started
+
+
 def test_a_schema_may_accept_keys_of_its_own(in_process, tmp_path, monkeypatch):
     """A model option whose schema says it takes a key (as one handing its keys to another
     library's config would) gets `model.<key>=value` added, and no check calls it unknown."""

@@ -146,10 +146,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write(f"{err}\n")
         raise SystemExit(2) from None
     except Exception as err:
-        from mpexp.composition import unknown_key_message
+        from mpexp.composition import mistyped_message
         from mpexp.plan.rows import composition_error
 
-        unknown = unknown_key_message(err)  # mpexp-train's one message for a mistyped key
+        unknown = mistyped_message(err)  # mpexp-train's one message for a mistyped key or option
         if unknown is not None:
             sys.stderr.write(f"{unknown}\n")
             raise SystemExit(2) from None
