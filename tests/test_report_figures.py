@@ -66,6 +66,19 @@ def test_coinciding_curves_stay_visible_the_reference_on_top(coinciding):
         assert reference_handle.get_linewidth() < other_handle.get_linewidth()
 
 
+@pytest.mark.parametrize("configs", [2, 3, 6, 9])
+def test_coinciding_lines_put_their_markers_on_different_points(configs):
+    """An lr sweep of fp32 and bf16 at three rates is six configurations whose curves may lie on
+    one another: each marks points of its own (before: pairs of them marked the same points)."""
+    for count in (24, 60, 500):
+        marked = []
+        for index in range(configs):
+            start, every = plots._marks(count, index, configs)
+            marked.append(set(range(start, count, every)))
+            assert len(marked[-1]) >= 2  # still marked along the line
+        assert all(a.isdisjoint(b) for i, a in enumerate(marked) for b in marked[i + 1 :])
+
+
 def test_the_result_draws_each_runs_values_and_the_target_there_is(coinciding):
     figure, _ = plots.figures(coinciding)["result"]
     per_epoch, _ = figure.axes

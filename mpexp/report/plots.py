@@ -129,8 +129,10 @@ def _figure_legend(fig: Figure, configs: list[Config], extra: list[tuple[Line2D,
 
 def _marks(count: int, index: int, configs: int) -> tuple[int, int]:
     """markevery for a line of `count` points: configurations start their markers at different
-    points, so markers of coinciding lines do not cover each other."""
-    every = max(1, count // MARKS_PER_LINE)
+    points, so markers of coinciding lines do not cover each other. The markers are spaced at
+    least as many points apart as there are configurations (fewer markers on a short line of
+    many configurations), so that each configuration has a start of its own."""
+    every = max(1, count // MARKS_PER_LINE, min(configs, count))
     return (index * every // max(1, configs)) % every, every
 
 
