@@ -136,7 +136,7 @@ def _validate(cfg: DictConfig) -> None:
     if "dropout" in cfg.model and not 0 <= _number(cfg.model.dropout, "model.dropout") < 1:
         raise ConfigError(f"model.dropout={cfg.model.dropout} must lie in [0, 1), e.g. 0.1.")
     if cfg.model.get("lora") is not None:
-        _validate_lora(cfg.model.lora)
+        _validate_lora(cfg.model.lora, cfg.precision.get("weights") == "bfloat16")
 
     _integer(data.batch_size, "dataset.batch_size", 1)
     _integer(data.get("num_workers", 0), "dataset.num_workers", 0)
@@ -171,12 +171,18 @@ def _validate(cfg: DictConfig) -> None:
     _validate_scheduler(cfg.scheduler)
 
 
-def _validate_lora(lora: Mapping[str, Any]) -> None:
-    """model.lora's ranges (mpexp/finetune/lora.py); its target modules are checked against the
-    built model."""
+def _validate_lora(lora: Mapping[str, Any], pure: bool) -> None:
+    """model.lora's ranges and dtype (mpexp/finetune/lora.py), before a model is built (a large
+    one takes minutes); its target modules are checked against the built model."""
     if lora.r is None:
         return
     _integer(lora.r, "model.lora.r", 0)
+    if pure and lora.get("dtype") == "float32":
+        raise ConfigError(
+            "model.lora.dtype=float32 under precision=bf16_pure, which holds every trained "
+            "weight in bf16: drop model.lora.dtype (the adapters are then bf16), or use "
+            "precision=bf16 for float32 adapters over a bf16 forward pass."
+        )
     if lora.alpha is not None and _number(lora.alpha, "model.lora.alpha") <= 0:
         raise ConfigError(
             f"model.lora.alpha={lora.alpha} must be positive: the adapters' update is scaled by "

@@ -98,13 +98,8 @@ def targets(model: nn.Module, asked: list[str] | None) -> list[str]:
 
 
 def adapter_dtype(asked: str | None, pure: bool) -> torch.dtype:
-    """The adapters' dtype: `model.lora.dtype`, or float32 (bfloat16 under pure bf16)."""
-    if pure and asked == "float32":
-        raise ConfigError(
-            "model.lora.dtype=float32 under precision=bf16_pure, which holds every trained "
-            "weight in bf16: drop model.lora.dtype (the adapters are then bf16), or use "
-            "precision=bf16 for float32 adapters over a bf16 forward pass."
-        )
+    """The adapters' dtype: `model.lora.dtype`, or float32 (bfloat16 under pure bf16; float32
+    there is refused before the model is built, mpexp/validate.py)."""
     if asked is None:
         return torch.bfloat16 if pure else torch.float32
     return getattr(torch, asked)
