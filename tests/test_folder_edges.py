@@ -37,10 +37,14 @@ def test_a_class_folder_beside_train_is_refused_naming_it(tmp_path):
     assert len(message.splitlines()) == 1
     shutil.rmtree(tmp_path / "owl")
     (tmp_path / "notes").mkdir()  # a folder of anything else: refused alike
+    (tmp_path / "notes" / "todo.txt").write_text("label the owls")
     with pytest.raises(DataError, match="holds notes/ beside train/"):
         open_folder(tmp_path)
-    (tmp_path / "notes").rmdir()
+    shutil.rmtree(tmp_path / "notes")
     (tmp_path / ".cache").mkdir()  # hidden folders are no classes
+    # nor is an unzipped archive's __MACOSX/, which holds hidden files alone: nothing left out
+    (tmp_path / "__MACOSX" / "train" / "cat").mkdir(parents=True)
+    (tmp_path / "__MACOSX" / "train" / "cat" / "._0.jpg").write_bytes(b"\0")
     assert open_folder(tmp_path).classes == ["cat", "dog", "fox"]
 
 

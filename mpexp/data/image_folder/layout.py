@@ -103,10 +103,13 @@ def val_folder(root: Path, path: str) -> Path | None:
 def refuse_folders_beside_train(root: Path, path: str) -> None:
     """Beside train/ stand the other splits' folders only: the classes are train/'s folders,
     and a class folder put beside train/ (root/dog/ by root/train/cat/) would be left out of
-    the run without a word. Refused, naming it."""
+    the run without a word. Refused, naming it; a folder with no file to leave out (an unzipped
+    archive's __MACOSX/, which holds hidden files alone) is let be."""
     splits = {*VAL_FOLDERS, "test", "train"}
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         if folder.name.startswith(".") or folder.name.lower() in splits:
+            continue
+        if not any(_visible_files(folder)):
             continue
         raise DataError(
             f"dataset.path={path} holds {folder.name}/ beside train/: with a train/ folder the "
@@ -114,6 +117,14 @@ def refuse_folders_beside_train(root: Path, path: str) -> None:
             f"out. If it is a class, move its images into {root}/train/{folder.name}/ (and "
             f"some into val/{folder.name}/); otherwise move it out of {root}."
         )
+
+
+def _visible_files(folder: Path):
+    """The files below `folder` that are not hidden and not in a hidden folder, lazily."""
+    for entry in folder.rglob("*"):
+        relative = entry.relative_to(folder).parts
+        if entry.is_file() and not any(part.startswith(".") for part in relative):
+            yield entry
 
 
 def refuse_split_folders(root: Path, whole: Path, path: str) -> None:
