@@ -277,6 +277,25 @@ def test_bad_input_is_one_message_and_nothing_is_written(pretrained, tmp_path, i
     assert not (tmp_path / "outputs").exists()
 
 
+def test_a_pretrained_encoder_is_loaded_as_a_decoder_blind_to_later_tokens(tmp_path):
+    """A folder saved from BertForMaskedLM says is_decoder=false: trained on text as it is, each
+    position would see the token it is to predict. Changing the last token changes no earlier
+    position's logits."""
+    config = transformers.AutoConfig.for_model(
+        "bert", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=16,
+    )  # fmt: skip
+    transformers.AutoModelForMaskedLM.from_config(config).save_pretrained(tmp_path / "bert")
+    model = hf_model(pretrained=str(tmp_path / "bert"), block_size=16, vocab_size=64).eval()
+    tokens = torch.randint(0, 64, (2, 16))
+    changed = tokens.clone()
+    changed[:, -1] = (tokens[:, -1] + 1) % 64
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    assert model.config.is_decoder
+    assert torch.equal(before[:, :-1], after[:, :-1]) and not torch.equal(before, after)
+
+
 def test_without_transformers_a_run_names_the_install_that_brings_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
     with pytest.raises(ConfigError, match=r"pip install 'mpexp\[hf\]'"):
