@@ -247,6 +247,11 @@ def bad_inputs(pretrained: Path, folder: Path) -> dict[str, tuple[list[str], str
     no_weights.mkdir(exist_ok=True)
     (no_weights / "config.json").write_text('{"model_type": "llama"}')
     llama, vit = pretrained / "llama", pretrained / "vit"
+    no_tokenizer = folder / "no_tokenizer"  # the Llama's weights without its tokenizer.json
+    no_tokenizer.mkdir(exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        (no_tokenizer / name).write_bytes((llama / name).read_bytes())
+    gpt2 = ["model=hf", "model.config=gpt2", "model.n_layer=1", "model.n_embd=32", "model.n_head=2"]
     return {
         "unknown type": (["model=hf", "model.config=lama"], "The closest: llama"),
         "misspelt key": ([*LLAMA, "model.hiden_size=8"], "closest first: hidden_size"),
@@ -261,12 +266,28 @@ def bad_inputs(pretrained: Path, folder: Path) -> dict[str, tuple[list[str], str
             "token id 300 and those above have no row in its embedding",
         ),
         "image size": (["model=hf", f"model.pretrained={vit}", "dataset=synthetic",
-                        "dataset.channels=3", *SHORT], "doesn't match model (32*32)"),
+                        "dataset.channels=3", *SHORT], "doesn't match model (32*32).\nChange"),
+        # rotary positions: past its 64 the Llama would train on, without a word
+        "window past a folder's context": (
+            ["model=hf", f"model.pretrained={llama}", *text(folder), *SHORT,
+             "dataset.block_size=128"],
+            "windows of 128 tokens, longer than its context of 64 positions",
+        ),
+        # GPT-2's position table of model.block_size=16 rows: an IndexError mid-build
+        "window past a new model's context": (
+            [*gpt2, *text(folder), *SHORT, "dataset.block_size=32"],
+            "Use dataset.block_size=16 (or fewer), or model.block_size=32",
+        ),
+        "no tokenizer.json": (["model=hf", f"model.pretrained={no_tokenizer}", *text(folder),
+                               *SHORT], "is a folder without a tokenizer.json"),
+        "timm on text": (["model=timm", "model.name=resnet18", *text(folder)],
+                         "model=timm classifies images; this dataset cuts text"),
     }  # fmt: skip
 
 
 MISTAKES = ["unknown type", "misspelt key", "no weights", "other type", "no class for the task",
-            "small vocabulary", "image size"]  # fmt: skip
+            "small vocabulary", "image size", "window past a folder's context",
+            "window past a new model's context", "no tokenizer.json", "timm on text"]  # fmt: skip
 
 
 @pytest.mark.parametrize("mistake", MISTAKES)
