@@ -6,11 +6,14 @@ from hydra.errors import CompactHydraException
 def reason(err: BaseException) -> str:
     """An exception's message in one line, for a message of ours that quotes it: its first line
     (the error's type where it has none), and the next one too where the first ends with a
-    colon, as TorchDynamo's "backend='inductor' raised:" does before what was raised."""
+    colon, as TorchDynamo's "backend='inductor' raised:" does before what was raised; its
+    closing full stop left to the message that quotes it."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     if not lines:
         return type(err).__name__
-    return " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    said = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    # the quoting message ends the sentence itself: no double full stop (an ellipsis is kept)
+    return said[:-1] if said.endswith(".") and not said.endswith("..") else said
 
 
 class UserError(CompactHydraException):

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from mpexp.batches import accumulate_advice, accumulate_choices
-from mpexp.config import HFConfig, TrainConfig, run_length
+from mpexp.config import HFConfig, TimmConfig, TrainConfig, run_length
 from mpexp.errors import ConfigError
 from mpexp.launch import launched_processes
 from mpexp.rundir import train_command
@@ -159,6 +159,17 @@ def _validate(cfg: DictConfig) -> None:
         )
     if data.get("block_size") is not None:
         _integer(data.block_size, "dataset.block_size", 1)
+        _validate_windows(cfg)
+    if "block_size" in data and OmegaConf.get_type(cfg.model) is TimmConfig:
+        raise ConfigError(
+            "model=timm classifies images; this dataset cuts text into token windows, a "
+            "language model's task. Train it on an image dataset (dataset=image_folder, "
+            "cifar10, ...), or a language model on this data (model=gpt, model=hf)."
+        )
+    if data.get("tokenizer") is not None:  # a pretrained folder's tokenizer.json, there
+        from mpexp.data.tokenizer import tokenizer_spec  # imports NumPy: only for text
+
+        tokenizer_spec(data.tokenizer)
     if "image_size" in data:  # dataset=image_folder
         _validate_image_folder(data)
 
@@ -169,6 +180,18 @@ def _validate(cfg: DictConfig) -> None:
     _validate_scaling(cfg.loss_scaling)
     _validate_training_loop(cfg)
     _validate_scheduler(cfg.scheduler)
+
+
+def _validate_windows(cfg: DictConfig) -> None:
+    """A model=hf language model's context against the windows the data cuts (the key that sets
+    them named: dataset.block_size, or model.block_size where the data takes it from there)."""
+    if OmegaConf.get_type(cfg.model) is not HFConfig:
+        return
+    from mpexp.models.hf_config import check_context  # imports transformers: only for model=hf
+
+    follows = OmegaConf.is_interpolation(cfg.dataset, "block_size") and "block_size" in cfg.model
+    key = "model.block_size" if follows and cfg.model.block_size == cfg.dataset.block_size else ""
+    check_context(cfg.model, cfg.dataset.block_size, key or "dataset.block_size")
 
 
 def _validate_lora(lora: Mapping[str, Any], pure: bool) -> None:

@@ -247,6 +247,11 @@ def bad_inputs(pretrained: Path, folder: Path) -> dict[str, tuple[list[str], str
     no_weights.mkdir(exist_ok=True)
     (no_weights / "config.json").write_text('{"model_type": "llama"}')
     llama, vit = pretrained / "llama", pretrained / "vit"
+    no_tokenizer = folder / "no_tokenizer"  # the Llama's weights without its tokenizer.json
+    no_tokenizer.mkdir(exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        (no_tokenizer / name).write_bytes((llama / name).read_bytes())
+    gpt2 = ["model=hf", "model.config=gpt2", "model.n_layer=1", "model.n_embd=32", "model.n_head=2"]
     return {
         "unknown type": (["model=hf", "model.config=lama"], "The closest: llama"),
         "misspelt key": ([*LLAMA, "model.hiden_size=8"], "closest first: hidden_size"),
@@ -261,12 +266,28 @@ def bad_inputs(pretrained: Path, folder: Path) -> dict[str, tuple[list[str], str
             "token id 300 and those above have no row in its embedding",
         ),
         "image size": (["model=hf", f"model.pretrained={vit}", "dataset=synthetic",
-                        "dataset.channels=3", *SHORT], "doesn't match model (32*32)"),
+                        "dataset.channels=3", *SHORT], "doesn't match model (32*32).\nChange"),
+        # rotary positions: past its 64 the Llama would train on, without a word
+        "window past a folder's context": (
+            ["model=hf", f"model.pretrained={llama}", *text(folder), *SHORT,
+             "dataset.block_size=128"],
+            "windows of 128 tokens, longer than its context of 64 positions",
+        ),
+        # GPT-2's position table of model.block_size=16 rows: an IndexError mid-build
+        "window past a new model's context": (
+            [*gpt2, *text(folder), *SHORT, "dataset.block_size=32"],
+            "Use dataset.block_size=16 (or fewer), or model.block_size=32",
+        ),
+        "no tokenizer.json": (["model=hf", f"model.pretrained={no_tokenizer}", *text(folder),
+                               *SHORT], "is a folder without a tokenizer.json"),
+        "timm on text": (["model=timm", "model.name=resnet18", *text(folder)],
+                         "model=timm classifies images; this dataset cuts text"),
     }  # fmt: skip
 
 
 MISTAKES = ["unknown type", "misspelt key", "no weights", "other type", "no class for the task",
-            "small vocabulary", "image size"]  # fmt: skip
+            "small vocabulary", "image size", "window past a folder's context",
+            "window past a new model's context", "no tokenizer.json", "timm on text"]  # fmt: skip
 
 
 @pytest.mark.parametrize("mistake", MISTAKES)
@@ -275,6 +296,25 @@ def test_bad_input_is_one_message_and_nothing_is_written(pretrained, tmp_path, i
     output = one_line_failure(in_process(*args, "wandb.mode=disabled", cwd=tmp_path))
     assert said in output
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_pretrained_encoder_is_loaded_as_a_decoder_blind_to_later_tokens(tmp_path):
+    """A folder saved from BertForMaskedLM says is_decoder=false: trained on text as it is, each
+    position would see the token it is to predict. Changing the last token changes no earlier
+    position's logits."""
+    config = transformers.AutoConfig.for_model(
+        "bert", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=16,
+    )  # fmt: skip
+    transformers.AutoModelForMaskedLM.from_config(config).save_pretrained(tmp_path / "bert")
+    model = hf_model(pretrained=str(tmp_path / "bert"), block_size=16, vocab_size=64).eval()
+    tokens = torch.randint(0, 64, (2, 16))
+    changed = tokens.clone()
+    changed[:, -1] = (tokens[:, -1] + 1) % 64
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    assert model.config.is_decoder
+    assert torch.equal(before[:, :-1], after[:, :-1]) and not torch.equal(before, after)
 
 
 def test_without_transformers_a_run_names_the_install_that_brings_it(monkeypatch):

@@ -88,7 +88,7 @@ def tokenizer_spec(spec: str | None) -> str:
         return spec
     path = Path(spec).expanduser() / "tokenizer.json"
     if not path.is_file():
-        raise DataError(
+        raise ConfigError(
             f"dataset.tokenizer={spec} is a folder without a tokenizer.json (a pretrained "
             "model's folder is the text's tokenizer unless dataset.tokenizer says otherwise). "
             "Save the model's fast tokenizer there (tokenizer.save_pretrained), or give "

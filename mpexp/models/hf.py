@@ -138,6 +138,10 @@ class Recipe:
 def causal_lm(recipe: Recipe, block_size: int, vocab: int) -> nn.Module:
     auto = hf_config.transformers().AutoModelForCausalLM
     config = recipe.config()
+    # BERT-like: causal attention only as a decoder, a pretrained encoder's too (its folder says
+    # is_decoder=false: each position would see the tokens it is to predict)
+    if hasattr(config, "is_decoder"):
+        config.is_decoder = True
     if recipe.pretrained is None:
         config.vocab_size = vocab
         if config.is_encoder_decoder:
@@ -145,8 +149,6 @@ def causal_lm(recipe: Recipe, block_size: int, vocab: int) -> nn.Module:
                 f"model.config={recipe.model_type} is an encoder-decoder model; model=hf trains "
                 "decoder-only language models (llama, gpt2, qwen2, mistral, ...)."
             )
-        if hasattr(config, "is_decoder"):  # BERT-like: causal attention only as a decoder
-            config.is_decoder = True
         positions = config.attribute_map.get("max_position_embeddings", "max_position_embeddings")
         given = {"max_position_embeddings", positions} & recipe.keys.keys()
         if hasattr(config, "max_position_embeddings") and not given:

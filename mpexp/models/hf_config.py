@@ -167,3 +167,49 @@ def check_keys(node: Mapping[str, Any]) -> str:
                 f"{', '.join(closest)}."
             )
     return model_type
+
+
+def context(node: Mapping[str, Any]) -> tuple[int, str] | None:
+    """The positions a causal language model of the node takes, with the config key that says
+    so (Llama's `max_position_embeddings`, GPT-2's `n_positions`): a folder's config.json, or a
+    new model's own key, else `model.block_size`, which sizes it (mpexp/models/hf.py). None for
+    a model with no such limit (rotary positions alone, say)."""
+    auto = transformers().AutoConfig
+    keys = extra_keys(node)
+    model_type = model_type_of(node)
+    try:
+        if node.get("pretrained") is None:
+            config = auto.for_model(model_type, **keys)
+        else:
+            folder = pretrained_folder(node["pretrained"])
+            config = auto.from_pretrained(folder, local_files_only=True, **keys)
+    except (ValueError, TypeError):
+        return None  # the build says why, in its own message
+    if not hasattr(config, "max_position_embeddings"):
+        return None
+    name = getattr(config, "attribute_map", {}).get("max_position_embeddings")
+    name = name or "max_position_embeddings"
+    if node.get("pretrained") is None and not {"max_position_embeddings", name} & keys.keys():
+        return node["block_size"], f"{name}, from model.block_size"
+    return config.max_position_embeddings, name
+
+
+def check_context(node: Mapping[str, Any], window: int, key: str) -> None:
+    """Refuse windows of `window` tokens (`key` sets them) longer than the model's context,
+    before anything is built: past it, GPT-2's position table has no row (an IndexError
+    mid-build), and rotary models train on positions they were never made for, without a word."""
+    found = context(node)
+    if found is None or window <= found[0]:
+        return
+    positions, name = found
+    model = (
+        f"model.pretrained={node['pretrained']}"
+        if node.get("pretrained") is not None
+        else f"model.config={node['config']}"
+    )
+    sized = node.get("pretrained") is None and key != "model.block_size"
+    grow = f", or model.block_size={window}, which sizes a new model's context" if sized else ""
+    raise ConfigError(
+        f"{key}={window}: the model is fed windows of {window} tokens, longer than its context "
+        f"of {positions} positions ({model}, {name}). Use {key}={positions} (or fewer){grow}."
+    )
