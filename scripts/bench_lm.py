@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 import torch.nn.functional as F  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 
+from mpexp.config import FINETUNE_KEYS  # noqa: E402
 from mpexp.data.base import epoch_seed  # noqa: E402
 from mpexp.data.text import TextData, TokenCache, path_source, stdlib_source  # noqa: E402
 from mpexp.models.gpt import GPT  # noqa: E402
@@ -106,7 +107,8 @@ def run_plain(args, precision: str, mpexp: dict) -> dict:
     cfg = mpexp["cfg"]
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    model_cfg = {k: v for k, v in cfg["model"].items() if k != "_target_"}
+    # the GPT's own arguments: not the target, nor mpexp's fine-tuning keys (model.lora, ...)
+    model_cfg = {k: v for k, v in cfg["model"].items() if k not in ("_target_", *FINETUNE_KEYS)}
     train_tokens, val_tokens, vocab = token_parts(args, cfg["dataset"])
     padded = -(-vocab // 64) * 64  # the model's vocabulary, as mpexp pads it
     model = GPT(vocab_size=padded, **model_cfg).to(device)

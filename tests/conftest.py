@@ -173,6 +173,12 @@ def command_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                                        err.getvalue())  # fmt: skip
 
 
+def job_dir(sweep: Path, job: int) -> Path:
+    """A sweep job's folder: its number, then the overrides the sweep varies."""
+    (found,) = [p for p in sweep.iterdir() if p.is_dir() and p.name.split("_")[0] == str(job)]
+    return found
+
+
 def one_line_failure(result: subprocess.CompletedProcess) -> str:
     """The output of a command that failed as a mistake should: a non-zero exit, no traceback,
     nothing trained."""

@@ -17,7 +17,7 @@ from mpexp.distributed import World, hydra_overrides_for_rank, start_world
 from mpexp.errors import ConfigError
 from mpexp.run.runner import train
 from mpexp.tracking.run_context import RunContext
-from tests.conftest import ROOT, TINY, make_cfg, run_cli
+from tests.conftest import ROOT, TINY, job_dir, make_cfg, run_cli
 from tests.test_training import read_metrics
 
 TORCHRUN = ("torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -259,16 +259,17 @@ def test_submitit_local_sweep_runs_ddp_inside_each_job(tmp_path, monkeypatch):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (sweep,) = (tmp_path / "outputs" / "multirun").glob("*/*")
-    for job, precision in zip(("0", "1"), ("fp32", "bf16"), strict=True):
-        steps, epochs = read_metrics(sweep / job)
+    for number, precision in enumerate(("fp32", "bf16")):
+        job = job_dir(sweep, number)
+        steps, epochs = read_metrics(job)
         assert [r["step"] for r in steps] == [1, 2, 3, 4]  # 256 samples, global batch 64
         assert len(epochs) == 1
-        summary = json.loads((sweep / job / "summary.json").read_text())
+        summary = json.loads((job / "summary.json").read_text())
         assert summary["status"] == "finished"
         assert summary["ran"]["precision"] == precision
         assert summary["ran"]["world_size"] == 2
         assert summary["ran"]["replicas_identical"] is True
-        assert (sweep / job / "train.log").read_text().count("Epoch: 1,") == 1
+        assert (job / "train.log").read_text().count("Epoch: 1,") == 1
 
 
 class Indexed(SyntheticData):

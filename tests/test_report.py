@@ -19,7 +19,7 @@ from mpexp.report.table import build_report
 from mpexp.run.runner import train
 from mpexp.tasks.base import ACCURACY
 from mpexp.tracking.run_context import RunContext
-from tests.conftest import TINY, make_cfg, run_cli
+from tests.conftest import TINY, job_dir, make_cfg, run_cli
 from tests.test_first_minutes import documented_run, shape
 from tests.test_training import read_metrics
 from tests.test_wandb import final_run, final_summary, leet_records
@@ -42,12 +42,6 @@ def read_table(report_md: Path, section: str) -> list[dict[str, str]]:
 def sweep_dir(cwd: Path) -> Path:
     (sweep,) = (cwd / "outputs" / "multirun").glob("*/*")
     return sweep
-
-
-def job_dir(sweep: Path, job: int) -> Path:
-    """A sweep job's folder: its number, then the overrides the sweep varies."""
-    (found,) = [p for p in sweep.iterdir() if p.is_dir() and p.name.split("_")[0] == str(job)]
-    return found
 
 
 @pytest.fixture(scope="module")

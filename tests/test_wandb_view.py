@@ -34,7 +34,7 @@ from mpexp.report.wandb_view_process import to_workspace
 from mpexp.run.runner import train
 from mpexp.tasks.language_model import LanguageModelling
 from mpexp.tracking.run_context import RunContext
-from tests.conftest import TINY, make_cfg, run_cli
+from tests.conftest import TINY, job_dir, make_cfg, run_cli
 from tests.test_wandb import final_run, leet_records
 
 # TINY for one short epoch, W&B and the sweep's keys left to each test
@@ -84,7 +84,7 @@ def config_value(config: dict, key: str):
 def test_a_sweeps_view_groups_by_precision_not_seed_in_the_sweeps_group(offline_sweep):
     sweep, output = offline_sweep
     spec = spec_of(sweep)
-    runs = [final_run(leet_records(next((sweep / str(j) / "wandb").glob("offline-run-*"))))
+    runs = [final_run(leet_records(next((job_dir(sweep, j) / "wandb").glob("offline-run-*"))))
             for j in range(4)]  # fmt: skip
 
     # filtered to the group and job type the W&B runs have, named after the group
@@ -100,8 +100,10 @@ def test_a_sweeps_view_groups_by_precision_not_seed_in_the_sweeps_group(offline_
     assert spec["seeds"] == {"line": "mean", "band": "minmax"}
 
     assert [s["name"] for s in spec["sections"]] == [
-        "Result", "Loss", "Loss scale", "Speed", "Memory"
+        "Bottom line", "Result", "Loss", "Loss scale", "Speed", "Memory"
     ]  # fmt: skip
+    (bottom,) = panels(spec, "Bottom line")  # the report's answer, above the figures
+    assert bottom["kind"] == "markdown" and "bf16" in bottom["text"]
     result = panels(spec, "Result")
     assert [(p["x"], p["y"]) for p in result] == [("epoch", ["val/acc"]), (WALL_TIME, ["val/acc"])]
     (scale,) = [p for p in panels(spec, "Loss scale") if p["y"] == ["amp/scale"]]
@@ -135,7 +137,7 @@ def test_a_sweep_that_varied_the_learning_rate_groups_by_both(tmp_path):
     # the group its runs would have had in W&B
     assert spec["runs"]["groups"] == [f"sweep-{sweep.parent.name}_{sweep.name}"]
     # the config W&B is sent, summary.json's, holds the learning rate where the view looks
-    summaries = [json.loads((sweep / str(j) / "summary.json").read_text()) for j in range(4)]
+    summaries = [json.loads((job_dir(sweep, j) / "summary.json").read_text()) for j in range(4)]
     assert [config_value(s["config"], "optimizer.lr") for s in summaries] == [1e-3, 3e-3] * 2
     assert view_lines(output) == []  # W&B disabled: nothing to say about a view
 
@@ -288,7 +290,7 @@ def test_the_view_is_saved_once_and_its_url_printed(offline_sweep, fake_wandb, t
     assert runset["grouping"] == [{"section": "config", "name": "ran.value.precision"}]
     bank = saved["panelBankConfig"]["sections"]
     assert [(s["name"], s["isOpen"]) for s in bank] == [(s["name"], True) for s in spec["sections"]]
-    configs = [p["config"] for s in bank for p in s["panels"]]
+    configs = [p["config"] for s in bank for p in s["panels"] if "metrics" in p["config"]]
     (scale,) = [c for c in configs if c["metrics"] == ["amp/scale"]]
     assert scale["yLogScale"] is True
     assert {(c["groupAgg"], c["groupArea"]) for c in configs} == {("mean", "minmax")}
