@@ -14,6 +14,7 @@ import torch
 from mpexp.build import rebuilt
 from mpexp.checkpoints.files import load
 from mpexp.export import export, model_kwargs
+from mpexp.plan.rehearsal import rehearse
 from mpexp.run.runner import train
 from mpexp.rundir import checkpoint_files
 from mpexp.tracking.run_context import RunContext
@@ -74,6 +75,14 @@ def test_a_resumed_run_continues_from_the_heads_trained_weights(timm_run):
     again = load(checkpoint_files(run_dir)[-1])["model"]
     assert whole.keys() == again.keys()
     assert all(torch.equal(whole[k], again[k]) for k in whole), "the resume repeats the run"
+
+
+def test_the_plan_counts_the_new_head_as_trained(timm_run):
+    """The plan builds on the meta device, the file unread: the head it makes anew is known from
+    the file's shapes, and trains there as in the run."""
+    _, args, summary = timm_run
+    row = rehearse(make_cfg(*args), "cuda", micro_batches=1)
+    assert row.trainable_parameters == summary["ran"]["trainable_parameters"]
 
 
 def test_a_transformers_head_made_anew_trains_and_exports_as_modules_to_save(tmp_path):

@@ -87,6 +87,9 @@ def timm_model(
             check_patches(create(timm, name, args, image_size, None), name, image_size, pretrained)
     model = create(timm, name, args, image_size, None if on_meta else weights)
     check_patches(model, name, image_size, pretrained)
+    if weights is not None and on_meta:  # the plan: which head the run makes anew, from shapes
+        overlay = pretrained_args(timm, name, weights)["pretrained_cfg_overlay"]
+        model.made_anew = made_anew(model, overlay, args)
     declare(model, fp8_head)
     return model
 
