@@ -64,9 +64,10 @@ def trainable_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def train_made_anew(model: nn.Module) -> list[str]:
+def train_made_anew(model: nn.Module, pure: bool) -> list[str]:
     """Unfreeze the modules the build made anew (`model.made_anew`), which LoRA froze with the
-    rest, in float32; their names, said in the log."""
+    rest, in float32 (pure bf16 holds them in bf16 with every trained weight); their names,
+    said in the log."""
     names = list(getattr(model, "made_anew", None) or [])
     modules = dict(model.named_modules())
     for name in names:
@@ -76,8 +77,9 @@ def train_made_anew(model: nn.Module) -> list[str]:
     if names:
         log.info(
             "LoRA: %s made anew by the build (not in the pretrained weights): trained whole, "
-            "in float32, beside the adapters.",
+            "in %s, beside the adapters.",
             ", ".join(names),
+            "bf16 (precision=bf16_pure)" if pure else "float32",
         )
     return names
 
@@ -110,7 +112,7 @@ def fine_tune(model: nn.Module, node, pure: bool = False) -> FineTuning:
             "dtype": str(dtype).removeprefix("torch."),
             "parameters": trainable_parameters(model),  # the adapters'
         }
-        whole = train_made_anew(model)
+        whole = train_made_anew(model, pure)
         if whole:  # which modules train whole, and their elements beside the adapters'
             adapters = tuning.lora["parameters"]
             tuning.lora["trained_whole"] = whole
