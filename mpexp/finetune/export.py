@@ -40,7 +40,9 @@ def merged(adapters) -> nn.Module:
 def save_adapters(adapters, directory: Path, within: str = "", base: str | None = None) -> None:
     """Write the adapters as peft writes them (adapter_config.json, adapter_model.safetensors)
     into `directory`, named inside the model's attribute `within` (the whole model: "");
-    `base`, where given, is recorded as the base model's path (base_model_name_or_path)."""
+    `base`, where given, is recorded as the base model's path (base_model_name_or_path). The
+    layers the build made anew and LoRA trained whole (the model's `made_anew`: a classifier's
+    new head) go with them as peft's `modules_to_save`, which peft loads over the base's."""
     import peft
     from safetensors.torch import save_file
 
@@ -48,16 +50,25 @@ def save_adapters(adapters, directory: Path, within: str = "", base: str | None 
     config = copy.deepcopy(adapters.peft_config[ADAPTER])
     if base is not None:
         config.base_model_name_or_path = base
-    if not within:
+    model = adapters.get_base_model()
+    whole = list(getattr(model, "made_anew", None) or [])
+    if not within and not whole:
         adapters.peft_config[ADAPTER] = config
         adapters.save_pretrained(directory)
         return
-    root, inner = "base_model.model.", f"base_model.model.{within}."
+    root = "base_model.model."
+    inner = f"{root}{within}." if within else root
     weights = peft.get_peft_model_state_dict(adapters, adapter_name=ADAPTER)
     outside = sorted(k for k in weights if not k.startswith(inner))
     if outside:
         raise ValueError(f"adapters outside {within!r}: {', '.join(outside[:3])}")
     weights = {root + k.removeprefix(inner): v.contiguous() for k, v in weights.items()}
+    modules = dict(model.named_modules())
+    for name in whole:
+        for key, value in modules[name].state_dict().items():
+            weights[root + f"{name}.{key}".removeprefix(f"{within}.")] = value.contiguous()
+    if whole:
+        config.modules_to_save = [name.removeprefix(f"{within}.") for name in whole]
     config.target_modules = {t.removeprefix(f"{within}.") for t in config.target_modules}
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(directory))

@@ -1,10 +1,16 @@
 """The model as built, made ready for fine-tuning as its config says: LoRA adapters first
-(`model.lora`, which freezes everything else), then `model.freeze`'s patterns (over every
-parameter, adapters included). A model without these keys (a model group option without
-mpexp's schema) trains whole, as it always did."""
+(`model.lora`, which freezes everything else but the layers the build made anew), then
+`model.freeze`'s patterns (over every parameter, adapters included). A model without these keys
+(a model group option without mpexp's schema) trains whole, as it always did.
+
+A layer the build made anew rather than loaded (a pretrained classifier's head made again for
+the data's class count) is named in the model's `made_anew` (mpexp/models/timm_models.py,
+hf.py): under LoRA it trains whole, in float32, beside the adapters, since a random layer left
+frozen would never learn the data's classes."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +21,8 @@ from mpexp.finetune.freeze import freeze
 from mpexp.finetune.frozen_dtype import hold_frozen
 from mpexp.finetune.lora import add_lora, import_peft
 from mpexp.finetune.names import outline
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,6 +64,26 @@ def trainable_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def train_made_anew(model: nn.Module, pure: bool) -> list[str]:
+    """Unfreeze the modules the build made anew (`model.made_anew`), which LoRA froze with the
+    rest, in float32 (pure bf16 holds them in bf16 with every trained weight); their names,
+    said in the log."""
+    names = list(getattr(model, "made_anew", None) or [])
+    modules = dict(model.named_modules())
+    for name in names:
+        for parameter in modules[name].parameters():
+            parameter.data = parameter.data.float()
+            parameter.requires_grad_(True)
+    if names:
+        log.info(
+            "LoRA: %s made anew by the build (not in the pretrained weights): trained whole, "
+            "in %s, beside the adapters.",
+            ", ".join(names),
+            "bf16 (precision=bf16_pure)" if pure else "float32",
+        )
+    return names
+
+
 def import_peft_if_asked(node) -> None:
     """peft, where `node` (the model group's config) asks for LoRA, imported now: before a model
     is built under `torch.device("meta")`, which would put an import's module-level tensors on
@@ -82,8 +110,13 @@ def fine_tune(model: nn.Module, node, pure: bool = False) -> FineTuning:
             "layers": len(adapted),
             "target_modules": outline(adapted),  # blocks.*.attn.qkv: one name for all blocks
             "dtype": str(dtype).removeprefix("torch."),
-            "parameters": trainable_parameters(model),
+            "parameters": trainable_parameters(model),  # the adapters'
         }
+        whole = train_made_anew(model, pure)
+        if whole:  # which modules train whole, and their elements beside the adapters'
+            adapters = tuning.lora["parameters"]
+            tuning.lora["trained_whole"] = whole
+            tuning.lora["trained_whole_parameters"] = trainable_parameters(model) - adapters
     if patterns:
         freeze(model, patterns)
     tuning.trainable = trainable_parameters(model)

@@ -225,6 +225,7 @@ def image_classifier(
         config.num_labels = classes
     model = recipe.model(auto, config, "image classification", new_head)
     model.__class__ = adapted(type(model), ImageClassifier)
+    model.made_anew = head_names(model) if new_head else []  # LoRA trains it whole
     recipe.describe(model)
     return model
 

@@ -14,6 +14,8 @@ use. What mpexp needs to know about it the adapter attaches as it builds it:
   `stages.1.blocks.0`, `layer2.1`), each sharded on its own under `trainer.strategy=fsdp`.
 - `fp8_left_out`: the Linear layers that fp8 leaves as they are: those outside the blocks, and
   the classifier unless `model.fp8_head=true`.
+- `made_anew`: the classifier's modules where `model.pretrained`'s was for another class count
+  (new, random weights), which LoRA trains whole (mpexp/finetune/prepare.py).
 
 `model.pretrained=<file>` loads weights through timm's own loading (`pretrained=True` with the
 file as `pretrained_cfg_overlay`): a classifier for another number of classes is dropped and made
@@ -85,6 +87,9 @@ def timm_model(
             check_patches(create(timm, name, args, image_size, None), name, image_size, pretrained)
     model = create(timm, name, args, image_size, None if on_meta else weights)
     check_patches(model, name, image_size, pretrained)
+    if weights is not None and on_meta:  # the plan: which head the run makes anew, from shapes
+        overlay = pretrained_args(timm, name, weights)["pretrained_cfg_overlay"]
+        model.made_anew = made_anew(model, overlay, args)
     declare(model, fp8_head)
     return model
 
@@ -185,6 +190,7 @@ def create_once(timm, name: str, args: dict[str, Any], load: dict[str, Any]) -> 
     if weights is not None:
         check_loaded(model, name, weights, said)
         describe_load(name, weights, load["pretrained_cfg_overlay"], args)
+        model.made_anew = made_anew(model, load["pretrained_cfg_overlay"], args)
     for record in said:  # timm's warnings, e.g. a first convolution it could not adapt
         if record.levelno >= logging.WARNING:
             logging.getLogger(record.name).handle(record)
@@ -328,6 +334,17 @@ def describe_load(name: str, weights: str, overlay: dict[str, Any], args: dict[s
         "model.pretrained=%s loaded into timm's %s%s.", weights, name,
         f"; {'; '.join(changed)}" if changed else "",
     )  # fmt: skip
+
+
+def made_anew(model: nn.Module, overlay: dict[str, Any], args: dict[str, Any]) -> list[str]:
+    """The classifier's modules, where timm made them anew for another class count; else []."""
+    classes = overlay.get("num_classes")
+    if classes is None or classes == args["num_classes"]:
+        return []
+    heads = model.pretrained_cfg.get("classifier") or ()
+    heads = [heads] if isinstance(heads, str) else list(heads)
+    modules = dict(model.named_modules())
+    return [h for h in heads if h in modules and any(True for _ in modules[h].parameters())]
 
 
 def keys_in(text: str, pattern: str) -> list[str]:
