@@ -63,8 +63,8 @@ def with_mode(model: list[str], mode: list[str]):
 
 def two_steps(cfg, world: World | None = None):
     """Two optimizer steps of the run `cfg` configures, built as a run builds its parts and
-    stepped by its Stepper; the parts, the weights before, and the steps' rows (the forward pass
-    the loop called: `two_steps.forward`)."""
+    stepped by its Stepper; the parts, the weights before, the steps' rows and the forward pass
+    the loop called."""
     torch.manual_seed(0)
     built = build_parts(cfg, world or World(CPU), {"model": "timm", "dataset": "synthetic"})
     optimizer, schedule, forward = build_training(cfg, built, CPU)
@@ -78,8 +78,7 @@ def two_steps(cfg, world: World | None = None):
         stepper.step(step, images, labels)
         if step == 2:
             break
-    two_steps.forward = forward
-    return built, before, history.flush(wait=True)
+    return built, before, history.flush(wait=True), forward
 
 
 MODES = {
@@ -107,7 +106,7 @@ GRID = [
 
 @pytest.mark.parametrize(("model", "blocks", "mode"), GRID)
 def test_every_precision_mode_trains_a_timm_vit_and_cnn(model, blocks, mode):
-    built, before, rows = two_steps(with_mode(model, mode))
+    built, before, rows, _ = two_steps(with_mode(model, mode))
     assert [r.step for r in rows] == [1, 2]
     assert all(torch.isfinite(torch.tensor(r.loss)) and not r.skipped for r in rows)
     after = dict(built.model.named_parameters())
@@ -143,7 +142,7 @@ def test_a_compiled_timm_model_trains(monkeypatch, model, blocks):
     monkeypatch.setattr(performance.torch, "compile", eager_backend)
     torch._dynamo.reset()
     cfg = with_mode([*model, "trainer.compile=true"], ["precision=bf16"])
-    built, before, rows = two_steps(cfg)
+    built, before, rows, _ = two_steps(cfg)
     assert built.speed.compile and traced  # the step went through the compiled forward
     assert len(rows) == 2 and not any(r.skipped for r in rows)
     moved = [n for n, p in built.model.named_parameters() if not torch.equal(p.detach(), before[n])]
@@ -410,12 +409,12 @@ def one_process_world(monkeypatch):
 def test_ddp_and_fsdp_train_a_timm_model_fsdp_sharding_its_blocks(one_process_world, strategy):
     cfg = with_mode([*VIT, f"trainer.strategy={strategy}"], ["precision=bf16"])
     with start_world(strategy, CPU) as world:
-        built, before, rows = two_steps(cfg, world)
+        built, before, rows, forward = two_steps(cfg, world)
     assert len(rows) == 2
     model = built.model
     if strategy == "ddp":  # DDP around the model with its loss, compiled where the run compiles
-        assert isinstance(two_steps.forward, nn.parallel.DistributedDataParallel)
-        assert two_steps.forward.module.model is model
+        assert isinstance(forward, nn.parallel.DistributedDataParallel)
+        assert forward.module.model is model
         return
     units = [n for n, m in model.named_modules() if type(m).__name__.startswith("FSDP")]
     assert units == ["", "blocks.0", "blocks.1", "norm"]  # the root holds the embeddings, the head

@@ -302,15 +302,18 @@ def adapted(cls: type, adapter: type) -> type:
     return type(cls.__name__, (adapter, cls), names)
 
 
-@functools.cache
 def cache_keyword(cls: type) -> str:
     """What the transformers model under `cls` calls its KV cache in `forward`: `cache` in
     recent transformers, `past_key_values` before."""
-    parameters = inspect.signature(super(CausalLM, cls).forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
+    return "cache" if "cache" in forward_keywords(cls) else "past_key_values"
+
+
+def keeps_logits(cls: type) -> bool:
+    """Whether the transformers model under `cls` takes `logits_to_keep` in `forward`."""
+    return "logits_to_keep" in forward_keywords(cls)
 
 
 @functools.cache
-def keeps_logits(cls: type) -> bool:
-    """Whether the transformers model under `cls` takes `logits_to_keep` in `forward`."""
-    return "logits_to_keep" in inspect.signature(super(CausalLM, cls).forward).parameters
+def forward_keywords(cls: type) -> frozenset[str]:
+    """The keywords of the transformers model's own `forward` under the adapted class `cls`."""
+    return frozenset(inspect.signature(super(CausalLM, cls).forward).parameters)
