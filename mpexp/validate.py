@@ -301,7 +301,7 @@ def _validate_pure_bf16(cfg: DictConfig) -> None:
     p = cfg.precision
     pure = p.get("weights") == "bfloat16"
     if not pure:
-        for key in ("update_rounding", "optimizer_states", "update_chunk"):
+        for key in ("update_rounding", "optimizer_states", "update_chunk", "update_compile"):
             if p.get(key) is not None:
                 raise ConfigError(
                     f"precision.{key}={p[key]} applies to pure bf16 weights only; use "

@@ -153,38 +153,38 @@ def shape_sets() -> dict[str, list[tuple[int, ...]]]:
     }
 
 
-def step_times(repeats: int, steps: int) -> None:
+def step_times(repeats: int, steps: int, only: set | None = None) -> None:
     """The optimizer step's median time per case and shape set (see the module's docstring)."""
     from mpexp.precision.pure_optimizers import PureAdam
 
     torch.set_num_threads(1)
-    cases = {
-        "torch fused AdamW": None,
-        "nearest": {"rounding": "nearest", "count": False},
-        "nearest, counting": {"rounding": "nearest", "count_every": 1},
-        "kahan": {"rounding": "kahan", "count": False},
-        "stochastic": {"rounding": "stochastic", "count": False},
-    }
-    print(f"torch {torch.__version__}, 1 thread, median of {repeats} x {steps} steps (ms)")
-    print(f"| shapes | {' | '.join(cases)} |")
-    print("|---|" + "---|" * len(cases))
-    for name, shapes in shape_sets().items():
+    cases = {"torch fused AdamW": None, "nearest": {"rounding": "nearest", "count": False}}
+    for how, compiled in (("eager", False), ("compiled", True)):
+        cases[f"nearest counting {how}"] = {"rounding": "nearest", "compiled": compiled}
+        for rounding in ("kahan", "stochastic"):
+            settings = {"rounding": rounding, "count": False, "compiled": compiled}
+            cases[f"{rounding} {how}"] = settings
+    cases = {k: v for k, v in cases.items() if not only or k in only or v is None}
+    print(f"torch {torch.__version__}, 1 thread, median of {repeats} x {steps} steps: CPU ms")
+    sets = shape_sets()
+    cells: dict[str, list[str]] = {case: [] for case in cases}
+    for shapes in sets.values():
         built = {case: _optimizer(shapes, pure, PureAdam) for case, pure in cases.items()}
-        wall: dict[str, list[float]] = {case: [] for case in cases}
         cpu: dict[str, list[float]] = {case: [] for case in cases}
         for _ in range(repeats):
             for case, optimizer in built.items():
-                began, began_cpu = time.perf_counter(), time.thread_time()
+                began = time.thread_time()
                 for _ in range(steps):
                     optimizer.step()
-                wall[case].append((time.perf_counter() - began) / steps * 1e3)
-                cpu[case].append((time.thread_time() - began_cpu) / steps * 1e3)
+                cpu[case].append((time.thread_time() - began) / steps * 1e3)
         base = statistics.median(cpu["torch fused AdamW"])
-        cells = []
         for case in cases:
-            w, c = statistics.median(wall[case]), statistics.median(cpu[case])
-            cells.append(f"{w:.1f} (cpu {c:.1f}, {c / base:.2f}x)")
-        print(f"| {name} | {' | '.join(cells)} |", flush=True)
+            c = statistics.median(cpu[case])
+            cells[case].append(f"{c:.1f} ({c / base:.2f}x)")
+    print(f"| step | {' | '.join(sets)} |")
+    print("|---|" + "---|" * len(sets))
+    for case, row in cells.items():
+        print(f"| {case} | {' | '.join(row)} |", flush=True)
 
 
 def kernels(repeats: int) -> None:
@@ -247,10 +247,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dir")
     parser.add_argument("--steps", type=int, default=4, help="steps an epoch (batches of 128)")
     parser.add_argument("--step-times", action="store_true", help="time the optimizer step alone")
+    parser.add_argument("--only", default="", help="--step-times: these cases (comma-separated)")
     parser.add_argument("--kernels", action="store_true", help="time torch's optimizer kernels")
     args = parser.parse_args(argv)
     if args.step_times:
-        step_times(args.repeats, args.steps)
+        step_times(args.repeats, args.steps, set(filter(None, args.only.split(","))))
         return 0
     if args.kernels:
         kernels(args.repeats)

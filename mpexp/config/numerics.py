@@ -40,11 +40,13 @@ class PrecisionConfig:
     # bfloat16: pure bf16 (precision=bf16_pure), no fp32 master weights
     weights: WeightsDtype = WeightsDtype.float32
     # pure bf16 only (null elsewhere): how each update is rounded into the bf16 weights, the
-    # dtype of the optimizer's states between steps, and the elements of the step's float32
-    # workspace (null: by device, mpexp/precision/pure_step.py)
+    # dtype of the optimizer's states between steps, the elements of the step's float32
+    # workspace (null: by device, mpexp/precision/pure_step.py), and whether the update is one
+    # compiled loop (null: where it pays, mpexp/precision/pure_compiled.py)
     update_rounding: Optional[UpdateRounding] = None
     optimizer_states: Optional[StatesDtype] = None
     update_chunk: Optional[int] = None
+    update_compile: Optional[bool] = None
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from mpexp.precision.pure_compiled import CompiledUpdate
 from mpexp.precision.pure_layout import Batch, cuttable, most_pieces, plan_batches
 from mpexp.precision.pure_updates import COMPENSATION
 from mpexp.precision.pure_workspace import BatchViews, PieceBounds, Workspace, aligned
@@ -119,5 +120,7 @@ class Batches:
         pieces = sum(count for count, _ in cuts)  # a batch holds one piece at least
         in_batch = max(len(g) for g in groups)
         workspace = Workspace.element_bytes(**self.buffers()) * extent
+        if o.compiles:  # the compiled update's gathered weights and gradients, in bf16
+            workspace += CompiledUpdate.gather_bytes(extent)
         sums = extent // 5 + 300 * (in_batch + 1)
         return workspace + sums + PieceBounds.nbytes(pieces, pieces) + 4096

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from mpexp.precision.pure_compiled import compile_setting
 from mpexp.precision.pure_layout import zeroed_like
 from mpexp.precision.pure_step import Lists, PureOptimizer, default_chunk
 from mpexp.precision.pure_updates import COMPENSATION
@@ -256,6 +257,8 @@ def build_pure(
         fused = False
     device_type = device_type or device.type
     chunk = p.get("update_chunk") or default_chunk(device_type)
+    elements = sum(t.numel() for t in _tensors(params) if t.requires_grad)
+    compiled = compile_setting(p.get("update_compile"), rounding, fused, elements, device)
     optimizer = cls(
         params,
         **settings,
@@ -268,6 +271,7 @@ def build_pure(
         count_every=1 if captured else int(cfg.trainer.log_every),
         chunk=int(chunk),
         device_type=device_type,
+        compiled=compiled,
     )
     warn_stalled_states(rounding, str(p.optimizer_states), _averages(cls, settings))
     return optimizer
@@ -298,5 +302,11 @@ def _shard_rank(cfg) -> int:
 
 
 def _device_of(params) -> torch.device:
-    first = params[0]
-    return (first["params"][0] if isinstance(first, dict) else first).device
+    return _tensors(params)[0].device
+
+
+def _tensors(params) -> list[torch.Tensor]:
+    """The parameters, whether given as tensors or as groups."""
+    if isinstance(params[0], dict):
+        return [t for group in params for t in group["params"]]
+    return list(params)

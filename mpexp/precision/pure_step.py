@@ -32,9 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from mpexp.precision import pure_state
 from mpexp.precision.pure_batches import Batches
+from mpexp.precision.pure_compiled import CompiledUpdate
 from mpexp.precision.pure_rounding import load_states, store_states, store_weights
 from mpexp.precision.pure_updates import COUNTS, GENERATOR, GRAPH_GENERATORS, STEPS, UpdatesLost
 from mpexp.precision.pure_workspace import BatchViews
@@ -91,6 +93,7 @@ class PureOptimizer(torch.optim.Optimizer):
         count_every: int = 1,
         chunk: int | None = None,
         device_type: str | None = None,
+        compiled: bool | None = False,
     ) -> None:
         super().__init__(params, {**defaults, "fused": fused})
         self.rounding = rounding
@@ -122,6 +125,12 @@ class PureOptimizer(torch.optim.Optimizer):
         # how the diagnostics find the counts (`params`, `lost`): none to find when not counting
         self.pure_updates = self if count else None
         self.batches = Batches(self)
+        # the compiled update (mpexp/precision/pure_compiled.py): with `compiled` True the run
+        # asked for it, None lets it be; never on fake tensors (a plan rehearses the eager step)
+        self.compiles = compiled is not False and fused  # its bytes in the bound even so
+        self.compiled_update = None
+        if self.compiles and not is_fake(self.params[0]):
+            self.compiled_update = CompiledUpdate(self, required=compiled is True)
 
     def keys(self, group: dict) -> tuple[str, ...]:
         """The state keys shaped like the parameter that this group's step keeps."""
@@ -141,6 +150,9 @@ class PureOptimizer(torch.optim.Optimizer):
         counting = self.lost is not None and self.steps_taken % self.count_every == 0
         whole = not counting and self.fused and self.rounding == "nearest"
         whole = whole and self.states_dtype == torch.bfloat16
+        fast = self.compiled_update if grad_scale is None and found_inf is None else None
+        if fast is not None:
+            fast.begin_step()
         for index, group in enumerate(self.param_groups):
             stepped = [i for i in self._indices[index] if self.params[i].grad is not None]
             if not stepped:
@@ -162,10 +174,13 @@ class PureOptimizer(torch.optim.Optimizer):
                     self.batches.of(index, stepped, group)
             else:
                 for views in self.batches.of(index, stepped, group):
-                    self._step_batch(views, group, fresh, counting, grad_scale, found_inf)
+                    if fast is None or not fast.step(views, index, group, fresh, counting):
+                        self._step_batch(views, group, fresh, counting, grad_scale, found_inf)
             if steps and found_inf is not None:
                 torch._foreach_sub_(steps, [found_inf] * len(steps))  # skipped: as torch's fused
         self.batches.after_step()
+        if self.compiled_update is not None:
+            self.compiled_update.after_step()
         return loss
 
     def _whole(self, stepped: list[int], group: dict, fresh: set[int]) -> Lists:
@@ -214,6 +229,13 @@ class PureOptimizer(torch.optim.Optimizer):
         """The states of `params`, stepped for the first time: zeros, in shared buffers
         (`zeroed_like`), as torch's own step makes them."""
         raise NotImplementedError
+
+    @property
+    def update_path(self) -> str:
+        """How the update runs, for the run record: "compiled" (one compiled loop a batch,
+        mpexp/precision/pure_compiled.py) or "eager"."""
+        fast = self.compiled_update
+        return "compiled" if fast is not None and not fast.failed else "eager"
 
     def step_temporary_bytes(self) -> int:
         """A bound on what a step holds besides the weights, gradients and states (the

@@ -107,8 +107,9 @@ class BatchViews:
             if sixteen:
                 self.m[key] = [p.place(ws.m[i]) for p in pieces]
                 self.stretches[key] = stretch(self.stored[key], self.m[key])
-            else:
+            else:  # stepped in place; their stretch is for the compiled update
                 self.m[key] = self.stored[key]
+                self.stretches[key] = stretch(self.stored[key], self.w)
         self.carried = None
         if COMPENSATION in mine[0][1]:
             self.carried = [p.take(local_shard(s[COMPENSATION])) for p, s in mine]
@@ -118,8 +119,7 @@ class BatchViews:
         self._bounds = bounds
         buffers = [ws.w, ws.g, *ws.m, ws.old, ws.new]
         self._flat = {id(b): b[: self.extent] for b in buffers if b is not None}
-        # the count's mask in rows (the last one runs past the batch into elements not counted)
-        self._rows = ws.g[: aligned(self.extent)].view(-1, ROW)
+        self.ws = ws  # the workspace the views are into
 
     def grads(self) -> list[torch.Tensor]:
         """This step's gradient pieces (a backward pass makes new gradient tensors)."""
@@ -129,13 +129,16 @@ class BatchViews:
         """The batch's stretch of a workspace buffer."""
         return self._flat[id(buffer)]
 
-    def summed(self) -> torch.Tensor:
-        """Per piece, the sum of the float mask in `ws.g` over the batch (a CPU sums floats
+    def summed(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """Per piece, the sum of the float mask in `ws.g` (or `buffer`, another of the
+        workspace's float32 buffers) over the batch (a CPU sums floats
         several times faster than it counts nonzeros): the running sum of the rows before each
         bound, plus the part of the bound's own row before it, differenced from bound to bound.
         Exact (whole numbers up to 2^24, `precision.update_chunk`'s limit), and device work
         only (segment_reduce, which could sum by piece, checks its lengths on the host)."""
-        rows, b = self._rows, self._bounds
+        # the mask in rows (the last one runs past the batch into elements not counted)
+        buffer = self.ws.g if buffer is None else buffer
+        rows, b = buffer[: aligned(self.extent)].view(-1, ROW), self._bounds
         running = torch.cat((rows.new_zeros(1), rows.sum(1).cumsum(0)))
         part = rows.index_select(0, b.row).masked_fill_(b.past, 0).sum(1)
         return torch.diff(running.index_select(0, b.before) + part)

@@ -437,9 +437,11 @@ class Compilations:
 
 def describe(optimizer, speed: Speed) -> dict:
     """The speed settings that ran, for the run record."""
+    pure = isinstance(optimizer, pure_optimizers.PureOptimizer)
     return {
         "fused_optimizer": bool(optimizer.defaults.get("fused")),
         "optimizer_kernel": optimizer_kernel(optimizer),
+        **({"pure_update": optimizer.update_path} if pure else {}),
         "channels_last": speed.channels_last,
         "compile": speed.compile_mode if speed.compile else False,
         "cuda_graph": speed.cuda_graph,

@@ -1,0 +1,258 @@
+"""Pure bf16's step through the compiled update (mpexp/precision/pure_kernels.py), batch by
+batch, where a batch allows it; the eager step (mpexp/precision/pure_step.py) takes the others.
+
+A batch of one piece whose weight and gradient are laid out alike is stepped where it lies, as
+flat views: no workspace at all. A batch of several pieces (small tensors) is gathered into two
+bf16 buffers, stepped there and its weights copied back; its count of lost updates is two float32
+masks in the workspace, summed by piece as the eager step sums its own.
+
+The eager step takes a batch whose states are not one stretch of memory (sharded or laid out
+apart), whose pieces have stepped different numbers of times or not all for the first time, and
+every step GradScaler hands its overflow flag to (a skipped step is the eager step's business).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from mpexp.errors import ConfigError
+from mpexp.precision.pure_kernels import (
+    Variant,
+    adam_coefficients,
+    can_compile,
+    compiled,
+    sgd_coefficients,
+)
+from mpexp.precision.pure_layout import is_dense, memory_order
+from mpexp.precision.pure_updates import COMPENSATION
+from mpexp.precision.pure_workspace import BatchViews
+from mpexp.shards import local_shard
+
+log = logging.getLogger(__name__)
+
+# bytes per element that a counting variant's compiled loop allocates for itself
+COUNT_TEMPORARY = 2
+
+# elements of trained weights from which `precision.update_compile=null` compiles the update:
+# below, a step is short enough that the compilation (seconds a variant) would not pay back
+# within a typical run, and a toy run stays free of it
+COMPILE_FROM = 1 << 22
+
+
+def compile_setting(
+    setting: bool | None, rounding: str, fused: bool, elements: int, device: torch.device
+) -> bool | None:
+    """What `precision.update_compile` (`setting`) makes of the update: True (compiled, as
+    asked: a failure stops the run), None (compiled where it pays: a failure falls back to the
+    eager step with a warning) or False (eager).
+
+    Where it pays, on its own: on a CPU, from COMPILE_FROM trained weights, for Kahan's steps
+    and the steps that count lost updates (round-to-nearest's other steps are torch's fused
+    kernel on the bf16 tensors either way); not for stochastic rounding, whose random bits cost
+    a CPU's compiled loop about what they cost the eager step. On a GPU only when asked: this
+    path has been measured on a CPU only (scripts/gpu_proof.sh measures it on a GPU)."""
+    if setting is False:
+        return False
+    if setting is True:
+        if not fused:
+            raise ConfigError(
+                "precision.update_compile=true compiles the fused update; it cannot with "
+                "optimizer.fused=false (torch's formula op by op). Drop one of the two."
+            )
+        reason = can_compile(device)
+        if reason:
+            raise ConfigError(
+                f"precision.update_compile=true: the update cannot be compiled here ({reason}). "
+                "Use precision.update_compile=null to step eagerly where it cannot."
+            )
+        return True
+    pays = device.type == "cpu" and rounding != "stochastic" and elements >= COMPILE_FROM
+    if not (fused and pays):
+        return False
+    reason = can_compile(device)
+    if reason:
+        log.info("Pure bf16's update steps eagerly: %s.", reason)
+        return False
+    return None
+
+
+class CompiledUpdate:
+    """The compiled path of a PureOptimizer (see the module's docstring). `required`: the run
+    asked for it (`precision.update_compile=true`), so that a failed compilation stops the run
+    rather than falling back to the eager step with a warning."""
+
+    def __init__(self, optimizer, required: bool = False) -> None:
+        self.optimizer = optimizer
+        self.required = required
+        self.failed: str | None = None  # why the compilation failed, once it has
+        self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._coefficients: dict = {}
+        self._variants: dict = {}
+        self._stepped_whole: set[int] = set()  # this step's parameters stepped whole
+
+    def begin_step(self) -> None:
+        self._coefficients.clear()
+        self._stepped_whole.clear()
+
+    @staticmethod
+    def gather_bytes(extent: int) -> int:
+        """What the compiled path holds for a workspace of `extent`: the gathered weights and
+        gradients in bf16, and a counting kernel's own bf16 value per element (a count's
+        variants step a chunk at most; the others hold nothing per element, which
+        tests/test_pure_compiled.py reads in the code inductor writes)."""
+        return (4 + COUNT_TEMPORARY) * extent + 64
+
+    def step(self, views: BatchViews, index: int, group: dict, fresh: set, counting: bool):
+        """Step the batch `views` of group `index`; False (nothing done) where the eager step
+        must take it."""
+        o = self.optimizer
+        pieces = views.batch.pieces
+        first_of = len(pieces) == 1 and pieces[0].how == "flat" and pieces[0].start == 0
+        if pieces[0].param in self._stepped_whole and pieces[0].start < self._span(pieces[0]):
+            return True  # stepped with its parameter's first piece
+        if self.failed or len({o.host_counts[i] for i in views.owners}) != 1:
+            return False
+        if _get_current_dispatch_mode() is not None:
+            return False  # torch.compile does not run under a dispatch mode (a plan's count)
+        first = {i in fresh for i in views.owners}
+        keys = o.keys(group)
+        states = [views.stretches.get(k) for k in keys]
+        carried = views.stretches.get(COMPENSATION) if o.rounding == "kahan" else None
+        if len(first) != 1 or None in states or (o.rounding == "kahan" and carried is None):
+            return False
+        # a parameter cut along its memory: all but its last piece in one call, on a step that
+        # counts nothing (a count's kernel holds a float32 value per element: a chunk's at most)
+        span = self._span(pieces[0]) if first_of and not counting else 0
+        if span:
+            states, carried = self._whole_states(pieces[0].param, keys, span)
+        w, g, gathered = self._flat(views, span)
+        count = ("sums" if len(views.owners) == 1 else "masks") if counting else ""
+        variant = self._variant(group, count)
+        coefficients = self._coefficients_for(index, group, views, first.pop())
+        draws = None
+        if o.rounding == "stochastic":
+            draws = torch.randint(0, 1 << 32, (3,), generator=o.generator, device=w.device)
+        ws = views.ws
+        masks = (views.flat(ws.w), views.flat(ws.g)) if count == "masks" else None
+        if count == "sums":
+            masks = (self._buffers(ws)[0][: w.numel()],)
+        try:
+            counts = compiled(variant)(w, g, states, carried, coefficients, draws, masks)
+        except Exception as error:  # inductor's failures have no common class of their own
+            return self._fail(error)
+        if gathered is not None:
+            torch._foreach_copy_(views.weights, gathered)
+        if span:
+            self._stepped_whole.add(pieces[0].param)
+        if count == "sums":
+            w.copy_(masks[0])
+            o.lost.add(views.owners[0], counts[0], counts[1])
+        elif count == "masks":
+            o.lost.add_pieces(views.owner_index, views.summed(ws.w), views.summed(ws.g))
+        return True
+
+    def _variant(self, group: dict, count: str) -> Variant:
+        key = (count, group.get("momentum"), group.get("nesterov"))
+        if key not in self._variants:
+            self._variants[key] = self._make_variant(group, count)
+        return self._variants[key]
+
+    def _make_variant(self, group: dict, count: str) -> Variant:
+        o = self.optimizer
+        return Variant(
+            algorithm="adam" if o.counted else "sgd",
+            rounding=o.rounding,
+            count=count,
+            decoupled=bool(getattr(o, "decoupled", False)),
+            momentum=o.counted is False and group.get("momentum", 0) != 0,
+            nesterov=bool(group.get("nesterov", False)),
+            sixteen=o.states_dtype != torch.float32,
+            exact="split" if o.params[0].device.type == "cpu" else "cast",
+        )
+
+    def _coefficients_for(self, index: int, group: dict, views: BatchViews, first: bool):
+        """The step's coefficients for this group and count of steps, made once a step."""
+        o = self.optimizer
+        count = o.host_counts[views.owners[0]]
+        key = (index, count, first)
+        made = self._coefficients.get(key)
+        if made is None:
+            if o.counted:
+                made = adam_coefficients(views.steps[0], group, bool(o.decoupled))
+            else:
+                made = sgd_coefficients(group, views.weights[0].device, first)
+            self._coefficients[key] = made
+        return made
+
+    def _span(self, piece) -> int:
+        """The elements of `piece`'s parameter before its last piece: those stepped in one call
+        with its first (the last may share its batch with the next parameters)."""
+        if piece.how != "flat":
+            return 0
+        count = local_shard(self.optimizer.params[piece.param]).numel()
+        return (count - 1) // self.optimizer.chunk * self.optimizer.chunk
+
+    def _whole_states(self, index: int, keys, span: int) -> tuple[list, torch.Tensor | None]:
+        """Parameter `index`'s first `span` elements of its states and Kahan's buffer, in
+        memory order (a parameter is cut along its memory only where they are laid out as it
+        is)."""
+        state = self.optimizer.state[self.optimizer.params[index]]
+        carried = state.get(COMPENSATION) if self.optimizer.rounding == "kahan" else None
+        states = [memory_order(local_shard(state[k]))[:span] for k in keys]
+        if carried is not None:
+            carried = memory_order(local_shard(carried))[:span]
+        return states, carried
+
+    def _flat(self, views: BatchViews, span: int = 0):
+        """The batch's weights and gradients as flat bf16 tensors, and the gathered pieces to
+        copy the weights back from (None where the batch is one piece stepped where it lies;
+        with `span`, its parameter's first `span` elements)."""
+        pieces = views.batch.pieces
+        if span:
+            p = self.optimizer.params[pieces[0].param]
+            weight, grad = local_shard(p.detach()), local_shard(p.grad)
+            return memory_order(weight)[:span], memory_order(grad)[:span], None
+        grads = views.grads()
+        if len(pieces) == 1:
+            piece, weight, grad = pieces[0], views.weights[0], grads[0]
+            if piece.how == "flat":
+                return weight, grad, None
+            if piece.how == "whole" and is_dense(weight) and grad.stride() == weight.stride():
+                return memory_order(weight), memory_order(grad), None
+        w16, g16 = self._buffers(views.ws)
+        placed = [p.place(w16) for p in pieces]
+        torch._foreach_copy_(placed, views.weights)
+        torch._foreach_copy_([p.place(g16) for p in pieces], grads)
+        return w16[: views.extent], g16[: views.extent], placed
+
+    def _buffers(self, ws) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two bf16 buffers as long as the workspace: a batch's gathered weights and
+        gradients, or a counting step's new weights."""
+        if self._gather is None or self._gather[0].numel() < ws.extent:
+            self._gather = tuple(
+                torch.empty(ws.extent, dtype=torch.bfloat16, device=ws.w.device) for _ in "wg"
+            )
+        return self._gather
+
+    def _fail(self, error: Exception) -> bool:
+        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+        if self.required:
+            raise RuntimeError(
+                f"precision.update_compile=true: torch.compile could not compile pure bf16's "
+                f"update ({reason}); set precision.update_compile=false to step it eagerly."
+            ) from error
+        self.failed = reason
+        log.warning(
+            "Pure bf16's compiled update failed to compile (%s): this run steps eagerly from "
+            "here on, as precision.update_compile=false would, and its steps take longer.",
+            reason,
+        )
+        return False
+
+    def after_step(self) -> None:
+        """Let the gathered buffers go where the workspace is let go (a GPU's)."""
+        if not self.optimizer.batches.kept:
+            self._gather = None

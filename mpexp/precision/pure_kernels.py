@@ -1,0 +1,240 @@
+"""Pure bf16's update as one compiled elementwise pass over a batch (`precision.update_compile`).
+
+The eager step (mpexp/precision/pure_rounding.py) upcasts a batch into a float32 workspace, runs
+torch's fused kernel over it and rounds the results back: a dozen passes over memory, each about
+as long as torch's whole fused step on bf16 tensors, so that Kahan's and stochastic rounding's
+steps, and every step that counts lost updates, cost two to six of torch's. Here the same float32
+arithmetic, the rounding and the count are one function of the batch's flat tensors (its bf16
+weights and gradients, its 16-bit or float32 states, Kahan's buffer), which torch.compile turns
+into one loop (C++ on a CPU, Triton on a GPU) that reads each element once and writes it once.
+Sizes are dynamic: one compilation serves every batch of a run.
+
+The coefficients that depend on the step (bias corrections, the learning rate) come in as one
+small float32 tensor made once per group and step (`adam_coefficients`, `sgd_coefficients`), so
+that a schedule's new learning rate is not a new compilation, and nothing is read on the host.
+
+Stochastic rounding here draws its 16 random bits per value from a hash of the element's index
+and a key drawn per call from the run's rounding generator (three keys: the weight and the two
+states each draw their own): for each element, a fresh uniform key each step makes its bits
+uniform and independent from step to step, which is what makes the rounding unbiased. It is a
+stream of its own: a run rounds the same numbers, and resumes exactly, on this path only.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import types
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MASK32 = 0xFFFFFFFF
+# two odd multipliers below 2^31 (so that a 32-bit value times either fits an int64 exactly),
+# each followed by a shift that folds the high bits back into the low ones
+HASH_MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one compiled update does: `algorithm` adam or sgd; `rounding` nearest, kahan or
+    stochastic; `count` "" (no count), "sums" (the batch's two counts, for a batch of one
+    piece) or "masks" (the two masks, summed by piece afterwards); `decoupled` AdamW's decay;
+    `momentum` and `nesterov` SGD's; `sixteen` whether the states are 16-bit (rounded as the
+    weights are) or float32 (stored as computed)."""
+
+    algorithm: str
+    rounding: str
+    count: str = ""
+    decoupled: bool = False
+    momentum: bool = False
+    nesterov: bool = False
+    sixteen: bool = True
+    # how a float32 value rounded to bfloat16 is had back in float32 (Kahan's remainder, the
+    # count's "changed"): "split" on a CPU, "cast" on a GPU (see `_nearest`)
+    exact: str = "split"
+
+    @property
+    def states(self) -> int:
+        if self.algorithm == "adam":
+            return 2
+        return int(self.momentum)
+
+
+# --- the coefficients, once per group and step ---------------------------------------------
+
+
+def adam_coefficients(step: torch.Tensor, group: dict, decoupled: bool) -> torch.Tensor:
+    """Adam's per-step coefficients on the step count's device: 1 - beta1, beta2, 1 - beta2,
+    the second moment's bias correction's root, eps, the step size (lr over the first moment's
+    bias correction), and the decay (1 - lr * weight_decay for AdamW, weight_decay for Adam)."""
+    beta1, beta2 = group["betas"]
+    lr, wd = group["lr"], group["weight_decay"]
+    step = step.float()
+    one = torch.ones_like(step)
+    correction1 = 1 - torch.pow(beta1, step)
+    correction2_root = (1 - torch.pow(beta2, step)).sqrt()
+    size = lr / correction1
+    decay = 1 - lr * wd if decoupled else wd * one
+    values = (one * (1 - beta1), one * beta2, one * (1 - beta2), correction2_root,
+              one * group["eps"], size, decay * one)  # fmt: skip
+    return torch.stack(values)
+
+
+def sgd_coefficients(group: dict, device: torch.device, first: bool) -> torch.Tensor:
+    """SGD's: lr, weight_decay, the momentum buffer's factor and the gradient's in it (on the
+    first step 0 and 1: the buffer becomes the gradient, as torch's first step makes it), and
+    the momentum (Nesterov's look-ahead)."""
+    lr, momentum = group["lr"], group["momentum"]
+    one = torch.ones((), device=device)
+    damped = 1.0 if first else 1 - group["dampening"]
+    kept = 0.0 if first else momentum
+    return torch.stack((lr * one, one * group["weight_decay"], one * kept, one * damped,
+                        one * momentum))  # fmt: skip
+
+
+# --- the arithmetic --------------------------------------------------------------------------
+
+
+def _adam(v: Variant, wf, gf, states, c):
+    """torch's Adam in float32 on one element: the new weight and states."""
+    m, s = (t.float() for t in states)
+    if not v.decoupled:
+        gf = gf + c[6] * wf  # Adam's L2 decay joins the gradient
+    m = torch.lerp(m, gf, c[0])
+    s = s * c[1] + gf * gf * c[2]
+    denom = s.sqrt() / c[3] + c[4]
+    base = wf * c[6] if v.decoupled else wf
+    return base - c[5] * (m / denom), [m, s]
+
+
+def _sgd(v: Variant, wf, gf, states, c):
+    """torch's SGD in float32: the new weight and momentum buffer."""
+    gf = gf + c[1] * wf
+    if not v.momentum:
+        return wf - c[0] * gf, []
+    buffer = states[0].float() * c[2] + gf * c[3]
+    update = gf + c[4] * buffer if v.nesterov else buffer
+    return wf - c[0] * update, [buffer]
+
+
+def _noise(count: int, key: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """16 random bits per element (int32): a hash of the element's index and `key` (a value
+    below 2^32, drawn per call), in int64 so that no product overflows."""
+    x = torch.arange(count, device=device, dtype=torch.int64) ^ key
+    for multiplier in HASH_MULTIPLIERS:
+        x = (x * multiplier) & MASK32
+        x = x ^ (x >> 15)
+    return ((x >> 16) & 0xFFFF).to(torch.int32)
+
+
+def _round_stochastic(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """`x` (float32) to bfloat16 up or down at random, by distance (as
+    mpexp/precision/pure_updates.py's `round_stochastic`: the random bits added to the pattern,
+    the low 16 dropped)."""
+    bits = x.view(torch.int32) + _noise(x.numel(), key, x.device)
+    return (bits & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def _nearest(v: Variant, x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to bfloat16's 8 significant bits, to nearest, kept in float32.
+
+    inductor drops a cast to bfloat16 and back as a no-op unless told to keep every such cast
+    (`emulate_precision_casts`), which on a CPU slows the whole loop by a fifth. There, the
+    rounding is Veltkamp's split instead: three float32 operations that leave the top 8 bits of
+    `x`, rounded to nearest (a tie, one value in 2^16, may go either way), exact as long as
+    the compiler fuses no multiply-add, which inductor's C++ does not (-ffp-contract=off). On a
+    GPU, where Triton may fuse them and the loop is bound by memory, the cast is kept."""
+    if v.exact == "cast":
+        return x.to(torch.bfloat16).float()
+    product = x * 65537.0  # 2^16 + 1: the split keeps 24 - 16 bits
+    return product - (product - x)
+
+
+def _update(v: Variant, w, g, states, carried, coefficients, keys, masks):
+    """One batch, in place: `w` and `g` flat bf16, `states` flat (16-bit or float32),
+    `carried` Kahan's flat bf16 buffer (or None), `keys` stochastic rounding's three (or None),
+    `masks` two flat float32 buffers for the count by piece (or None; under `count="sums"`, one
+    flat bf16 buffer that takes the new weights). Returns the count's (moved, changed) under
+    `count="sums"`."""
+    wf = w.float()
+    arithmetic = _adam if v.algorithm == "adam" else _sgd
+    new, stepped = arithmetic(v, wf, g.float(), states, coefficients)
+    for i, (state, value) in enumerate(zip(states, stepped, strict=True)):
+        if v.sixteen and v.rounding == "stochastic":
+            value = _round_stochastic(value, keys[i])
+        state.copy_(value)
+    if v.rounding == "kahan":
+        # optimi's order, as the eager step's: the update wanted plus what earlier roundings
+        # lost, added to the stored weight and rounded; what this rounding left out is kept
+        wanted = (new - wf) + carried.float()
+        kept = _nearest(v, wf + wanted)
+        carried.copy_(wanted + (wf - kept))
+    elif v.rounding == "stochastic":
+        kept = _round_stochastic(new, keys[2]).float()  # exact in bfloat16 already
+    else:
+        kept = _nearest(v, new) if v.count else new
+    rounded = kept.to(torch.bfloat16)
+    if not v.count:
+        w.copy_(rounded)
+        return None
+    moved, changed = new != wf, kept != wf
+    if v.count == "masks":
+        w.copy_(rounded)
+        masks[0].copy_(moved)
+        masks[1].copy_(changed)
+        return None
+    # the weight is written to `masks[0]` (a bf16 buffer) for the caller to copy: a loop that
+    # both sums what it reads of `w` and writes `w` is split in two by inductor, the first
+    # holding a float32 value per element for the second
+    masks[0].copy_(rounded)
+    return torch.stack((moved.sum(dtype=torch.int32), changed.sum(dtype=torch.int32)))
+
+
+# --- compiled once per variant ---------------------------------------------------------------
+
+
+@functools.cache
+def compiled(variant: Variant):
+    """The variant's update, compiled. Each variant gets a code object of its own, so that
+    torch.compile keeps its compilations apart rather than counting them against one
+    function's limit (past which it would run the function uncompiled)."""
+    update = _bound(variant)
+    name = f"pure_update_{variant.algorithm}_{variant.rounding}_{variant.count or 'nocount'}"
+    code = update.__code__.replace(co_name=name)
+    entry = types.FunctionType(code, update.__globals__, name, None, update.__closure__)
+    # a cast to bfloat16 and back kept as a rounding (`_nearest`)
+    options = {"emulate_precision_casts": variant.exact == "cast"}
+    return torch.compile(entry, dynamic=True, fullgraph=True, options=options)
+
+
+def _bound(variant: Variant):
+    def update(w, g, states, carried, coefficients, keys, masks):
+        return _update(variant, w, g, states, carried, coefficients, keys, masks)
+
+    return update
+
+
+def can_compile(device: torch.device) -> str | None:
+    """Why the update cannot be compiled on `device`, or None: inductor needs a C++ compiler on
+    a CPU and Triton on a GPU, and (torch 2.6 on) a switch to keep the roundings it computes."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "emulate_precision_casts"):
+        return (
+            f"torch {torch.__version__} cannot keep a rounding to bfloat16 inside a compiled loop"
+        )
+    if device.type == "cpu":
+        if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+            return "no C++ compiler (g++, c++ or clang++) on the PATH"
+        return None
+    if device.type == "cuda":
+        try:
+            from torch.utils._triton import has_triton
+        except ImportError:
+            return "no Triton"
+        return None if has_triton() else "no Triton"
+    return f"torch.compile's update is not used on {device.type}"

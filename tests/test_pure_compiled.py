@@ -1,0 +1,233 @@
+"""Pure bf16's compiled update (precision.update_compile; mpexp/precision/pure_compiled.py)
+against the eager step it stands in for: the same weights, states and counts (SGD bit for bit,
+Adam to an ulp, where the order of torch's fused kernel's operations differs), Kahan's buffer
+kept (inductor would drop the rounding it is made of), stochastic rounding unbiased and resumed
+exactly, the step's bytes within the recorded bound, when a run compiles it and what it records.
+
+Each test compiles a few of the update's variants (seconds each on two cores); the file shares
+them in one process (one xdist group a file)."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
+
+from mpexp.errors import ConfigError
+from mpexp.precision import pure_compiled
+from mpexp.precision.pure_compiled import COMPILE_FROM, COUNT_TEMPORARY, compile_setting
+from mpexp.precision.pure_kernels import Variant, can_compile, compiled
+from mpexp.precision.pure_optimizers import PureAdam, PureSGD
+from mpexp.run.runner import train
+from mpexp.tracking.run_context import RunContext
+from mpexp.validate import validate
+from tests.conftest import CPU, make_cfg
+from tests.test_bf16_pure import PURE
+from tests.test_pure_step import bf16_params, set_grads
+
+pytestmark = pytest.mark.skipif(can_compile(CPU) is not None, reason="no C++ compiler")
+
+CHUNK = 1 << 12  # several batches of one piece, a parameter cut along its memory, shared ones
+
+
+def sgd(params, **pure):
+    return PureSGD(params, lr=1e-2, momentum=0.9, weight_decay=0.01, nesterov=True, **pure)
+
+
+def adam(params, **pure):
+    return PureAdam(params, lr=1e-3, weight_decay=0.01, **pure)
+
+
+def stepped(build, steps: int = 4, **pure):
+    """The weights and the lost-update counts after `steps` steps, counting every other."""
+    params = bf16_params()
+    optimizer = build(params, chunk=CHUNK, count_every=2, **pure)
+    for step in range(steps):
+        set_grads(params, step)
+        optimizer.step()
+    return [p.detach().clone() for p in params], optimizer.lost.counts.clone(), optimizer
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "kahan"])
+def test_sgds_compiled_update_is_the_eager_one_bit_for_bit(rounding):
+    """Weights and counts equal, through batches of one piece, parameters stepped whole in one
+    call and batches of several small tensors gathered."""
+    eager, eager_counts, _ = stepped(sgd, rounding=rounding, compiled=False)
+    mine, counts, optimizer = stepped(sgd, rounding=rounding, compiled=True)
+    assert optimizer.update_path == "compiled"
+    for theirs, ours in zip(eager, mine, strict=True):
+        assert torch.equal(theirs, ours)
+    assert torch.equal(counts, eager_counts)
+    assert counts[:, 1].sum() > 0  # the counting steps counted
+
+
+def test_adams_compiled_update_is_the_eager_one_to_an_ulp():
+    """Adam's float32 formula in another order than torch's fused kernel: after four steps a
+    weight differs by one bfloat16 ulp at most, and at most one in a thousand differs."""
+    eager, eager_counts, _ = stepped(adam, rounding="kahan", compiled=False)
+    mine, counts, _ = stepped(adam, rounding="kahan", compiled=True)
+    differ = total = 0
+    for theirs, ours in zip(eager, mine, strict=True):
+        ulp = torch.finfo(torch.bfloat16).eps * theirs.float().abs().clamp(min=2**-126)
+        assert ((theirs.float() - ours.float()).abs() <= ulp).all()
+        differ, total = differ + (theirs != ours).sum().item(), total + theirs.numel()
+    assert differ <= total / 1000
+    assert (counts - eager_counts).abs().sum() <= total / 1000
+
+
+def test_kahans_buffer_keeps_the_updates_rounding_to_nearest_loses():
+    """Steps of a third of bfloat16's half-spacing at 1: nearest never moves the weights;
+    compiled Kahan lands on the float32 result within an ulp. Without the rounding kept inside
+    the compiled loop (inductor drops a cast to bfloat16 and back), its buffer stays 0 and it
+    is nearest."""
+    ends = {}
+    for rounding in ("nearest", "kahan"):
+        weight = torch.nn.Parameter(torch.ones(5000, dtype=torch.bfloat16))
+        optimizer = PureSGD([weight], lr=2**-11, momentum=0.9, nesterov=True,
+                            rounding=rounding, compiled=True, count=False)  # fmt: skip
+        reference = torch.ones(5000)
+        buffer = torch.zeros(5000)
+        for step in range(40):
+            weight.grad = torch.full_like(weight, -0.1)
+            optimizer.step()
+            buffer = -0.1 * torch.ones(5000) if step == 0 else 0.9 * buffer - 0.1
+            reference -= 2**-11 * (-0.1 + 0.9 * buffer)
+        ends[rounding] = weight.detach().float()
+    assert torch.equal(ends["nearest"], torch.ones(5000))
+    assert reference[0] > 1 + 2**-7  # float32 went past the next bfloat16 value
+    assert (ends["kahan"] - reference).abs().max() <= 2**-7
+
+
+def test_compiled_stochastic_rounding_is_unbiased_and_resumes_exactly():
+    """SGD's steps of a sixteenth of the spacing at 1: nearest would never move; each weight's
+    stochastic rounding lands on the float32 result in the mean over 65,536 weights. A copy
+    loaded from the state dict halfway continues with the same draws."""
+    weight = torch.nn.Parameter(torch.ones(1 << 16, dtype=torch.bfloat16))
+    optimizer = PureSGD([weight], lr=2**-12, rounding="stochastic", compiled=True, seed=3)
+    twin = torch.nn.Parameter(weight.detach().clone())
+    other = PureSGD([twin], lr=2**-12, rounding="stochastic", compiled=True, seed=99)
+    for step in range(64):
+        if step == 32:
+            twin.data.copy_(weight.detach())
+            other.load_state_dict(optimizer.state_dict())
+        for p in (weight, twin):
+            p.grad = torch.full_like(p, -1.0)
+        optimizer.step()
+        if step >= 32:
+            other.step()
+    end = weight.detach().float()
+    assert end.mean().item() == pytest.approx(1 + 2**-6, abs=4 * 2**-14)
+    assert end.std().item() > 2**-9  # rounded up or down at random, not all alike
+    assert torch.equal(twin, weight)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        Variant("adam", "kahan"),
+        Variant("adam", "kahan", count="sums"),
+        Variant("adam", "kahan", count="masks"),
+        Variant("sgd", "stochastic", momentum=True, nesterov=True),
+        Variant("sgd", "nearest", count="sums", momentum=True),
+    ],
+    ids=lambda v: f"{v.algorithm}-{v.rounding}-{v.count or 'nocount'}",
+)
+def test_the_compiled_loops_hold_what_the_recorded_bound_says(variant):
+    """A step that counts nothing steps a parameter whole in one call: its loop may allocate
+    nothing per element. A counting one steps a chunk at most, and may allocate
+    COUNT_TEMPORARY bytes per element, which `ran.bytes_step_peak`'s bound counts. Read in the
+    code inductor writes: a buffer sized by the batch's (symbolic) length."""
+    n = 5000
+    w, g = (torch.randn(n).bfloat16() for _ in "wg")
+    states = [torch.zeros_like(w) for _ in range(variant.states)]
+    coefficients = torch.full((7,), 0.1)
+    carried = torch.zeros_like(w) if variant.rounding == "kahan" else None
+    draws = torch.tensor([1, 2, 3]) if variant.rounding == "stochastic" else None
+    masks = {"": None, "sums": (torch.empty_like(w),)}.get(variant.count)
+    if variant.count == "masks":
+        masks = (torch.empty(n), torch.empty(n))
+    fresh = compiled.__wrapped__(variant)  # not the cached one: inductor writes its code
+    with inductor_config.patch(force_disable_caches=True):
+        _, codes = run_and_get_code(fresh, w, g, states, carried, coefficients, draws, masks)
+    per_element = 0
+    for shape, dtype in re.findall(
+        r"empty_strided_cpu\(\((\w+), \), \(1, \), torch\.(\w+)\)", codes[-1]
+    ):
+        if not shape.isdigit():
+            per_element += getattr(torch, dtype).itemsize
+    assert per_element <= (COUNT_TEMPORARY if variant.count else 0)
+
+
+def test_when_a_run_compiles_the_update_on_its_own():
+    """From COMPILE_FROM trained weights on a CPU for Kahan and the counts; never for stochastic
+    rounding there, nor below, nor on a GPU unless asked; `true` refused where it cannot be."""
+    cpu, cuda = CPU, torch.device("cuda")
+    assert compile_setting(None, "kahan", True, COMPILE_FROM, cpu) is None  # compiled
+    assert compile_setting(None, "nearest", True, COMPILE_FROM, cpu) is None
+    assert compile_setting(None, "kahan", True, COMPILE_FROM - 1, cpu) is False
+    assert compile_setting(None, "stochastic", True, COMPILE_FROM, cpu) is False
+    assert compile_setting(None, "kahan", False, COMPILE_FROM, cpu) is False  # the formula
+    assert compile_setting(None, "kahan", True, COMPILE_FROM, cuda) is False
+    assert compile_setting(True, "stochastic", True, 10, cpu) is True
+    assert compile_setting(False, "kahan", True, COMPILE_FROM, cpu) is False
+    with pytest.raises(ConfigError, match=r"optimizer\.fused=false"):
+        compile_setting(True, "kahan", False, 10, cpu)
+
+
+def test_a_failed_compilation_falls_back_loudly_or_stops_a_run_that_asked(monkeypatch, caplog):
+    def broken(_variant):
+        def update(*_):
+            raise RuntimeError("no compiler today")
+
+        return update
+
+    monkeypatch.setattr(pure_compiled, "compiled", broken)
+    eager, _, _ = stepped(sgd, rounding="kahan", compiled=False)
+    with caplog.at_level(logging.WARNING):
+        mine, _, optimizer = stepped(sgd, rounding="kahan", compiled=None)
+    assert optimizer.update_path == "eager"
+    assert "failed to compile (RuntimeError: no compiler today)" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(eager, mine, strict=True))
+    with pytest.raises(RuntimeError, match=r"precision\.update_compile=false"):
+        stepped(sgd, rounding="kahan", compiled=True)
+
+
+def test_a_run_asking_for_it_steps_compiled_and_records_so(tmp_path):
+    kahan = [*PURE, "precision=bf16_pure_kahan", "trainer.epochs=1"]
+    compiled = train(
+        make_cfg(*kahan, "precision.update_compile=true"), RunContext(tmp_path / "compiled")
+    )
+    eager = train(make_cfg(*kahan), RunContext(tmp_path / "eager"))
+    assert compiled["ran"]["pure_update"] == "compiled"
+    assert eager["ran"]["pure_update"] == "eager"  # a toy model: below COMPILE_FROM
+    assert compiled["val/loss"] == pytest.approx(eager["val/loss"], rel=0.02)
+
+
+def test_update_compile_is_a_pure_bf16_key():
+    with pytest.raises(ConfigError, match="applies to pure bf16 weights only"):
+        validate(make_cfg(*PURE[:-1], "precision=bf16", "precision.update_compile=true"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rounding", ["nearest", "kahan"])
+def test_a_gpus_compiled_update_is_the_eager_one(rounding):
+    """On CUDA (Triton, the cast kept as a rounding): SGD's weights and counts as the eager
+    step's."""
+    results = []
+    for how in (False, True):
+        on_cpu = bf16_params()
+        params = [torch.nn.Parameter(p.detach().cuda()) for p in on_cpu]
+        optimizer = sgd(params, rounding=rounding, chunk=CHUNK, compiled=how)
+        for step in range(4):
+            set_grads(on_cpu, step)
+            for p, q in zip(params, on_cpu, strict=True):
+                p.grad = q.grad.cuda()
+            optimizer.step()
+        results.append(([p.detach().cpu() for p in params], optimizer.lost.counts.cpu()))
+    (eager, eager_counts), (mine, counts) = results
+    assert all(torch.equal(a, b) for a, b in zip(eager, mine, strict=True))
+    assert torch.equal(counts, eager_counts)
