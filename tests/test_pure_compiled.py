@@ -20,7 +20,7 @@ from torch._inductor.utils import run_and_get_code
 from mpexp.errors import ConfigError
 from mpexp.precision import pure_compiled
 from mpexp.precision.pure_compiled import COMPILE_FROM, COUNT_TEMPORARY, compile_setting
-from mpexp.precision.pure_kernels import Variant, can_compile, compiled
+from mpexp.precision.pure_kernels import Variant, adam_coefficients, can_compile, compiled
 from mpexp.precision.pure_optimizers import PureAdam, PureSGD
 from mpexp.run.runner import train
 from mpexp.tracking.run_context import RunContext
@@ -55,7 +55,9 @@ def stepped(build, steps: int = 4, **pure):
 @pytest.mark.parametrize("rounding", ["nearest", "kahan"])
 def test_sgds_compiled_update_is_the_eager_one_bit_for_bit(rounding):
     """Weights and counts equal, through batches of one piece, parameters stepped whole in one
-    call and batches of several small tensors gathered."""
+    call and batches of several small tensors gathered (Nesterov, weight decay, bf16 states;
+    with dampening or float32 states torch's fused SGD rounds a multiply-add once where this
+    loop rounds twice: an ulp apart, as Adam below)."""
     eager, eager_counts, _ = stepped(sgd, rounding=rounding, compiled=False)
     mine, counts, optimizer = stepped(sgd, rounding=rounding, compiled=True)
     assert optimizer.update_path == "compiled"
@@ -77,6 +79,73 @@ def test_adams_compiled_update_is_the_eager_one_to_an_ulp():
         differ, total = differ + (theirs != ours).sum().item(), total + theirs.numel()
     assert differ <= total / 1000
     assert (counts - eager_counts).abs().sum() <= total / 1000
+
+
+def test_a_gathered_batchs_count_never_writes_over_its_own_weights(monkeypatch):
+    """A batch of one piece whose gradient is laid out otherwise (a transposed matrix) is
+    gathered; its count's loop must not take the gathered weights' buffer as its output: the
+    loop compiled for that aliasing, kept in inductor's cache on disk, wrote over the weights
+    in later processes whose buffers did not alias."""
+    calls = []
+    real = pure_compiled.compiled
+
+    def watched(variant):
+        update = real(variant)
+
+        def checked(w, g, states, carried, coefficients, draws, masks):
+            for out in masks or ():
+                span = (out.data_ptr(), out.data_ptr() + out.numel() * out.element_size())
+                start, end = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
+                calls.append(span[0] < end and start < span[1])
+            return update(w, g, states, carried, coefficients, draws, masks)
+
+        return checked
+
+    monkeypatch.setattr(pure_compiled, "compiled", watched)
+    params = bf16_params()
+    optimizer = sgd(params, rounding="kahan", chunk=CHUNK, compiled=True)
+    eager_params = bf16_params()
+    eager = sgd(eager_params, rounding="kahan", chunk=CHUNK, compiled=False)
+    for step in range(2):
+        for ps, o in ((params, optimizer), (eager_params, eager)):
+            set_grads(ps, step, transposed=True)
+            o.step()
+    assert calls and not any(calls)
+    assert all(torch.equal(a, b) for a, b in zip(params, eager_params, strict=True))
+    assert torch.equal(optimizer.lost.counts, eager.lost.counts)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "kahan"])
+def test_weights_out_of_the_splits_range_step_as_the_eager_ones_do(rounding):
+    """Veltkamp's split (the rounding kept in the compiled loop on a CPU) overflows above 2^112
+    and rounds subnormals to 8 bits of the value: there the value is kept as it is. Weights,
+    NaNs (Kahan's inf - inf) and counts as the eager step's; under round-to-nearest an infinite
+    weight stays infinite, also where a weight decay of 0 is not multiplied in."""
+    values = [float("inf"), float("-inf"), 2.0**113, -(2.0**120), 2.0**-130, 1.0, 0.0]
+    ends = []
+    for how in (False, True):
+        weight = torch.nn.Parameter(torch.tensor(values * 800, dtype=torch.bfloat16))
+        optimizer = PureAdam([weight], lr=1e-3, rounding=rounding, compiled=how)
+        for _ in range(3):
+            weight.grad = torch.full_like(weight, 1e-3)
+            optimizer.step()
+        ends.append((weight.detach().clone(), optimizer.lost.counts.clone()))
+    (eager, eager_counts), (mine, counts) = ends
+    assert torch.equal(mine.isnan(), eager.isnan())
+    assert torch.equal(mine.nan_to_num(), eager.nan_to_num())
+    assert torch.equal(counts, eager_counts)
+    if rounding == "nearest":
+        assert not mine.isnan().any()
+
+
+def test_adams_bias_corrections_are_had_in_float64_as_torchs_kernel_has_them():
+    group = {"betas": (0.9, 0.9999), "lr": 1e-3, "weight_decay": 0.0, "eps": 1e-8}
+    for step in (1, 10, 1000, 100_000):
+        made = adam_coefficients(torch.tensor(float(step)), group, decoupled=True)
+        root = (1 - 0.9999**step) ** 0.5
+        size = 1e-3 / (1 - 0.9**step)
+        assert made[3].item() == pytest.approx(root, rel=1e-7)
+        assert made[5].item() == pytest.approx(size, rel=1e-7)
 
 
 def test_kahans_buffer_keeps_the_updates_rounding_to_nearest_loses():

@@ -14,6 +14,8 @@ every step GradScaler hands its overflow flag to (a skipped step is the eager st
 from __future__ import annotations
 
 import logging
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -25,6 +27,7 @@ from mpexp.precision.pure_kernels import (
     can_compile,
     compiled,
     sgd_coefficients,
+    split_is_exact,
 )
 from mpexp.precision.pure_layout import is_dense, memory_order
 from mpexp.precision.pure_updates import COMPENSATION
@@ -79,6 +82,51 @@ def compile_setting(
     return None
 
 
+@dataclass
+class _Layout:
+    """A batch's compiled step's reused views: its first piece's parameter (`param`), where the
+    piece starts, the elements of its parameter stepped with the first piece (`span`, 0 unless
+    cut along its memory), the batch's states and Kahan's buffer as stretches (None: not laid
+    out so, the eager step's), the same for the span, and the weight as one flat view where the
+    batch is one piece laid out densely (`direct`) or for the span (`whole`)."""
+
+    param: int
+    start: int
+    span: int
+    states: list | None
+    carried: torch.Tensor | None
+    whole_states: list | None = None
+    whole_carried: torch.Tensor | None = None
+    direct: torch.Tensor | None = None
+    whole: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, o, views: BatchViews, group: dict) -> _Layout:
+        piece = views.batch.pieces[0]
+        keys = o.keys(group)
+        states = [views.stretches.get(k) for k in keys]
+        carried = views.stretches.get(COMPENSATION) if o.rounding == "kahan" else None
+        if None in states or (o.rounding == "kahan" and carried is None):
+            states = None
+        weight = local_shard(o.params[piece.param].detach())
+        span = 0
+        if piece.how == "flat":
+            span = (weight.numel() - 1) // o.chunk * o.chunk
+        at = cls(piece.param, piece.start, span, states, carried)
+        if len(views.batch.pieces) == 1:
+            if piece.how == "flat":
+                at.direct = views.weights[0]
+            elif piece.how == "whole" and is_dense(weight):
+                at.direct = memory_order(weight)
+        if piece.how == "flat" and piece.start == 0:
+            state = o.state[o.params[piece.param]]
+            at.whole = memory_order(weight)[:span]
+            at.whole_states = [memory_order(local_shard(state[k]))[:span] for k in keys]
+            if carried is not None:
+                at.whole_carried = memory_order(local_shard(state[COMPENSATION]))[:span]
+        return at
+
+
 class CompiledUpdate:
     """The compiled path of a PureOptimizer (see the module's docstring). `required`: the run
     asked for it (`precision.update_compile=true`), so that a failed compilation stops the run
@@ -88,10 +136,11 @@ class CompiledUpdate:
         self.optimizer = optimizer
         self.required = required
         self.failed: str | None = None  # why the compilation failed, once it has
-        self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
         self._coefficients: dict = {}
         self._variants: dict = {}
         self._stepped_whole: set[int] = set()  # this step's parameters stepped whole
+        self._layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def begin_step(self) -> None:
         self._coefficients.clear()
@@ -109,27 +158,27 @@ class CompiledUpdate:
         """Step the batch `views` of group `index`; False (nothing done) where the eager step
         must take it."""
         o = self.optimizer
-        pieces = views.batch.pieces
-        first_of = len(pieces) == 1 and pieces[0].how == "flat" and pieces[0].start == 0
-        if pieces[0].param in self._stepped_whole and pieces[0].start < self._span(pieces[0]):
+        at = self._layout(views, group)
+        if at.param in self._stepped_whole and at.start < at.span:
             return True  # stepped with its parameter's first piece
-        if self.failed or len({o.host_counts[i] for i in views.owners}) != 1:
+        if self.failed or at.states is None:
             return False
-        if _get_current_dispatch_mode() is not None:
-            return False  # torch.compile does not run under a dispatch mode (a plan's count)
-        first = {i in fresh for i in views.owners}
-        keys = o.keys(group)
-        states = [views.stretches.get(k) for k in keys]
-        carried = views.stretches.get(COMPENSATION) if o.rounding == "kahan" else None
-        if len(first) != 1 or None in states or (o.rounding == "kahan" and carried is None):
+        owners = views.owners
+        if len(owners) > 1 and len({o.host_counts[i] for i in owners}) != 1:
             return False
+        first = {i in fresh for i in owners}
+        if len(first) != 1 or _get_current_dispatch_mode() is not None:
+            return False  # (torch.compile does not run under a dispatch mode: a plan's count)
         # a parameter cut along its memory: all but its last piece in one call, on a step that
-        # counts nothing (a count's kernel holds a float32 value per element: a chunk's at most)
-        span = self._span(pieces[0]) if first_of and not counting else 0
-        if span:
-            states, carried = self._whole_states(pieces[0].param, keys, span)
-        w, g, gathered = self._flat(views, span)
-        count = ("sums" if len(views.owners) == 1 else "masks") if counting else ""
+        # counts nothing (a count's kernel holds a value per element: a chunk's at most)
+        span = at.span if at.start == 0 and not counting else 0
+        states, carried = (at.whole_states, at.whole_carried) if span else (at.states, at.carried)
+        w, g, gathered = self._flat(views, at, span)
+        if w is None:
+            return False
+        # a batch stepped where it lies sums its count in the loop; a gathered one writes its
+        # masks, as the sums' variant would write its weights into the gathered buffer itself
+        count = ("masks" if gathered is not None else "sums") if counting else ""
         variant = self._variant(group, count)
         coefficients = self._coefficients_for(index, group, views, first.pop())
         draws = None
@@ -146,16 +195,24 @@ class CompiledUpdate:
         if gathered is not None:
             torch._foreach_copy_(views.weights, gathered)
         if span:
-            self._stepped_whole.add(pieces[0].param)
+            self._stepped_whole.add(at.param)
         if count == "sums":
             w.copy_(masks[0])
-            o.lost.add(views.owners[0], counts[0], counts[1])
+            o.lost.add(owners[0], counts[0], counts[1])
         elif count == "masks":
             o.lost.add_pieces(views.owner_index, views.summed(ws.w), views.summed(ws.g))
         return True
 
+    def _layout(self, views: BatchViews, group: dict) -> _Layout:
+        """What the batch's compiled steps reuse, made at its first (a CPU keeps its views from
+        step to step, and so this)."""
+        at = self._layouts.get(views)
+        if at is None:
+            at = self._layouts[views] = _Layout.of(self.optimizer, views, group)
+        return at
+
     def _variant(self, group: dict, count: str) -> Variant:
-        key = (count, group.get("momentum"), group.get("nesterov"))
+        key = (count, group.get("momentum"), group.get("nesterov"), group["weight_decay"] != 0)
         if key not in self._variants:
             self._variants[key] = self._make_variant(group, count)
         return self._variants[key]
@@ -169,8 +226,9 @@ class CompiledUpdate:
             decoupled=bool(getattr(o, "decoupled", False)),
             momentum=o.counted is False and group.get("momentum", 0) != 0,
             nesterov=bool(group.get("nesterov", False)),
+            decay=group["weight_decay"] != 0,
             sixteen=o.states_dtype != torch.float32,
-            exact="split" if o.params[0].device.type == "cpu" else "cast",
+            exact="split" if o.params[0].device.type == "cpu" and split_is_exact() else "cast",
         )
 
     def _coefficients_for(self, index: int, group: dict, views: BatchViews, first: bool):
@@ -187,55 +245,42 @@ class CompiledUpdate:
             self._coefficients[key] = made
         return made
 
-    def _span(self, piece) -> int:
-        """The elements of `piece`'s parameter before its last piece: those stepped in one call
-        with its first (the last may share its batch with the next parameters)."""
-        if piece.how != "flat":
-            return 0
-        count = local_shard(self.optimizer.params[piece.param]).numel()
-        return (count - 1) // self.optimizer.chunk * self.optimizer.chunk
-
-    def _whole_states(self, index: int, keys, span: int) -> tuple[list, torch.Tensor | None]:
-        """Parameter `index`'s first `span` elements of its states and Kahan's buffer, in
-        memory order (a parameter is cut along its memory only where they are laid out as it
-        is)."""
-        state = self.optimizer.state[self.optimizer.params[index]]
-        carried = state.get(COMPENSATION) if self.optimizer.rounding == "kahan" else None
-        states = [memory_order(local_shard(state[k]))[:span] for k in keys]
-        if carried is not None:
-            carried = memory_order(local_shard(carried))[:span]
-        return states, carried
-
-    def _flat(self, views: BatchViews, span: int = 0):
+    def _flat(self, views: BatchViews, at: _Layout, span: int):
         """The batch's weights and gradients as flat bf16 tensors, and the gathered pieces to
         copy the weights back from (None where the batch is one piece stepped where it lies;
-        with `span`, its parameter's first `span` elements)."""
+        with `span`, its parameter's first `span` elements). (None, None, None) where a
+        gradient is laid out otherwise than its weight is."""
         pieces = views.batch.pieces
-        if span:
-            p = self.optimizer.params[pieces[0].param]
-            weight, grad = local_shard(p.detach()), local_shard(p.grad)
-            return memory_order(weight)[:span], memory_order(grad)[:span], None
-        grads = views.grads()
-        if len(pieces) == 1:
-            piece, weight, grad = pieces[0], views.weights[0], grads[0]
-            if piece.how == "flat":
-                return weight, grad, None
-            if piece.how == "whole" and is_dense(weight) and grad.stride() == weight.stride():
-                return memory_order(weight), memory_order(grad), None
+        if span or at.direct is not None:
+            grad = local_shard(self.optimizer.params[at.param].grad)
+            weight = at.whole if span else at.direct
+            if pieces[0].how == "whole":
+                if grad.stride() != views.weights[0].stride():
+                    return self._gather(views)
+                return weight, memory_order(grad), None
+            grad = memory_order(grad)
+            return (
+                weight,
+                (grad[:span] if span else grad[at.start : at.start + weight.numel()]),
+                None,
+            )
+        return self._gather(views)
+
+    def _gather(self, views: BatchViews):
         w16, g16 = self._buffers(views.ws)
-        placed = [p.place(w16) for p in pieces]
+        placed = [p.place(w16) for p in views.batch.pieces]
         torch._foreach_copy_(placed, views.weights)
-        torch._foreach_copy_([p.place(g16) for p in pieces], grads)
+        torch._foreach_copy_([p.place(g16) for p in views.batch.pieces], views.grads())
         return w16[: views.extent], g16[: views.extent], placed
 
     def _buffers(self, ws) -> tuple[torch.Tensor, torch.Tensor]:
         """Two bf16 buffers as long as the workspace: a batch's gathered weights and
         gradients, or a counting step's new weights."""
-        if self._gather is None or self._gather[0].numel() < ws.extent:
-            self._gather = tuple(
+        if self._gathered is None or self._gathered[0].numel() < ws.extent:
+            self._gathered = tuple(
                 torch.empty(ws.extent, dtype=torch.bfloat16, device=ws.w.device) for _ in "wg"
             )
-        return self._gather
+        return self._gathered
 
     def _fail(self, error: Exception) -> bool:
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
@@ -255,4 +300,4 @@ class CompiledUpdate:
     def after_step(self) -> None:
         """Let the gathered buffers go where the workspace is let go (a GPU's)."""
         if not self.optimizer.batches.kept:
-            self._gather = None
+            self._gathered = None

@@ -52,6 +52,7 @@ class Variant:
     decoupled: bool = False
     momentum: bool = False
     nesterov: bool = False
+    decay: bool = True  # whether weight decay is nonzero (a 0 * inf weight would be NaN)
     sixteen: bool = True
     # how a float32 value rounded to bfloat16 is had back in float32 (Kahan's remainder, the
     # count's "changed"): "split" on a CPU, "cast" on a GPU (see `_nearest`)
@@ -73,15 +74,18 @@ def adam_coefficients(step: torch.Tensor, group: dict, decoupled: bool) -> torch
     bias correction), and the decay (1 - lr * weight_decay for AdamW, weight_decay for Adam)."""
     beta1, beta2 = group["betas"]
     lr, wd = group["lr"], group["weight_decay"]
-    step = step.float()
+    # in float64, as torch's fused kernel computes them (float32's 1 - 0.9999^t is off by 1e-4)
+    step = step.double()
     one = torch.ones_like(step)
+    if isinstance(lr, torch.Tensor):
+        lr = lr.double()
     correction1 = 1 - torch.pow(beta1, step)
     correction2_root = (1 - torch.pow(beta2, step)).sqrt()
     size = lr / correction1
     decay = 1 - lr * wd if decoupled else wd * one
     values = (one * (1 - beta1), one * beta2, one * (1 - beta2), correction2_root,
               one * group["eps"], size, decay * one)  # fmt: skip
-    return torch.stack(values)
+    return torch.stack(values).float()
 
 
 def sgd_coefficients(group: dict, device: torch.device, first: bool) -> torch.Tensor:
@@ -102,18 +106,19 @@ def sgd_coefficients(group: dict, device: torch.device, first: bool) -> torch.Te
 def _adam(v: Variant, wf, gf, states, c):
     """torch's Adam in float32 on one element: the new weight and states."""
     m, s = (t.float() for t in states)
-    if not v.decoupled:
+    if v.decay and not v.decoupled:
         gf = gf + c[6] * wf  # Adam's L2 decay joins the gradient
     m = torch.lerp(m, gf, c[0])
     s = s * c[1] + gf * gf * c[2]
     denom = s.sqrt() / c[3] + c[4]
-    base = wf * c[6] if v.decoupled else wf
+    base = wf * c[6] if v.decay and v.decoupled else wf
     return base - c[5] * (m / denom), [m, s]
 
 
 def _sgd(v: Variant, wf, gf, states, c):
     """torch's SGD in float32: the new weight and momentum buffer."""
-    gf = gf + c[1] * wf
+    if v.decay:
+        gf = gf + c[1] * wf
     if not v.momentum:
         return wf - c[0] * gf, []
     buffer = states[0].float() * c[2] + gf * c[3]
@@ -146,12 +151,18 @@ def _nearest(v: Variant, x: torch.Tensor) -> torch.Tensor:
     (`emulate_precision_casts`), which on a CPU slows the whole loop by a fifth. There, the
     rounding is Veltkamp's split instead: three float32 operations that leave the top 8 bits of
     `x`, rounded to nearest (a tie, one value in 2^16, may go either way), exact as long as
-    the compiler fuses no multiply-add, which inductor's C++ does not (-ffp-contract=off). On a
-    GPU, where Triton may fuse them and the loop is bound by memory, the cast is kept."""
+    the compiler fuses no multiply-add, which inductor's C++ does not (-ffp-contract=off, its
+    default: `split_is_exact`). On a GPU, where Triton may fuse them and the loop is bound by
+    memory, the cast is kept."""
     if v.exact == "cast":
         return x.to(torch.bfloat16).float()
     product = x * 65537.0  # 2^16 + 1: the split keeps 24 - 16 bits
-    return product - (product - x)
+    split = product - (product - x)
+    # exact between 2^-126 (below, bfloat16's grid is fixed, not 8 bits of the value) and
+    # 2^112 (above, the product overflows); outside, the value is kept as it is (a weight that
+    # small or that large is lost to training anyway, and inf stays inf)
+    size = x.abs()
+    return torch.where((size >= 2.0**-126) & (size < 2.0**100), split, x)
 
 
 def _update(v: Variant, w, g, states, carried, coefficients, keys, masks):
@@ -216,6 +227,13 @@ def _bound(variant: Variant):
         return _update(variant, w, g, states, carried, coefficients, keys, masks)
 
     return update
+
+
+def split_is_exact() -> bool:
+    """Whether inductor's C++ keeps multiplies and adds apart (`_nearest`'s split needs it)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.cpp.enable_floating_point_contract_flag == "off"
 
 
 def can_compile(device: torch.device) -> str | None:
