@@ -117,10 +117,11 @@ def test_a_gathered_batchs_count_never_writes_over_its_own_weights(monkeypatch):
 
 @pytest.mark.parametrize("rounding", ["nearest", "kahan"])
 def test_weights_out_of_the_splits_range_step_as_the_eager_ones_do(rounding):
-    """Veltkamp's split (the rounding kept in the compiled loop on a CPU) overflows above 2^112
-    and rounds subnormals to 8 bits of the value: there the value is kept as it is. Weights,
-    NaNs (Kahan's inf - inf) and counts as the eager step's; under round-to-nearest an infinite
-    weight stays infinite, also where a weight decay of 0 is not multiplied in."""
+    """Veltkamp's split (the rounding kept in the compiled loop on a CPU) overflowed from 2^112
+    and made inf NaN: it now splits the value scaled by 2^-20, and round-to-nearest stores the
+    cast. Weights, NaNs (Kahan's inf - inf, as the eager step's) and counts as the eager step's;
+    under round-to-nearest an infinite weight stays infinite, also where a weight decay of 0 is
+    not multiplied in."""
     values = [float("inf"), float("-inf"), 2.0**113, -(2.0**120), 2.0**-130, 1.0, 0.0]
     ends = []
     for how in (False, True):

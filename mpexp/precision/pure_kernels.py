@@ -156,13 +156,13 @@ def _nearest(v: Variant, x: torch.Tensor) -> torch.Tensor:
     memory, the cast is kept."""
     if v.exact == "cast":
         return x.to(torch.bfloat16).float()
-    product = x * 65537.0  # 2^16 + 1: the split keeps 24 - 16 bits
-    split = product - (product - x)
-    # exact between 2^-126 (below, bfloat16's grid is fixed, not 8 bits of the value) and
-    # 2^112 (above, the product overflows); outside, the value is kept as it is (a weight that
-    # small or that large is lost to training anyway, and inf stays inf)
-    size = x.abs()
-    return torch.where((size >= 2.0**-126) & (size < 2.0**100), split, x)
+    # scaled by 2^-20 (exactly) so that the product cannot overflow below float32's largest
+    # value; so exact from 2^-106 up (below, 1e-32, the scaled value is subnormal), and inf
+    # comes out NaN (the callers store the cast where it matters: `_update`). A guard by
+    # comparisons instead cost a fifth of the loop's time.
+    scaled = x * 2.0**-20
+    product = scaled * 65537.0  # 2^16 + 1: the split keeps 24 - 16 bits
+    return (product - (product - scaled)) * 2.0**20
 
 
 def _update(v: Variant, w, g, states, carried, coefficients, keys, masks):
@@ -188,11 +188,13 @@ def _update(v: Variant, w, g, states, carried, coefficients, keys, masks):
         kept = _round_stochastic(new, keys[2]).float()  # exact in bfloat16 already
     else:
         kept = _nearest(v, new) if v.count else new
-    rounded = kept.to(torch.bfloat16)
+    # round-to-nearest stores the cast (inf stays inf), the others what they computed
+    rounded = (new if v.rounding == "nearest" else kept).to(torch.bfloat16)
     if not v.count:
         w.copy_(rounded)
         return None
-    moved, changed = new != wf, kept != wf
+    moved = new != wf
+    changed = moved & (kept != wf) if v.rounding == "nearest" else kept != wf
     if v.count == "masks":
         w.copy_(rounded)
         masks[0].copy_(moved)
