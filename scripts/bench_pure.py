@@ -99,7 +99,7 @@ def child(case: str, width: int, run_dir: str, steps: int) -> dict:
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
-    train(cfg, RunContext(Path(run_dir)))
+    summary = train(cfg, RunContext(Path(run_dir)))
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     epochs = [r["perf/epoch_time_s"] for r in rows if "perf/epoch_time_s" in r]
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -109,6 +109,7 @@ def child(case: str, width: int, run_dir: str, steps: int) -> dict:
         "epochs_s": epochs,
         "cpu_s": usage.ru_utime + usage.ru_stime,
         "params": params,
+        "update": summary["ran"].get("pure_update", "torch's"),  # pure bf16's: compiled or not
     }
 
 
@@ -274,7 +275,8 @@ def main(argv=None) -> int:
             cpu[case].append(big["cpu_s"] - tiny["cpu_s"])
             print(
                 f"repeat {repeat + 1} {case}: growth {growth[case][-1]:.0f} MiB, "
-                f"epoch 2 {epoch[case][-1]:.2f} s, CPU {cpu[case][-1]:.1f} s",
+                f"epoch 2 {epoch[case][-1]:.2f} s, CPU {cpu[case][-1]:.1f} s, "
+                f"update {big['update']}",
                 flush=True,
             )
     base = cases[0]

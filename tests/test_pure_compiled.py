@@ -92,12 +92,12 @@ def test_a_gathered_batchs_count_never_writes_over_its_own_weights(monkeypatch):
     def watched(variant):
         update = real(variant)
 
-        def checked(w, g, states, carried, coefficients, draws, masks):
+        def checked(w, g, states, carried, coefficients, draws, masks, scaling):
             for out in masks or ():
                 span = (out.data_ptr(), out.data_ptr() + out.numel() * out.element_size())
                 start, end = w.data_ptr(), w.data_ptr() + w.numel() * w.element_size()
                 calls.append(span[0] < end and start < span[1])
-            return update(w, g, states, carried, coefficients, draws, masks)
+            return update(w, g, states, carried, coefficients, draws, masks, scaling)
 
         return checked
 
@@ -222,7 +222,8 @@ def test_the_compiled_loops_hold_what_the_recorded_bound_says(variant):
         masks = (torch.empty(n), torch.empty(n))
     fresh = compiled.__wrapped__(variant)  # not the cached one: inductor writes its code
     with inductor_config.patch(force_disable_caches=True):
-        _, codes = run_and_get_code(fresh, w, g, states, carried, coefficients, draws, masks)
+        args = (w, g, states, carried, coefficients, draws, masks, None)
+        _, codes = run_and_get_code(fresh, *args)
     per_element = 0
     for shape, dtype in re.findall(
         r"empty_strided_cpu\(\((\w+), \), \(1, \), torch\.(\w+)\)", codes[-1]
@@ -266,12 +267,47 @@ def test_a_failed_compilation_falls_back_loudly_or_stops_a_run_that_asked(monkey
         stepped(sgd, rounding="kahan", compiled=True)
 
 
-def test_a_run_asking_for_it_steps_compiled_and_records_so(tmp_path):
+@pytest.mark.parametrize("skipped", [False, True])
+def test_a_loss_scalers_scale_and_overflow_flag_are_taken_in_the_loop(skipped):
+    """mpexp's loss scaler hands every fused step its scale and overflow flag: the compiled
+    loop divides the gradient by the scale, and a step with the flag set leaves the weights,
+    states and Kahan's buffer as they were (counting nothing), as the eager step does."""
+    ends = []
+    for how in (False, True):
+        params = bf16_params()
+        optimizer = adam(params, rounding="kahan", chunk=CHUNK, compiled=how)
+        for step in range(3):
+            set_grads(params, step)
+            optimizer.grad_scale = torch.tensor(4.0)
+            optimizer.found_inf = torch.tensor(float(skipped and step == 2))
+            optimizer.step()
+        states = [v.clone() for s in optimizer.state.values() for v in s.values()]
+        ends.append(([p.detach().clone() for p in params], states, optimizer.lost.counts))
+    (eager, eager_states, eager_counts), (mine, states, counts) = ends
+    for theirs, ours in zip(eager + eager_states, mine + states, strict=True):
+        assert torch.allclose(theirs.float(), ours.float(), rtol=2**-7, atol=1e-6)
+    assert (counts - eager_counts).abs().sum() <= 40
+
+
+def test_a_run_asking_for_it_steps_compiled_and_records_so(tmp_path, monkeypatch):
+    """The run's steps go through the compiled loop (its loss scaler's flag and all), and the
+    run record says so."""
+    calls = []
+    real = pure_compiled.compiled
+
+    def counted(variant):
+        calls.append(variant)
+        return real(variant)
+
+    monkeypatch.setattr(pure_compiled, "compiled", counted)
     kahan = [*PURE, "precision=bf16_pure_kahan", "trainer.epochs=1"]
     compiled = train(
         make_cfg(*kahan, "precision.update_compile=true"), RunContext(tmp_path / "compiled")
     )
+    assert calls and {v.rounding for v in calls} == {"kahan"}
+    calls.clear()
     eager = train(make_cfg(*kahan), RunContext(tmp_path / "eager"))
+    assert not calls
     assert compiled["ran"]["pure_update"] == "compiled"
     assert eager["ran"]["pure_update"] == "eager"  # a toy model: below COMPILE_FROM
     assert compiled["val/loss"] == pytest.approx(eager["val/loss"], rel=0.02)

@@ -7,8 +7,10 @@ bf16 buffers, stepped there and its weights copied back; its count of lost updat
 masks in the workspace, summed by piece as the eager step sums its own.
 
 The eager step takes a batch whose states are not one stretch of memory (sharded or laid out
-apart), whose pieces have stepped different numbers of times or not all for the first time, and
-every step GradScaler hands its overflow flag to (a skipped step is the eager step's business).
+apart) and one whose pieces have stepped different numbers of times or not all for the first
+time. The loss scaler's scale and overflow flag, which mpexp hands every fused step, come in as
+one small tensor (`scaling`): the gradient unscaled, and a skipped step left as it was, in the
+loop.
 """
 
 from __future__ import annotations
@@ -142,6 +144,13 @@ class CompiledUpdate:
         self._stepped_whole: set[int] = set()  # this step's parameters stepped whole
         self._layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    @staticmethod
+    def scaling(grad_scale, found_inf) -> torch.Tensor:
+        """The loss scaler's scale and overflow flag as one float32 tensor on their device."""
+        flag = found_inf if found_inf is not None else torch.zeros_like(grad_scale)
+        scale = grad_scale if grad_scale is not None else torch.ones_like(found_inf)
+        return torch.stack((scale.float(), flag.float()))
+
     def begin_step(self) -> None:
         self._coefficients.clear()
         self._stepped_whole.clear()
@@ -154,9 +163,9 @@ class CompiledUpdate:
         tests/test_pure_compiled.py reads in the code inductor writes)."""
         return (4 + COUNT_TEMPORARY) * extent + 64
 
-    def step(self, views: BatchViews, index: int, group: dict, fresh: set, counting: bool):
-        """Step the batch `views` of group `index`; False (nothing done) where the eager step
-        must take it."""
+    def step(self, views: BatchViews, index: int, group: dict, fresh: set, counting: bool, scaling):
+        """Step the batch `views` of group `index` (`scaling`: the loss scaler's scale and
+        overflow flag, or None); False (nothing done) where the eager step must take it."""
         o = self.optimizer
         at = self._layout(views, group)
         if at.param in self._stepped_whole and at.start < at.span:
@@ -179,7 +188,7 @@ class CompiledUpdate:
         # a batch stepped where it lies sums its count in the loop; a gathered one writes its
         # masks, as the sums' variant would write its weights into the gathered buffer itself
         count = ("masks" if gathered is not None else "sums") if counting else ""
-        variant = self._variant(group, count)
+        variant = self._variant(group, count, scaling is not None)
         coefficients = self._coefficients_for(index, group, views, first.pop())
         draws = None
         if o.rounding == "stochastic":
@@ -189,7 +198,7 @@ class CompiledUpdate:
         if count == "sums":
             masks = (self._buffers(ws)[0][: w.numel()],)
         try:
-            counts = compiled(variant)(w, g, states, carried, coefficients, draws, masks)
+            counts = compiled(variant)(w, g, states, carried, coefficients, draws, masks, scaling)
         except Exception as error:  # inductor's failures have no common class of their own
             return self._fail(error)
         if gathered is not None:
@@ -211,15 +220,17 @@ class CompiledUpdate:
             at = self._layouts[views] = _Layout.of(self.optimizer, views, group)
         return at
 
-    def _variant(self, group: dict, count: str) -> Variant:
-        key = (count, group.get("momentum"), group.get("nesterov"), group["weight_decay"] != 0)
+    def _variant(self, group: dict, count: str, scaled: bool) -> Variant:
+        decay = group["weight_decay"] != 0
+        key = (count, group.get("momentum"), group.get("nesterov"), decay, scaled)
         if key not in self._variants:
-            self._variants[key] = self._make_variant(group, count)
+            self._variants[key] = self._make_variant(group, count, scaled)
         return self._variants[key]
 
-    def _make_variant(self, group: dict, count: str) -> Variant:
+    def _make_variant(self, group: dict, count: str, scaled: bool) -> Variant:
         o = self.optimizer
         return Variant(
+            scaled=scaled,
             algorithm="adam" if o.counted else "sgd",
             rounding=o.rounding,
             count=count,

@@ -53,6 +53,9 @@ class Variant:
     momentum: bool = False
     nesterov: bool = False
     decay: bool = True  # whether weight decay is nonzero (a 0 * inf weight would be NaN)
+    # whether a loss scaler hands the step its scale and overflow flag (`scaling`): the
+    # gradient divided by the scale, and a step with the flag set changes nothing
+    scaled: bool = False
     sixteen: bool = True
     # how a float32 value rounded to bfloat16 is had back in float32 (Kahan's remainder, the
     # count's "changed"): "split" on a CPU, "cast" on a GPU (see `_nearest`)
@@ -165,25 +168,36 @@ def _nearest(v: Variant, x: torch.Tensor) -> torch.Tensor:
     return (product - (product - scaled)) * 2.0**20
 
 
-def _update(v: Variant, w, g, states, carried, coefficients, keys, masks):
+def _update(v: Variant, w, g, states, carried, coefficients, keys, masks, scaling):
     """One batch, in place: `w` and `g` flat bf16, `states` flat (16-bit or float32),
     `carried` Kahan's flat bf16 buffer (or None), `keys` stochastic rounding's three (or None),
+    `scaling` the loss scaler's scale and overflow flag (or None),
     `masks` two flat float32 buffers for the count by piece (or None; under `count="sums"`, one
     flat bf16 buffer that takes the new weights). Returns the count's (moved, changed) under
     `count="sums"`."""
-    wf = w.float()
+    wf, gf = w.float(), g.float()
+    skip = None
+    if v.scaled:
+        gf = gf / scaling[0]
+        skip = scaling[1] != 0
     arithmetic = _adam if v.algorithm == "adam" else _sgd
-    new, stepped = arithmetic(v, wf, g.float(), states, coefficients)
+    new, stepped = arithmetic(v, wf, gf, states, coefficients)
+    if skip is not None:  # a skipped step: every result is what was there
+        new = torch.where(skip, wf, new)
     for i, (state, value) in enumerate(zip(states, stepped, strict=True)):
         if v.sixteen and v.rounding == "stochastic":
             value = _round_stochastic(value, keys[i])
-        state.copy_(value)
+        state.copy_(value if skip is None else torch.where(skip, state, value))
     if v.rounding == "kahan":
         # optimi's order, as the eager step's: the update wanted plus what earlier roundings
         # lost, added to the stored weight and rounded; what this rounding left out is kept
         wanted = (new - wf) + carried.float()
         kept = _nearest(v, wf + wanted)
-        carried.copy_(wanted + (wf - kept))
+        remainder = wanted + (wf - kept)
+        if skip is not None:  # not even the buffer added, and the buffer kept
+            kept = torch.where(skip, wf, kept)
+            remainder = torch.where(skip, carried.float(), remainder)
+        carried.copy_(remainder)
     elif v.rounding == "stochastic":
         kept = _round_stochastic(new, keys[2]).float()  # exact in bfloat16 already
     else:
@@ -225,8 +239,8 @@ def compiled(variant: Variant):
 
 
 def _bound(variant: Variant):
-    def update(w, g, states, carried, coefficients, keys, masks):
-        return _update(variant, w, g, states, carried, coefficients, keys, masks)
+    def update(w, g, states, carried, coefficients, keys, masks, scaling):
+        return _update(variant, w, g, states, carried, coefficients, keys, masks, scaling)
 
     return update
 

@@ -150,9 +150,11 @@ class PureOptimizer(torch.optim.Optimizer):
         counting = self.lost is not None and self.steps_taken % self.count_every == 0
         whole = not counting and self.fused and self.rounding == "nearest"
         whole = whole and self.states_dtype == torch.bfloat16
-        fast = self.compiled_update if grad_scale is None and found_inf is None else None
+        fast, scaling = self.compiled_update, None
         if fast is not None:
             fast.begin_step()
+            if grad_scale is not None or found_inf is not None:
+                scaling = fast.scaling(grad_scale, found_inf)
         for index, group in enumerate(self.param_groups):
             stepped = [i for i in self._indices[index] if self.params[i].grad is not None]
             if not stepped:
@@ -174,7 +176,10 @@ class PureOptimizer(torch.optim.Optimizer):
                     self.batches.of(index, stepped, group)
             else:
                 for views in self.batches.of(index, stepped, group):
-                    if fast is None or not fast.step(views, index, group, fresh, counting):
+                    taken = fast is not None and fast.step(
+                        views, index, group, fresh, counting, scaling
+                    )
+                    if not taken:
                         self._step_batch(views, group, fresh, counting, grad_scale, found_inf)
             if steps and found_inf is not None:
                 torch._foreach_sub_(steps, [found_inf] * len(steps))  # skipped: as torch's fused
