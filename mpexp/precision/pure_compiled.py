@@ -54,11 +54,13 @@ def compile_setting(
     asked: a failure stops the run), None (compiled where it pays: a failure falls back to the
     eager step with a warning) or False (eager).
 
-    Where it pays, on its own: on a CPU, from COMPILE_FROM trained weights, for Kahan's steps
-    and the steps that count lost updates (round-to-nearest's other steps are torch's fused
-    kernel on the bf16 tensors either way); not for stochastic rounding, whose random bits cost
-    a CPU's compiled loop about what they cost the eager step. On a GPU only when asked: this
-    path has been measured on a CPU only (scripts/gpu_proof.sh measures it on a GPU)."""
+    Where it pays, on its own: on a CPU, from COMPILE_FROM trained weights, under Kahan's
+    rounding, every step of which it makes twice as fast or more. Not under round-to-nearest,
+    whose steps are torch's fused kernel on the bf16 tensors but for the one a log interval
+    that counts lost updates (the compiler's own memory, about 70 MiB in the process, and its
+    seconds would buy little); nor stochastic rounding, whose random bits cost a CPU's compiled
+    loop about what they cost the eager step. On a GPU only when asked: this path has been
+    measured on a CPU only (scripts/gpu_proof.sh measures it on a GPU)."""
     if setting is False:
         return False
     if setting is True:
@@ -74,7 +76,7 @@ def compile_setting(
                 "Use precision.update_compile=null to step eagerly where it cannot."
             )
         return True
-    pays = device.type == "cpu" and rounding != "stochastic" and elements >= COMPILE_FROM
+    pays = device.type == "cpu" and rounding == "kahan" and elements >= COMPILE_FROM
     if not (fused and pays):
         return False
     reason = can_compile(device)
