@@ -24,8 +24,8 @@
 #   images  an image folder of 500x375 JPEGs at 224 px: each path's images/s beside ResNet-18's
 #           step, then ResNet-18 in bf16 through workers, the resized cache and GPU decoding,
 #           whose perf/data_wait_share is the answer;
-#   pure    pure bf16 (plain and Kahan-summed updates) against bf16 mixed on GPT-2 small: speed
-#           and peak memory.
+#   pure    pure bf16 (plain and Kahan-summed updates, Kahan's eager and compiled) against bf16
+#           mixed on GPT-2 small: speed and peak memory.
 # Compiling is most of what a cold process pays, so the call starts with `warm`: every timed
 # run's compilation done once at a small size (the same model, batch and precision: the same
 # graphs), several at a time beside the GPU tests, which time nothing. The timed runs after it
@@ -256,7 +256,9 @@ if want warm; then  # compile everything timed below, several at a time; nothing
     job warm-pure 220 bash -c "$(chain "${pure[@]}" precision=bf16_pure trainer.max_steps=2 \
       trainer.eval_every_steps=2 "hydra.run.dir=$work/warm-pure-a" ";;" "${pure[@]}" \
       precision=bf16_pure_kahan trainer.max_steps=2 trainer.eval_every_steps=2 \
-      "hydra.run.dir=$work/warm-pure-b")"
+      "hydra.run.dir=$work/warm-pure-b" ";;" "${pure[@]}" precision=bf16_pure_kahan \
+      precision.update_compile=true trainer.max_steps=2 trainer.eval_every_steps=2 \
+      "hydra.run.dir=$work/warm-pure-c")"
   fi
   # ten steps each (no learning-rate warm-up to outlast), at the timed runs' batch
   short=(trainer.epochs=1 dataset.train_size=2560 scheduler.warmup_steps=2)
@@ -327,6 +329,10 @@ if want pure; then
     step "pure-$p" 90 "${pure[@]}" precision="$p" "trainer.max_steps=$pure_steps" \
       "hydra.run.dir=$out/pure/$p"
   done
+  # Kahan's update as one compiled loop (precision.update_compile), measured on a GPU only here
+  step pure-bf16_pure_kahan_compiled 90 "${pure[@]}" precision=bf16_pure_kahan \
+    precision.update_compile=true "trainer.max_steps=$pure_steps" \
+    "hydra.run.dir=$out/pure/bf16_pure_kahan_compiled"
 fi
 find "$out" -name checkpoints -type d -prune -exec rm -rf {} +
 archive
