@@ -103,6 +103,7 @@ class _Layout:
     whole_carried: torch.Tensor | None = None
     direct: torch.Tensor | None = None
     whole: torch.Tensor | None = None
+    places: tuple | None = None  # the gathered buffer and the pieces' places in both buffers
 
     @classmethod
     def of(cls, o, views: BatchViews, group: dict) -> _Layout:
@@ -269,7 +270,7 @@ class CompiledUpdate:
             weight = at.whole if span else at.direct
             if pieces[0].how == "whole":
                 if grad.stride() != views.weights[0].stride():
-                    return self._gather(views)
+                    return self._gather(views, at)
                 return weight, memory_order(grad), None
             grad = memory_order(grad)
             return (
@@ -277,13 +278,19 @@ class CompiledUpdate:
                 (grad[:span] if span else grad[at.start : at.start + weight.numel()]),
                 None,
             )
-        return self._gather(views)
+        return self._gather(views, at)
 
-    def _gather(self, views: BatchViews):
+    def _gather(self, views: BatchViews, at: _Layout):
+        """The batch's weights and gradients copied into the bf16 buffers, at the pieces'
+        places there (made once for the buffers: a view costs about a microsecond, as much as
+        a small tensor's whole step)."""
         w16, g16 = self._buffers(views.ws)
-        placed = [p.place(w16) for p in views.batch.pieces]
+        if at.places is None or at.places[0] is not w16:
+            pieces = views.batch.pieces
+            at.places = (w16, [p.place(w16) for p in pieces], [p.place(g16) for p in pieces])
+        _, placed, grads_placed = at.places
         torch._foreach_copy_(placed, views.weights)
-        torch._foreach_copy_([p.place(g16) for p in views.batch.pieces], views.grads())
+        torch._foreach_copy_(grads_placed, views.grads())
         return w16[: views.extent], g16[: views.extent], placed
 
     def _buffers(self, ws) -> tuple[torch.Tensor, torch.Tensor]:
