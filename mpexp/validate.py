@@ -303,9 +303,10 @@ def _validate_pure_bf16(cfg: DictConfig) -> None:
     if not pure:
         for key in ("update_rounding", "optimizer_states", "update_chunk", "update_compile"):
             if p.get(key) is not None:
+                value = str(p[key]).lower() if isinstance(p[key], bool) else p[key]
                 raise ConfigError(
-                    f"precision.{key}={p[key]} applies to pure bf16 weights only; use "
-                    f"precision=bf16_pure precision.{key}={p[key]}, or drop it."
+                    f"precision.{key}={value} applies to pure bf16 weights only; use "
+                    f"precision=bf16_pure precision.{key}={value}, or drop it."
                 )
         return
     if p.get("update_chunk") is not None:

@@ -315,7 +315,7 @@ def test_a_run_asking_for_it_steps_compiled_and_records_so(tmp_path, monkeypatch
 
 
 def test_update_compile_is_a_pure_bf16_key():
-    with pytest.raises(ConfigError, match="applies to pure bf16 weights only"):
+    with pytest.raises(ConfigError, match=r"precision\.update_compile=true applies to pure bf16"):
         validate(make_cfg(*PURE[:-1], "precision=bf16", "precision.update_compile=true"))
 
 
