@@ -186,8 +186,6 @@ class CompiledUpdate:
         span = at.span if at.start == 0 and not counting else 0
         states, carried = (at.whole_states, at.whole_carried) if span else (at.states, at.carried)
         w, g, gathered = self._flat(views, at, span)
-        if w is None:
-            return False
         # a batch stepped where it lies sums its count in the loop; a gathered one writes its
         # masks, as the sums' variant would write its weights into the gathered buffer itself
         count = ("masks" if gathered is not None else "sums") if counting else ""
