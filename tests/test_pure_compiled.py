@@ -115,6 +115,40 @@ def test_a_gathered_batchs_count_never_writes_over_its_own_weights(monkeypatch):
     assert torch.equal(optimizer.lost.counts, eager.lost.counts)
 
 
+def test_a_models_small_tensors_share_a_call_and_each_large_one_takes_one(monkeypatch):
+    """A model keeps small tensors between its large ones (a normalisation's weight and bias
+    between two convolutions): they are stepped together, in one gathered batch, and each
+    tensor larger than a batch in one call where it lies, its last piece with it; the weights
+    are the eager step's, bit for bit. (Batched in the model's order, each large tensor's last
+    piece went with the small ones after it: six calls a step here, not four.)"""
+    calls = []
+    real = pure_compiled.compiled
+
+    def counted(variant):
+        update = real(variant)
+
+        def call(*args):
+            calls.append(args[0].numel())
+            return update(*args)
+
+        return call
+
+    monkeypatch.setattr(pure_compiled, "compiled", counted)
+    shapes = [(16, 32, 3, 3), (16,), (16,), (32, 32, 3, 3), (32,), (32,), (10, 410), (10,)]
+    results, last = [], []
+    for compiles in (True, False):
+        params = bf16_params(shapes)
+        optimizer = sgd(params, rounding="kahan", chunk=CHUNK, compiled=compiles, count=False)
+        for step in range(3):
+            set_grads(params, step)
+            calls.clear()
+            optimizer.step()
+            last = sorted(calls) if compiles else last
+        results.append(params)
+    assert last == [106, 4100, 4608, 9216]  # the last step's calls, by elements
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 @pytest.mark.parametrize("rounding", ["nearest", "kahan"])
 def test_weights_out_of_the_splits_range_step_as_the_eager_ones_do(rounding):
     """Veltkamp's split (the rounding kept in the compiled loop on a CPU) overflowed from 2^112

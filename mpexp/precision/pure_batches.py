@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from mpexp.precision.pure_compiled import CompiledUpdate
-from mpexp.precision.pure_layout import Batch, cuttable, most_pieces, plan_batches
+from mpexp.precision.pure_layout import Batch, cuttable, most_pieces, plan_batches, step_order
 from mpexp.precision.pure_updates import COMPENSATION
 from mpexp.precision.pure_workspace import BatchViews, PieceBounds, Workspace, aligned
 from mpexp.shards import local_shard
@@ -54,7 +54,9 @@ class Batches:
         layout = self._layouts.get(index)
         if layout is None or layout[0] != key:
             flat = dict(zip(big, key[1], strict=True))
-            entries = [(i, local_shard(o.params[i].detach()), flat.get(i, False)) for i in stepped]
+            weights = [local_shard(o.params[i].detach()) for i in stepped]
+            order = step_order([w.numel() for w in weights], o.chunk)
+            entries = [(stepped[j], weights[j], flat.get(stepped[j], False)) for j in order]
             batches = plan_batches(index, entries, o.chunk)
             device = local_shard(o.params[0].detach()).device
             layout = (key, batches, [PieceBounds(b, device) for b in batches])

@@ -89,10 +89,11 @@ def compile_setting(
 @dataclass
 class _Layout:
     """A batch's compiled step's reused views: its first piece's parameter (`param`), where the
-    piece starts, the elements of its parameter stepped with the first piece (`span`, 0 unless
-    cut along its memory), the batch's states and Kahan's buffer as stretches (None: not laid
-    out so, the eager step's), the same for the span, and the weight as one flat view where the
-    batch is one piece laid out densely (`direct`) or for the span (`whole`)."""
+    piece starts, the elements of its parameter stepped with the first piece (`span`: those
+    whose pieces are each alone in a batch, mpexp/precision/pure_layout.py), the batch's states
+    and Kahan's buffer as stretches (None: not laid out so, the eager step's), the same for the
+    span, and the weight as one flat view where the batch is one piece laid out densely
+    (`direct`) or for the span (`whole`)."""
 
     param: int
     start: int
@@ -114,16 +115,14 @@ class _Layout:
         if None in states or (o.rounding == "kahan" and carried is None):
             states = None
         weight = local_shard(o.params[piece.param].detach())
-        span = 0
-        if piece.how == "flat":
-            span = (weight.numel() - 1) // o.chunk * o.chunk
+        span = views.batch.span
         at = cls(piece.param, piece.start, span, states, carried)
         if len(views.batch.pieces) == 1:
             if piece.how == "flat":
                 at.direct = views.weights[0]
             elif piece.how == "whole" and is_dense(weight):
                 at.direct = memory_order(weight)
-        if piece.how == "flat" and piece.start == 0:
+        if span and piece.start == 0:
             state = o.state[o.params[piece.param]]
             at.whole = memory_order(weight)[:span]
             at.whole_states = [memory_order(local_shard(state[k]))[:span] for k in keys]

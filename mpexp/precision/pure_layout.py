@@ -7,7 +7,10 @@ dimension). Each batch's pieces sit one after another in the workspace (mpexp/pr
 pure_workspace.py). The optimizer's 16-bit states are made in the same order, in one buffer per
 kind (`zeroed_like`), so that a batch reads and writes each kind of state as one stretch of
 memory rather than a piece at a time: on a CPU a copy costs about a microsecond per tensor,
-which a model of many small tensors would otherwise pay several times a step.
+which a model of many small tensors would otherwise pay several times a step. Both follow
+`step_order`: the parameters that fit in a chunk first, largest first, so that the small tensors
+a model keeps between its large ones (a normalisation's weight and bias between two
+convolutions) fill whole batches rather than each making a batch of a few hundred elements.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ class Batch:
 
     group: int
     pieces: list[Piece] = field(default_factory=list)
+    # where the batch is a lone piece cut along its memory: its parameter's elements, from its
+    # start, whose pieces are each alone in a batch (`_mark_spans`); 0 otherwise
+    span: int = 0
 
     @property
     def extent(self) -> int:
@@ -98,6 +104,14 @@ def cuttable(weight: torch.Tensor, others: list[torch.Tensor]) -> bool:
     """Whether a parameter can be cut along its memory: dense, with its gradient and states
     laid out as it is."""
     return is_dense(weight) and all(t.stride() == weight.stride() for t in others)
+
+
+def step_order(sizes: list[int], chunk: int) -> list[int]:
+    """The order (positions in `sizes`, parameters' elements) in which a group's parameters
+    are batched and their states laid out: those of at most `chunk` elements first, largest
+    first (the smallest then fill the last batches together), then the larger ones, in their
+    own order."""
+    return sorted(range(len(sizes)), key=lambda i: (sizes[i] > chunk, -min(sizes[i], chunk)))
 
 
 def plan_batches(group: int, entries: list[tuple[int, torch.Tensor, bool]], chunk: int):
@@ -115,7 +129,22 @@ def plan_batches(group: int, entries: list[tuple[int, torch.Tensor, bool]], chun
             used += piece.size
     if current.pieces:
         batches.append(current)
+    _mark_spans(batches)
     return batches
+
+
+def _mark_spans(batches: list[Batch]) -> None:
+    """Each batch of a lone piece cut along its memory gets its parameter's `span`: the
+    elements from its start whose pieces are each alone in a batch (a compiled step takes
+    them in one call)."""
+    lone = [b for b in batches if len(b.pieces) == 1 and b.pieces[0].how == "flat"]
+    spans: dict[int, int] = {}
+    for batch in lone:
+        piece = batch.pieces[0]
+        if spans.get(piece.param, 0) == piece.start:
+            spans[piece.param] = piece.stop
+    for batch in lone:
+        batch.span = spans[batch.pieces[0].param]
 
 
 def most_pieces(weight: torch.Tensor, chunk: int) -> tuple[int, int]:
@@ -157,22 +186,25 @@ def _at(piece: Piece, offset: int) -> Piece:
     return Piece(piece.param, piece.how, piece.start, piece.stop, offset, shape, stride)
 
 
-def zeroed_like(params: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+def zeroed_like(params: list[torch.Tensor], dtype: torch.dtype, chunk: int) -> list[torch.Tensor]:
     """A zeroed state for each of `params`, shaped and laid out as it. Those of dense tensors
-    that are not sharded share one buffer, one after another in order, as `plan_batches` places
-    their pieces; a sharded (FSDP) parameter's state is sharded as it is, each its own tensor."""
-    shared = [p for p in params if local_shard(p) is p and is_dense(p)]
+    that are not sharded share one buffer, one after another in `step_order`, as `plan_batches`
+    places their pieces; a sharded (FSDP) parameter's state is sharded as it is, each its own
+    tensor."""
+    shared = [local_shard(p) is p and is_dense(p) for p in params]
+    states: list = [None] * len(params)
     buffer = None
-    if shared:
-        total = sum(p.numel() for p in shared)
-        buffer = torch.zeros(total, dtype=dtype, device=shared[0].device)
-    states, offset = [], 0
-    for p in params:
-        if buffer is not None and local_shard(p) is p and is_dense(p):
-            states.append(buffer.as_strided(p.shape, p.stride(), offset))
+    if any(shared):
+        total = sum(p.numel() for p, s in zip(params, shared, strict=True) if s)
+        buffer = torch.zeros(total, dtype=dtype, device=params[shared.index(True)].device)
+    offset = 0
+    for i in step_order([p.numel() for p in params], chunk):
+        p = params[i]
+        if shared[i]:
+            states[i] = buffer.as_strided(p.shape, p.stride(), offset)
             offset += p.numel()
         else:
-            states.append(torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format))
+            states[i] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
     return states
 
 

@@ -64,15 +64,15 @@ def _float_lr(group: dict) -> float:
     return float(lr)
 
 
-def _zeros(params: list[torch.Tensor], states: torch.dtype, rounding: str, keys) -> list[dict]:
+def _zeros(params: list[torch.Tensor], states: torch.dtype, rounding: str, keys, chunk: int):
     """Each parameter's zeroed states for `keys`, and Kahan's buffer where the rounding keeps
     one, in shared buffers (`zeroed_like`)."""
     made = [{} for _ in params]
     for key in keys:
-        for state, zeros in zip(made, zeroed_like(params, states), strict=True):
+        for state, zeros in zip(made, zeroed_like(params, states, chunk), strict=True):
             state[key] = zeros
     if rounding == "kahan":
-        for state, zeros in zip(made, zeroed_like(params, params[0].dtype), strict=True):
+        for state, zeros in zip(made, zeroed_like(params, params[0].dtype, chunk), strict=True):
             state[COMPENSATION] = zeros
     return made
 
@@ -104,7 +104,7 @@ class PureAdam(PureOptimizer):
         return self.moments
 
     def init_states(self, params: list[torch.Tensor], group: dict) -> None:
-        made = _zeros(params, self.states_dtype, self.rounding, self.moments)
+        made = _zeros(params, self.states_dtype, self.rounding, self.moments, self.chunk)
         for p, state in zip(params, made, strict=True):
             self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device), **state}
 
@@ -170,7 +170,7 @@ class PureSGD(PureOptimizer):
     def init_states(self, params: list[torch.Tensor], group: dict) -> None:
         # zeros before the first step, which then stores the gradient in them, as torch's
         # first step does (`is_first_step` of its fused kernel), whatever the dampening
-        made = _zeros(params, self.states_dtype, self.rounding, self.keys(group))
+        made = _zeros(params, self.states_dtype, self.rounding, self.keys(group), self.chunk)
         for p, state in zip(params, made, strict=True):
             self.state[p] = state
 

@@ -60,6 +60,6 @@ def _regroup(optimizer, group: dict) -> None:
         if not having:
             continue
         dtype = optimizer.state[having[0]][key].dtype
-        for p, shared in zip(having, zeroed_like(having, dtype), strict=True):
+        for p, shared in zip(having, zeroed_like(having, dtype, optimizer.chunk), strict=True):
             shared.copy_(optimizer.state[p][key])
             optimizer.state[p][key] = shared
