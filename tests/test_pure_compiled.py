@@ -229,6 +229,22 @@ def test_compiled_stochastic_rounding_is_unbiased_and_resumes_exactly():
     assert torch.equal(twin, weight)
 
 
+def test_the_stochastic_roundings_random_bits_are_a_bijection_of_the_index():
+    """The hash behind compiled stochastic rounding maps distinct indices to distinct pairs of
+    16-bit halves (a bijection: with uniform keys each half is uniform, so the rounding is
+    unbiased), and the two halves a value and a state take, and neighbouring elements', are
+    uncorrelated."""
+    from mpexp.precision.pure_kernels import _noise
+
+    keys = torch.tensor([0x1234, 0xBEEF], dtype=torch.int32)
+    left, right = _noise(1 << 20, keys, CPU)
+    assert int(left.min()) >= 0 and int(left.max()) < 1 << 16 and int(right.max()) < 1 << 16
+    assert torch.unique(left.long() << 16 | right.long()).numel() == 1 << 20
+    halves = torch.stack((left[:-1], right[:-1], left[1:])).double()
+    correlation = torch.corrcoef(halves)
+    assert (correlation - torch.eye(3)).abs().max() < 0.01
+
+
 @pytest.mark.parametrize(
     "variant",
     [
@@ -250,7 +266,8 @@ def test_the_compiled_loops_hold_what_the_recorded_bound_says(variant):
     states = [torch.zeros_like(w) for _ in range(variant.states)]
     coefficients = torch.full((7,), 0.1)
     carried = torch.zeros_like(w) if variant.rounding == "kahan" else None
-    draws = torch.tensor([1, 2, 3]) if variant.rounding == "stochastic" else None
+    stochastic = variant.rounding == "stochastic"
+    draws = torch.tensor([1, 2, 3, 4], dtype=torch.int32) if stochastic else None
     masks = {"": None, "sums": (torch.empty_like(w),)}.get(variant.count)
     if variant.count == "masks":
         masks = (torch.empty(n), torch.empty(n))

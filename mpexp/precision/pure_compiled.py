@@ -28,6 +28,7 @@ from mpexp.precision.pure_kernels import (
     adam_coefficients,
     can_compile,
     compiled,
+    draw_keys,
     sgd_coefficients,
     split_is_exact,
 )
@@ -192,7 +193,7 @@ class CompiledUpdate:
         coefficients = self._coefficients_for(index, group, views, first.pop())
         draws = None
         if o.rounding == "stochastic":
-            draws = torch.randint(0, 1 << 32, (3,), generator=o.generator, device=w.device)
+            draws = draw_keys(o.generator, w.device)
         ws = views.ws
         masks = (views.flat(ws.w), views.flat(ws.g)) if count == "masks" else None
         if count == "sums":

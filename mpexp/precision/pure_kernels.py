@@ -14,10 +14,15 @@ small float32 tensor made once per group and step (`adam_coefficients`, `sgd_coe
 that a schedule's new learning rate is not a new compilation, and nothing is read on the host.
 
 Stochastic rounding here draws its 16 random bits per value from a hash of the element's index
-and a key drawn per call from the run's rounding generator (three keys: the weight and the two
-states each draw their own): for each element, a fresh uniform key each step makes its bits
-uniform and independent from step to step, which is what makes the rounding unbiased. It is a
-stream of its own: a run rounds the same numbers, and resumes exactly, on this path only.
+and keys drawn per call from the run's rounding generator (`draw_keys`): a four-round Feistel
+network on the index's two 16-bit halves, each XORed with a key. A Feistel network is a
+bijection whatever its round function, so for each element a fresh uniform pair of keys each step
+makes both output halves uniform, independent of each other and from step to step, which is what
+makes the rounding unbiased; one hash serves two values (the weight and the first state, and a
+second hash with two more keys the second state). It is all 32-bit integer arithmetic that
+cannot overflow (a 16-bit half times a multiplier below 2^15), which a CPU's vector units do at
+the width of float32: the 64-bit hash before it cost a CPU's loop a third more. It is a stream of
+its own: a run rounds the same numbers, and resumes exactly, on this path only.
 """
 
 from __future__ import annotations
@@ -32,10 +37,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MASK32 = 0xFFFFFFFF
-# two odd multipliers below 2^31 (so that a 32-bit value times either fits an int64 exactly),
-# each followed by a shift that folds the high bits back into the low ones
-HASH_MULTIPLIERS = (0x2C1B3C6D, 0x297A2D39)
+# the Feistel network's round multipliers: odd, below 2^15, so that a 16-bit half times one
+# fits an int32 (each product's high bits are folded back into its low 16)
+ROUND_MULTIPLIERS = (0x5BD1, 0x6C8B, 0x4F1D, 0x7A3F)
 
 
 @dataclass(frozen=True)
@@ -129,21 +133,28 @@ def _sgd(v: Variant, wf, gf, states, c):
     return wf - c[0] * update, [buffer]
 
 
-def _noise(count: int, key: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """16 random bits per element (int32): a hash of the element's index and `key` (a value
-    below 2^32, drawn per call), in int64 so that no product overflows."""
-    x = torch.arange(count, device=device, dtype=torch.int64) ^ key
-    for multiplier in HASH_MULTIPLIERS:
-        x = (x * multiplier) & MASK32
-        x = x ^ (x >> 15)
-    return ((x >> 16) & 0xFFFF).to(torch.int32)
+def draw_keys(generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A call's four 16-bit keys (two a hash), from the run's rounding generator."""
+    return torch.randint(0, 1 << 16, (4,), generator=generator, device=device, dtype=torch.int32)
 
 
-def _round_stochastic(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+def _noise(count: int, keys: torch.Tensor, device: torch.device):
+    """Two independent 16-bit random values per element (int32): the Feistel network of the
+    element's index, keyed by `keys`' two (see the module's docstring)."""
+    index = torch.arange(count, device=device, dtype=torch.int64)
+    left = ((index >> 16) & 0xFFFF).to(torch.int32) ^ keys[0]
+    right = (index & 0xFFFF).to(torch.int32) ^ keys[1]
+    for multiplier in ROUND_MULTIPLIERS:
+        mixed = right * multiplier
+        left, right = right, left ^ ((mixed ^ (mixed >> 15)) & 0xFFFF)
+    return left, right
+
+
+def _round_stochastic(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """`x` (float32) to bfloat16 up or down at random, by distance (as
-    mpexp/precision/pure_updates.py's `round_stochastic`: the random bits added to the pattern,
-    the low 16 dropped)."""
-    bits = x.view(torch.int32) + _noise(x.numel(), key, x.device)
+    mpexp/precision/pure_updates.py's `round_stochastic`: the 16 random bits `noise` added to
+    the pattern, the low 16 dropped)."""
+    bits = x.view(torch.int32) + noise
     return (bits & -65536).view(torch.float32).to(torch.bfloat16)
 
 
@@ -170,7 +181,7 @@ def _nearest(v: Variant, x: torch.Tensor) -> torch.Tensor:
 
 def _update(v: Variant, w, g, states, carried, coefficients, keys, masks, scaling):
     """One batch, in place: `w` and `g` flat bf16, `states` flat (16-bit or float32),
-    `carried` Kahan's flat bf16 buffer (or None), `keys` stochastic rounding's three (or None),
+    `carried` Kahan's flat bf16 buffer (or None), `keys` stochastic rounding's four (or None),
     `scaling` the loss scaler's scale and overflow flag (or None),
     `masks` two flat float32 buffers for the count by piece (or None; under `count="sums"`, one
     flat bf16 buffer that takes the new weights). Returns the count's (moved, changed) under
@@ -184,9 +195,14 @@ def _update(v: Variant, w, g, states, carried, coefficients, keys, masks, scalin
     new, stepped = arithmetic(v, wf, gf, states, coefficients)
     if skip is not None:  # a skipped step: every result is what was there
         new = torch.where(skip, wf, new)
+    noise = []  # the weight's random bits, then each 16-bit state's
+    if v.rounding == "stochastic":
+        noise = [*_noise(w.numel(), keys[:2], w.device)]
+        if v.sixteen and v.states == 2:
+            noise += _noise(w.numel(), keys[2:], w.device)[:1]
     for i, (state, value) in enumerate(zip(states, stepped, strict=True)):
         if v.sixteen and v.rounding == "stochastic":
-            value = _round_stochastic(value, keys[i])
+            value = _round_stochastic(value, noise[1 + i])
         state.copy_(value if skip is None else torch.where(skip, state, value))
     if v.rounding == "kahan":
         # optimi's order, as the eager step's: the update wanted plus what earlier roundings
@@ -199,7 +215,7 @@ def _update(v: Variant, w, g, states, carried, coefficients, keys, masks, scalin
             remainder = torch.where(skip, carried.float(), remainder)
         carried.copy_(remainder)
     elif v.rounding == "stochastic":
-        kept = _round_stochastic(new, keys[2]).float()  # exact in bfloat16 already
+        kept = _round_stochastic(new, noise[0]).float()  # exact in bfloat16 already
     else:
         kept = _nearest(v, new) if v.count else new
     # round-to-nearest stores the cast (inf stays inf), the others what they computed
