@@ -226,3 +226,27 @@ def stretch(pieces: list[torch.Tensor], places: list[torch.Tensor]) -> torch.Ten
     if base < 0 or (base + extent) * first.element_size() > storage.nbytes():
         return None
     return first.as_strided((extent,), (1,), base)
+
+
+def zeroed_counts(count: int, device: torch.device) -> list[torch.Tensor]:
+    """`count` zeroed step counts (0-dim float32, as torch's fused kernels take them), side by
+    side in one tensor: a step adds one to all of them in one operation (`side_by_side`), where
+    a foreach add over a CPU's separate counts costs about 1.6 µs each, as much as a small
+    tensor's whole update."""
+    counts = torch.zeros(count, dtype=torch.float32, device=device)
+    return [counts[i] for i in range(count)]
+
+
+def side_by_side(counts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one flat tensor whose elements are `counts` (0-dim tensors) in order, where they lie
+    so (`zeroed_counts`); None otherwise."""
+    first = counts[0]
+    storage, start = first.untyped_storage()._cdata, first.storage_offset()
+    for i, count in enumerate(counts):
+        if count.dim() != 0 or count.dtype != first.dtype:
+            return None
+        if count.untyped_storage()._cdata != storage or count.storage_offset() != start + i:
+            return None
+    if (start + len(counts)) * first.element_size() > first.untyped_storage().nbytes():
+        return None
+    return first.as_strided((len(counts),), (1,), start)

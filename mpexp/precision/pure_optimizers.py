@@ -12,7 +12,7 @@ import logging
 import torch
 
 from mpexp.precision.pure_compiled import compile_setting
-from mpexp.precision.pure_layout import zeroed_like
+from mpexp.precision.pure_layout import zeroed_counts, zeroed_like
 from mpexp.precision.pure_step import Lists, PureOptimizer, default_chunk
 from mpexp.precision.pure_updates import COMPENSATION
 from mpexp.precision.pure_warnings import warn_stalled_states
@@ -105,8 +105,9 @@ class PureAdam(PureOptimizer):
 
     def init_states(self, params: list[torch.Tensor], group: dict) -> None:
         made = _zeros(params, self.states_dtype, self.rounding, self.moments, self.chunk)
-        for p, state in zip(params, made, strict=True):
-            self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device), **state}
+        counts = zeroed_counts(len(params), params[0].device)
+        for p, state, count in zip(params, made, counts, strict=True):
+            self.state[p] = {"step": count, **state}
 
     def arithmetic(self, t: Lists, group: dict, grad_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mpexp.precision.pure_layout import zeroed_like
+from mpexp.precision.pure_layout import zeroed_counts, zeroed_like
 from mpexp.precision.pure_updates import COMPENSATION, COUNTS, GENERATOR, STEPS
 
 
@@ -34,7 +34,7 @@ def load(optimizer, load_torchs, state_dict: dict) -> None:
             optimizer.host_counts[i] = int(count)
     for group in optimizer.param_groups:
         _regroup(optimizer, group)
-    optimizer.batches.clear()
+    optimizer.forget_layouts()
     if optimizer.generator is not None and saved_generator is not None:
         optimizer.generator.set_state(saved_generator)
 
@@ -55,6 +55,11 @@ def _restore(optimizer, state: dict, saved: dict, p: torch.Tensor) -> None:
 def _regroup(optimizer, group: dict) -> None:
     """A group's loaded states moved into shared buffers, as `init_states` makes them."""
     params = [p for p in group["params"] if optimizer.state[p]]
+    counted = [p for p in params if "step" in optimizer.state[p]]
+    if counted:
+        for p, count in zip(counted, zeroed_counts(len(counted), counted[0].device), strict=True):
+            count.copy_(optimizer.state[p]["step"])
+            optimizer.state[p]["step"] = count
     for key in (*optimizer.keys(group), COMPENSATION):
         having = [p for p in params if key in optimizer.state[p]]
         if not having:

@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import is_fake
 from mpexp.precision import pure_state
 from mpexp.precision.pure_batches import Batches
 from mpexp.precision.pure_compiled import CompiledUpdate
+from mpexp.precision.pure_layout import side_by_side
 from mpexp.precision.pure_rounding import load_states, store_states, store_weights
 from mpexp.precision.pure_updates import COUNTS, GENERATOR, GRAPH_GENERATORS, STEPS, UpdatesLost
 from mpexp.precision.pure_workspace import BatchViews
@@ -67,6 +68,20 @@ class Lists:
     steps: list[torch.Tensor]
     first: list[bool]
     counts: list[int]
+
+
+class _Counts:
+    """Step counts that do not lie side by side: the in-place add and subtract of one tensor
+    through torch's foreach operations."""
+
+    def __init__(self, counts: list[torch.Tensor]) -> None:
+        self.counts = counts
+
+    def add_(self, value) -> None:
+        torch._foreach_add_(self.counts, value)
+
+    def sub_(self, value: torch.Tensor) -> None:
+        torch._foreach_sub_(self.counts, [value] * len(self.counts))
 
 
 class PureOptimizer(torch.optim.Optimizer):
@@ -125,6 +140,7 @@ class PureOptimizer(torch.optim.Optimizer):
         # how the diagnostics find the counts (`params`, `lost`): none to find when not counting
         self.pure_updates = self if count else None
         self.batches = Batches(self)
+        self._step_counts: dict[int, tuple] = {}  # per group: its stepped, their counts (`_counts`)
         # the compiled update (mpexp/precision/pure_compiled.py): with `compiled` True the run
         # asked for it, None lets it be; never on fake tensors (a plan rehearses the eager step)
         self.compiles = compiled is not False and fused  # its bytes in the bound even so
@@ -162,12 +178,12 @@ class PureOptimizer(torch.optim.Optimizer):
             fresh = {i for i in stepped if not self.state[self.params[i]]}
             if fresh:
                 self.init_states([self.params[i] for i in sorted(fresh)], group)
-                self.batches.clear()
+                self.forget_layouts()
             for i in stepped:
                 self.host_counts[i] += 1
-            steps = [self.state[self.params[i]]["step"] for i in stepped if self.counted]
-            if steps:
-                torch._foreach_add_(steps, 1)
+            steps = self._counts(index, stepped) if self.counted else None
+            if steps is not None:
+                steps.add_(1)
             if whole:
                 self.arithmetic(self._whole(stepped, group, fresh), group, grad_scale, found_inf)
                 if self.lost is not None and self.batches.kept and self.batches.workspace is None:
@@ -181,12 +197,29 @@ class PureOptimizer(torch.optim.Optimizer):
                     )
                     if not taken:
                         self._step_batch(views, group, fresh, counting, grad_scale, found_inf)
-            if steps and found_inf is not None:
-                torch._foreach_sub_(steps, [found_inf] * len(steps))  # skipped: as torch's fused
+            if steps is not None and found_inf is not None:
+                steps.sub_(found_inf)  # a skipped step is not counted, as torch's fused step
         self.batches.after_step()
         if self.compiled_update is not None:
             self.compiled_update.after_step()
         return loss
+
+    def forget_layouts(self) -> None:
+        """Forget what was made of where the states lie (they were made or loaded anew)."""
+        self.batches.clear()
+        self._step_counts.clear()
+
+    def _counts(self, index: int, stepped: list[int]):
+        """Group `index`'s step counts of the parameters `stepped`, as something one in-place
+        add or subtract updates: one flat tensor where they lie side by side (as
+        `init_states` makes them), else their list through torch's foreach operations."""
+        cached = self._step_counts.get(index)
+        if cached is None or cached[0] != stepped:
+            counts = [self.state[self.params[i]]["step"] for i in stepped]
+            run = side_by_side(counts)
+            cached = (list(stepped), run if run is not None else _Counts(counts))
+            self._step_counts[index] = cached
+        return cached[1]
 
     def _whole(self, stepped: list[int], group: dict, fresh: set[int]) -> Lists:
         """The group's bf16 tensors themselves, for torch's fused kernel."""
