@@ -26,6 +26,13 @@ With `--kernels`, torch's for-loop, foreach and fused Adam, AdamW and SGD on flo
 precision's), on the same shapes: which kernel a CPU's default should be.
 
     OMP_NUM_THREADS=1 python scripts/bench_pure.py --kernels --repeats 3
+
+With `--bitcasts`, what a compiled loop on a CPU pays to see a float32 value's bits, as
+stochastic rounding must: one loop over 4 Mi elements that casts a weight update to bfloat16,
+against the same loop through int32 and back (`view(torch.int32)`, the low 16 bits dropped), and
+torch's fused AdamW step on as many bf16 weights; one thread.
+
+    OMP_NUM_THREADS=1 python scripts/bench_pure.py --bitcasts --repeats 7
 """
 
 from __future__ import annotations
@@ -224,6 +231,41 @@ def kernels(repeats: int) -> None:
         print(f"| {name} | {' | '.join(cells)} |", flush=True)
 
 
+def bitcasts(repeats: int) -> None:
+    """The `--bitcasts` measurement (see the module's docstring): CPU ms, median of `repeats`."""
+    torch.set_num_threads(1)
+    size = 1 << 22
+    w = (torch.randn(size) * 0.1).bfloat16()
+    g = (torch.randn(size) * 1e-2).bfloat16()
+
+    def cast(w, g):
+        w.copy_((w.float() - 1e-3 * g.float()).to(torch.bfloat16))
+
+    def through_int32(w, g):
+        bits = (w.float() - 1e-3 * g.float()).view(torch.int32) & -65536
+        w.copy_(bits.view(torch.float32).to(torch.bfloat16))
+
+    param = nn.Parameter(w.clone())
+    param.grad = g.clone()
+    fused = torch.optim.AdamW([param], lr=1e-3, fused=True)
+    cases = {
+        "torch fused AdamW": fused.step,
+        "compiled cast": lambda: loops["cast"](w, g),
+        "compiled cast through int32": lambda: loops["through_int32"](w, g),
+    }
+    loops = {f.__name__: torch.compile(f, dynamic=True) for f in (cast, through_int32)}
+    print(f"torch {torch.__version__}, 1 thread, {size} elements, CPU ms (ns an element)")
+    for name, run in cases.items():
+        run()
+        times = []
+        for _ in range(repeats):
+            began = time.thread_time()
+            run()
+            times.append(time.thread_time() - began)
+        ms = statistics.median(times) * 1e3
+        print(f"| {name} | {ms:.2f} ({ms * 1e6 / size:.2f}) |", flush=True)
+
+
 def _optimizer(shapes, pure: dict | None, cls):
     """An AdamW over bf16 weights of `shapes` with gradients, one step taken (its states made):
     torch's fused one (`pure` None) or pure bf16's with `pure`'s settings."""
@@ -250,7 +292,11 @@ def main(argv=None) -> int:
     parser.add_argument("--step-times", action="store_true", help="time the optimizer step alone")
     parser.add_argument("--only", default="", help="--step-times: these cases (comma-separated)")
     parser.add_argument("--kernels", action="store_true", help="time torch's optimizer kernels")
+    parser.add_argument("--bitcasts", action="store_true", help="time a compiled loop's bitcasts")
     args = parser.parse_args(argv)
+    if args.bitcasts:
+        bitcasts(args.repeats)
+        return 0
     if args.step_times:
         step_times(args.repeats, args.steps, set(filter(None, args.only.split(","))))
         return 0
