@@ -229,6 +229,32 @@ def test_compiled_stochastic_rounding_is_unbiased_and_resumes_exactly():
     assert torch.equal(twin, weight)
 
 
+def test_a_counting_step_counts_a_large_parameter_in_calls_of_count_span(monkeypatch):
+    """A counting step takes a parameter stepped whole in calls of COUNT_SPAN elements at most
+    (its loop holds a value per element of a call), not a chunk a call: here 12,480 and 9,001
+    elements in calls of 8,192 at most. Weights and counts are the eager step's, bit for bit."""
+    monkeypatch.setattr(pure_compiled, "COUNT_SPAN", 2 * CHUNK)
+    calls = []
+    real = pure_compiled.compiled
+
+    def counted(variant):
+        update = real(variant)
+
+        def call(*args):
+            calls.append((variant.count, args[0].numel()))
+            return update(*args)
+
+        return call
+
+    monkeypatch.setattr(pure_compiled, "compiled", counted)
+    eager, eager_counts, _ = stepped(sgd, steps=2, rounding="kahan", compiled=False)
+    mine, counts, _ = stepped(sgd, steps=2, rounding="kahan", compiled=True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, mine, strict=True))
+    assert torch.equal(counts, eager_counts) and counts[:, 1].sum() > 0
+    summed = sorted(n for count, n in calls if count == "sums")  # SHAPES' three large ones
+    assert summed == [809, 4288, 4608, 8192, 8192]  # 9,001 = 8,192 + 809; 12,480 = 8,192 + 4,288
+
+
 def test_the_stochastic_roundings_random_bits_are_a_bijection_of_the_index():
     """The hash behind compiled stochastic rounding maps distinct indices to distinct pairs of
     16-bit halves (a bijection: with uniform keys each half is uniform, so the rounding is
@@ -258,9 +284,9 @@ def test_the_stochastic_roundings_random_bits_are_a_bijection_of_the_index():
 )
 def test_the_compiled_loops_hold_what_the_recorded_bound_says(variant):
     """A step that counts nothing steps a parameter whole in one call: its loop may allocate
-    nothing per element. A counting one steps a chunk at most, and may allocate
-    COUNT_TEMPORARY bytes per element, which `ran.bytes_step_peak`'s bound counts. Read in the
-    code inductor writes: a buffer sized by the batch's (symbolic) length."""
+    nothing per element. A counting one steps a batch or COUNT_SPAN elements at most, and may
+    allocate COUNT_TEMPORARY bytes per element, which `ran.bytes_step_peak`'s bound counts.
+    Read in the code inductor writes: a buffer sized by the batch's (symbolic) length."""
     n = 5000
     w, g = (torch.randn(n).bfloat16() for _ in "wg")
     states = [torch.zeros_like(w) for _ in range(variant.states)]

@@ -42,6 +42,12 @@ log = logging.getLogger(__name__)
 # bytes per element that a counting variant's compiled loop allocates for itself
 COUNT_TEMPORARY = 2
 
+# the most elements of a parameter stepped whole that a counting step counts in one call: its
+# loop holds COUNT_TEMPORARY bytes an element, and its new weights are written to a bf16 buffer
+# first, 4 bytes an element of a call in all (8 MiB); a chunk a call instead would call
+# ResNet-50's shapes' loop 105 times a step, at about 60 µs a call besides the loop
+COUNT_SPAN = 1 << 21
+
 # elements of trained weights from which `precision.update_compile=null` compiles the update:
 # below, a step is short enough that the compilation (seconds a variant) would not pay back
 # within a typical run, and a toy run stays free of it
@@ -142,6 +148,7 @@ class CompiledUpdate:
         self.required = required
         self.failed: str | None = None  # why the compilation failed, once it has
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._written: torch.Tensor | None = None  # a counting call's new weights (`_count_buffer`)
         self._coefficients: dict = {}
         self._variants: dict = {}
         self._stepped_whole: set[int] = set()  # this step's parameters stepped whole
@@ -159,12 +166,14 @@ class CompiledUpdate:
         self._stepped_whole.clear()
 
     @staticmethod
-    def gather_bytes(extent: int) -> int:
-        """What the compiled path holds for a workspace of `extent`: the gathered weights and
-        gradients in bf16, and a counting kernel's own bf16 value per element (a count's
-        variants step a chunk at most; the others hold nothing per element, which
-        tests/test_pure_compiled.py reads in the code inductor writes)."""
-        return (4 + COUNT_TEMPORARY) * extent + 64
+    def gather_bytes(extent: int, largest: int) -> int:
+        """What the compiled path holds for a workspace of `extent` and a largest parameter
+        of `largest` elements: the gathered weights and gradients in bf16, and for a counting
+        call (a batch, or up to COUNT_SPAN elements of a parameter stepped whole) its new
+        weights in bf16 and its kernel's own bf16 value per element (the variants that count
+        nothing hold nothing per element, which tests/test_pure_compiled.py reads in the code
+        inductor writes)."""
+        return 4 * extent + (2 + COUNT_TEMPORARY) * _count_extent(extent, largest) + 64
 
     def step(self, views: BatchViews, index: int, group: dict, fresh: set, counting: bool, scaling):
         """Step the batch `views` of group `index` (`scaling`: the loss scaler's scale and
@@ -181,9 +190,9 @@ class CompiledUpdate:
         first = {i in fresh for i in owners}
         if len(first) != 1 or _get_current_dispatch_mode() is not None:
             return False  # (torch.compile does not run under a dispatch mode: a plan's count)
-        # a parameter cut along its memory: all but its last piece in one call, on a step that
-        # counts nothing (a count's kernel holds a value per element: a chunk's at most)
-        span = at.span if at.start == 0 and not counting else 0
+        # a parameter cut along its memory: the pieces alone in their batches in one call (a
+        # counting step's in calls of COUNT_SPAN elements at most)
+        span = at.span if at.start == 0 else 0
         states, carried = (at.whole_states, at.whole_carried) if span else (at.states, at.carried)
         w, g, gathered = self._flat(views, at, span)
         # a batch stepped where it lies sums its count in the loop; a gathered one writes its
@@ -191,25 +200,32 @@ class CompiledUpdate:
         count = ("masks" if gathered is not None else "sums") if counting else ""
         variant = self._variant(group, count, scaling is not None)
         coefficients = self._coefficients_for(index, group, views, first.pop())
-        draws = None
-        if o.rounding == "stochastic":
-            draws = draw_keys(o.generator, w.device)
         ws = views.ws
         masks = (views.flat(ws.w), views.flat(ws.g)) if count == "masks" else None
+        calls = [(w, g, states, carried)]
         if count == "sums":
-            masks = (self._buffers(ws)[0][: w.numel()],)
-        try:
-            counts = compiled(variant)(w, g, states, carried, coefficients, draws, masks, scaling)
-        except Exception as error:  # inductor's failures have no common class of their own
-            return self._fail(error)
+            written = self._count_buffer(ws, w.numel())
+            if w.numel() > written.numel():
+                calls = _parts(written.numel(), w, g, states, carried)
+        for w, g, states, carried in calls:
+            draws = None
+            if o.rounding == "stochastic":
+                draws = draw_keys(o.generator, w.device)
+            if count == "sums":
+                masks = (written[: w.numel()],)
+            try:
+                update = compiled(variant)
+                counts = update(w, g, states, carried, coefficients, draws, masks, scaling)
+            except Exception as error:  # inductor's failures have no common class of their own
+                return self._fail(error)
+            if count == "sums":
+                w.copy_(masks[0])
+                o.lost.add(owners[0], counts[0], counts[1])
         if gathered is not None:
             torch._foreach_copy_(views.weights, gathered)
         if span:
             self._stepped_whole.add(at.param)
-        if count == "sums":
-            w.copy_(masks[0])
-            o.lost.add(owners[0], counts[0], counts[1])
-        elif count == "masks":
+        if count == "masks":
             o.lost.add_pieces(views.owner_index, views.summed(ws.w), views.summed(ws.g))
         return True
 
@@ -300,6 +316,17 @@ class CompiledUpdate:
             )
         return self._gathered
 
+    def _count_buffer(self, ws, elements: int) -> torch.Tensor:
+        """The bf16 buffer a counting call writes its new weights to: the gathered weights'
+        where the call is a batch, one of its own (up to COUNT_SPAN elements, kept as the
+        gathered buffers are) where it is a parameter stepped whole."""
+        if elements <= ws.extent:
+            return self._buffers(ws)[0]
+        size = _count_extent(ws.extent, elements)
+        if self._written is None or self._written.numel() < size:
+            self._written = torch.empty(size, dtype=torch.bfloat16, device=ws.w.device)
+        return self._written
+
     def _fail(self, error: Exception) -> bool:
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
         if self.required:
@@ -318,4 +345,19 @@ class CompiledUpdate:
     def after_step(self) -> None:
         """Let the gathered buffers go where the workspace is let go (a GPU's)."""
         if not self.optimizer.batches.kept:
-            self._gathered = None
+            self._gathered = self._written = None
+
+
+def _count_extent(extent: int, largest: int) -> int:
+    """The most elements a counting call takes: a workspace's batch, or as much of the largest
+    parameter as COUNT_SPAN allows."""
+    return max(extent, min(COUNT_SPAN, largest))
+
+
+def _parts(size: int, w, g, states, carried):
+    """A parameter stepped whole as calls of `size` elements at most: each call's weights,
+    gradients, states and Kahan's buffer."""
+    for start in range(0, w.numel(), size):
+        part = slice(start, start + size)
+        rest = carried[part] if carried is not None else None
+        yield w[part], g[part], [s[part] for s in states], rest
