@@ -44,9 +44,9 @@ COUNT_TEMPORARY = 2
 
 # the most elements of a parameter stepped whole that a counting step counts in one call: its
 # loop holds COUNT_TEMPORARY bytes an element, and its new weights are written to a bf16 buffer
-# first, 4 bytes an element of a call in all (8 MiB); a chunk a call instead would call
+# first, 4 bytes an element of a call in all (4 MiB); a chunk a call instead would call
 # ResNet-50's shapes' loop 105 times a step, at about 60 µs a call besides the loop
-COUNT_SPAN = 1 << 21
+COUNT_SPAN = 1 << 20
 
 # elements of trained weights from which `precision.update_compile=null` compiles the update:
 # below, a step is short enough that the compilation (seconds a variant) would not pay back
