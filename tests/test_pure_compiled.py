@@ -9,6 +9,7 @@ them in one process (one xdist group a file)."""
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 
@@ -253,6 +254,51 @@ def test_a_counting_step_counts_a_large_parameter_in_calls_of_count_span(monkeyp
     assert torch.equal(counts, eager_counts) and counts[:, 1].sum() > 0
     summed = sorted(n for count, n in calls if count == "sums")  # SHAPES' three large ones
     assert summed == [809, 4288, 4608, 8192, 8192]  # 9,001 = 8,192 + 809; 12,480 = 8,192 + 4,288
+
+
+@pytest.mark.parametrize(
+    "build,begins",
+    [(sgd, "experts"), (sgd, "halves"), (adam, "halves")],
+    ids=["sgd-experts", "sgd-halves", "adam-halves"],
+)
+def test_a_resumed_run_whose_parameters_began_on_different_steps_continues_exactly(build, begins):
+    """Parameters that begin training on different steps: a mixture of experts' (shared
+    tensors from the first step, one expert's from the first, the other's from the second) or
+    two halves of a model (one from the first step, the other from the second). Each batch
+    must take the same path (compiled or eager, whose stochastic roundings are different
+    streams) after a resume as before: the resumed run lays out the states as the steps that
+    made them did, and knows each parameter's count of steps (SGD keeps no "step" state).
+    Each case failed before: SGD's counts restarted at 0, and the states came back in one
+    buffer."""
+    shapes = [(64,), (32, 64), (64,), (64, 32)] * 4
+    # the step each parameter begins on
+    began = [0, 0, 0, 1] * 4 if begins == "experts" else [0] * 8 + [1] * 8
+
+    def grads(params, step):
+        g = torch.Generator().manual_seed(step)
+        for i, p in enumerate(params):
+            shared = begins == "experts" and i % 4 < 2
+            on = shared or step >= 2 or began[i] == step
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-2).bfloat16() if on else None
+
+    def run(params, optimizer, steps):
+        for step in steps:
+            grads(params, step)
+            optimizer.step()
+
+    pure = {"rounding": "stochastic", "chunk": CHUNK, "compiled": True, "count": False}
+    params = bf16_params(shapes)
+    optimizer = build(params, seed=1, **pure)
+    run(params, optimizer, range(4))
+    saved = io.BytesIO()
+    torch.save(optimizer.state_dict(), saved)
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = build(resumed_params, seed=1, **pure)
+    saved.seek(0)
+    resumed.load_state_dict(torch.load(saved, weights_only=True))
+    run(params, optimizer, range(4, 8))
+    run(resumed_params, resumed, range(4, 8))
+    assert all(torch.equal(a, b) for a, b in zip(params, resumed_params, strict=True))
 
 
 def test_the_stochastic_roundings_random_bits_are_a_bijection_of_the_index():

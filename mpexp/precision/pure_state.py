@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mpexp.precision.pure_layout import zeroed_counts, zeroed_like
-from mpexp.precision.pure_updates import COMPENSATION, COUNTS, GENERATOR, STEPS
+from mpexp.precision.pure_updates import COMPENSATION, COUNTS, GENERATOR, HOST_COUNTS, MADE, STEPS
 
 
 def load(optimizer, load_torchs, state_dict: dict) -> None:
@@ -17,6 +17,8 @@ def load(optimizer, load_torchs, state_dict: dict) -> None:
     saved_generator = state_dict.pop(GENERATOR, None)
     saved_counts = state_dict.pop(COUNTS, None)
     steps_taken = state_dict.pop(STEPS, None)
+    host_counts = state_dict.pop(HOST_COUNTS, None)
+    made = state_dict.pop(MADE, None)
     load_torchs(state_dict)
     saved = state_dict["state"]
     if steps_taken is None:  # the hook-based update's checkpoint: Adam's count says it
@@ -32,6 +34,14 @@ def load(optimizer, load_torchs, state_dict: dict) -> None:
         counts = torch.stack([saved[i]["step"].float().cpu() for i in stepped])
         for i, count in zip(stepped, counts.tolist(), strict=True):
             optimizer.host_counts[i] = int(count)
+    if host_counts is not None:  # saved from mpexp's own (SGD's counts only so)
+        optimizer.host_counts = [int(c) for c in host_counts]
+    # which step made each parameter's states (a checkpoint without it: one step made them all)
+    optimizer.made = (
+        [int(m) for m in made]
+        if made is not None
+        else [1 if optimizer.state[p] else 0 for p in optimizer.params]
+    )
     for group in optimizer.param_groups:
         _regroup(optimizer, group)
     optimizer.forget_layouts()
@@ -53,8 +63,20 @@ def _restore(optimizer, state: dict, saved: dict, p: torch.Tensor) -> None:
 
 
 def _regroup(optimizer, group: dict) -> None:
-    """A group's loaded states moved into shared buffers, as `init_states` makes them."""
-    params = [p for p in group["params"] if optimizer.state[p]]
+    """A group's loaded states moved into shared buffers as `init_states` made them: those made
+    on one step together (`optimizer.made`)."""
+    index = {id(p): i for i, p in enumerate(optimizer.params)}
+    made: dict[int, list] = {}
+    for p in group["params"]:
+        if optimizer.state[p]:
+            made.setdefault(optimizer.made[index[id(p)]], []).append(p)
+    for params in made.values():
+        _share(optimizer, group, params)
+
+
+def _share(optimizer, group: dict, params: list) -> None:
+    """`params`' loaded states in shared buffers, one a kind of state, and their step counts
+    side by side."""
     counted = [p for p in params if "step" in optimizer.state[p]]
     if counted:
         for p, count in zip(counted, zeroed_counts(len(counted), counted[0].device), strict=True):

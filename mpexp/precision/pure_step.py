@@ -39,7 +39,15 @@ from mpexp.precision.pure_batches import Batches
 from mpexp.precision.pure_compiled import CompiledUpdate
 from mpexp.precision.pure_layout import side_by_side
 from mpexp.precision.pure_rounding import load_states, store_states, store_weights
-from mpexp.precision.pure_updates import COUNTS, GENERATOR, GRAPH_GENERATORS, STEPS, UpdatesLost
+from mpexp.precision.pure_updates import (
+    COUNTS,
+    GENERATOR,
+    GRAPH_GENERATORS,
+    HOST_COUNTS,
+    MADE,
+    STEPS,
+    UpdatesLost,
+)
 from mpexp.precision.pure_workspace import BatchViews
 from mpexp.shards import local_shard
 
@@ -137,6 +145,7 @@ class PureOptimizer(torch.optim.Optimizer):
         self.count_every = count_every
         self.steps_taken = 0  # on the host: which steps count is known without a device read
         self.host_counts = [0] * len(self.params)  # each parameter's steps, for the formula
+        self.made = [0] * len(self.params)  # the step (1 on) that made each one's states, or 0
         # how the diagnostics find the counts (`params`, `lost`): none to find when not counting
         self.pure_updates = self if count else None
         self.batches = Batches(self)
@@ -179,6 +188,8 @@ class PureOptimizer(torch.optim.Optimizer):
             if fresh:
                 self.init_states([self.params[i] for i in sorted(fresh)], group)
                 self.forget_layouts()
+                for i in fresh:
+                    self.made[i] = self.steps_taken
             for i in stepped:
                 self.host_counts[i] += 1
             steps = self._counts(index, stepped) if self.counted else None
@@ -314,6 +325,8 @@ class PureOptimizer(torch.optim.Optimizer):
         if self.lost is not None:  # the counts of a window that a stop left open
             state_dict[COUNTS] = self.lost.counts.clone()
         state_dict[STEPS] = self.steps_taken
+        state_dict[HOST_COUNTS] = list(self.host_counts)
+        state_dict[MADE] = list(self.made)
         return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:

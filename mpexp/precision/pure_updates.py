@@ -36,6 +36,12 @@ COMPENSATION = "kahan_compensation"  # the optimizer state key of a parameter's 
 GENERATOR = "update_rounding_generator"  # the optimizer state dict key of the generator's state
 COUNTS = "updates_lost_counts"  # and of the lost-update counts since the last flush
 STEPS = "pure_steps_taken"  # and of the steps the optimizer has taken (which of them count)
+# and of each parameter's count of steps on the host (SGD keeps no "step" state to say it), and
+# of which of its steps made its states: the states made on one step share buffers, and a
+# resumed run lays them out so again (`pure_state._regroup`), so that each batch takes the
+# path (compiled or eager, each with its own stream of stochastic rounding) it took before
+HOST_COUNTS = "pure_host_counts"
+MADE = "pure_states_made"
 
 
 def hold_in_bf16(model: nn.Module, output_to_float32: bool = True) -> nn.Module:
