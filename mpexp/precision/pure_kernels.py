@@ -21,8 +21,8 @@ makes both output halves uniform, independent of each other and from step to ste
 makes the rounding unbiased; one hash serves two values (the weight and the first state, and a
 second hash with two more keys the second state). It is all 32-bit integer arithmetic that
 cannot overflow (a 16-bit half times a multiplier below 2^15), which a CPU's vector units do at
-the width of float32: the 64-bit hash before it cost a CPU's loop a third more. It is a stream of
-its own: a run rounds the same numbers, and resumes exactly, on this path only.
+the width of float32: the 64-bit hash before it cost a CPU's loop about a tenth more. It is a
+stream of its own: a run rounds the same numbers, and resumes exactly, on this path only.
 """
 
 from __future__ import annotations

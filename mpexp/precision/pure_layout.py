@@ -144,7 +144,7 @@ def _mark_spans(batches: list[Batch]) -> None:
         if spans.get(piece.param, 0) == piece.start:
             spans[piece.param] = piece.stop
     for batch in lone:
-        batch.span = spans[batch.pieces[0].param]
+        batch.span = spans.get(batch.pieces[0].param, 0)
 
 
 def most_pieces(weight: torch.Tensor, chunk: int) -> tuple[int, int]:
