@@ -230,11 +230,12 @@ def test_compiled_stochastic_rounding_is_unbiased_and_resumes_exactly():
     assert torch.equal(twin, weight)
 
 
-def test_a_counting_step_counts_a_large_parameter_in_calls_of_count_span(monkeypatch):
-    """A counting step takes a parameter stepped whole in calls of COUNT_SPAN elements at most
-    (its loop holds a value per element of a call), not a chunk a call: here 12,480 and 9,001
-    elements in calls of 8,192 at most. Weights and counts are the eager step's, bit for bit."""
-    monkeypatch.setattr(pure_compiled, "COUNT_SPAN", 2 * CHUNK)
+def test_a_counting_step_counts_a_large_parameter_in_few_calls(monkeypatch):
+    """A counting step takes a parameter stepped whole in calls of twice the workspace's
+    elements at most (its loop holds a value per element of a call, and writes its new weights
+    into the workspace's float32 weight buffer, as bf16), not a chunk a call: here 12,480 and
+    9,001 elements in calls of 8,192 at most. Weights and counts are the eager step's, bit for
+    bit."""
     calls = []
     real = pure_compiled.compiled
 
@@ -330,7 +331,7 @@ def test_the_stochastic_roundings_random_bits_are_a_bijection_of_the_index():
 )
 def test_the_compiled_loops_hold_what_the_recorded_bound_says(variant):
     """A step that counts nothing steps a parameter whole in one call: its loop may allocate
-    nothing per element. A counting one steps a batch or COUNT_SPAN elements at most, and may
+    nothing per element. A counting one steps twice the workspace's elements at most, and may
     allocate COUNT_TEMPORARY bytes per element, which `ran.bytes_step_peak`'s bound counts.
     Read in the code inductor writes: a buffer sized by the batch's (symbolic) length."""
     n = 5000

@@ -123,7 +123,6 @@ class Batches:
         in_batch = max(len(g) for g in groups)
         workspace = Workspace.element_bytes(**self.buffers()) * extent
         if o.compiles:  # the compiled update's gathered weights and gradients, in bf16
-            largest = max(p.numel() for g in groups for p in g)
-            workspace += CompiledUpdate.gather_bytes(extent, largest)
+            workspace += CompiledUpdate.gather_bytes(extent)
         sums = extent // 5 + 300 * (in_batch + 1)
         return workspace + sums + PieceBounds.nbytes(pieces, pieces) + 4096

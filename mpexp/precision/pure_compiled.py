@@ -42,11 +42,6 @@ log = logging.getLogger(__name__)
 # bytes per element that a counting variant's compiled loop allocates for itself
 COUNT_TEMPORARY = 2
 
-# the most elements of a parameter stepped whole that a counting step counts in one call: its
-# loop holds COUNT_TEMPORARY bytes an element, and its new weights are written to a bf16 buffer
-# first, 4 bytes an element of a call in all (4 MiB); a chunk a call instead would call
-# ResNet-50's shapes' loop 105 times a step, at about 60 µs a call besides the loop
-COUNT_SPAN = 1 << 20
 
 # elements of trained weights from which `precision.update_compile=null` compiles the update:
 # below, a step is short enough that the compilation (seconds a variant) would not pay back
@@ -148,7 +143,6 @@ class CompiledUpdate:
         self.required = required
         self.failed: str | None = None  # why the compilation failed, once it has
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._written: torch.Tensor | None = None  # a counting call's new weights (`_count_buffer`)
         self._coefficients: dict = {}
         self._variants: dict = {}
         self._stepped_whole: set[int] = set()  # this step's parameters stepped whole
@@ -166,14 +160,13 @@ class CompiledUpdate:
         self._stepped_whole.clear()
 
     @staticmethod
-    def gather_bytes(extent: int, largest: int) -> int:
-        """What the compiled path holds for a workspace of `extent` and a largest parameter
-        of `largest` elements: the gathered weights and gradients in bf16, and for a counting
-        call (a batch, or up to COUNT_SPAN elements of a parameter stepped whole) its new
-        weights in bf16 and its kernel's own bf16 value per element (the variants that count
+    def gather_bytes(extent: int) -> int:
+        """What the compiled path holds for a workspace of `extent`: the gathered weights and
+        gradients in bf16, and a counting call's kernel's own bf16 value per element, a call
+        taking twice the workspace's elements at most (`_written`; the variants that count
         nothing hold nothing per element, which tests/test_pure_compiled.py reads in the code
         inductor writes)."""
-        return 4 * extent + (2 + COUNT_TEMPORARY) * _count_extent(extent, largest) + 64
+        return (4 + 2 * COUNT_TEMPORARY) * extent + 64
 
     def step(self, views: BatchViews, index: int, group: dict, fresh: set, counting: bool, scaling):
         """Step the batch `views` of group `index` (`scaling`: the loss scaler's scale and
@@ -191,7 +184,7 @@ class CompiledUpdate:
         if len(first) != 1 or _get_current_dispatch_mode() is not None:
             return False  # (torch.compile does not run under a dispatch mode: a plan's count)
         # a parameter cut along its memory: the pieces alone in their batches in one call (a
-        # counting step's in calls of COUNT_SPAN elements at most)
+        # counting step's in calls of twice the workspace's elements at most, `_written`)
         span = at.span if at.start == 0 else 0
         states, carried = (at.whole_states, at.whole_carried) if span else (at.states, at.carried)
         w, g, gathered = self._flat(views, at, span)
@@ -204,7 +197,7 @@ class CompiledUpdate:
         masks = (views.flat(ws.w), views.flat(ws.g)) if count == "masks" else None
         calls = [(w, g, states, carried)]
         if count == "sums":
-            written = self._count_buffer(ws, w.numel())
+            written = _written(ws)
             if w.numel() > written.numel():
                 calls = _parts(written.numel(), w, g, states, carried)
         for w, g, states, carried in calls:
@@ -316,17 +309,6 @@ class CompiledUpdate:
             )
         return self._gathered
 
-    def _count_buffer(self, ws, elements: int) -> torch.Tensor:
-        """The bf16 buffer a counting call writes its new weights to: the gathered weights'
-        where the call is a batch, one of its own (up to COUNT_SPAN elements, kept as the
-        gathered buffers are) where it is a parameter stepped whole."""
-        if elements <= ws.extent:
-            return self._buffers(ws)[0]
-        size = _count_extent(ws.extent, elements)
-        if self._written is None or self._written.numel() < size:
-            self._written = torch.empty(size, dtype=torch.bfloat16, device=ws.w.device)
-        return self._written
-
     def _fail(self, error: Exception) -> bool:
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
         if self.required:
@@ -345,13 +327,16 @@ class CompiledUpdate:
     def after_step(self) -> None:
         """Let the gathered buffers go where the workspace is let go (a GPU's)."""
         if not self.optimizer.batches.kept:
-            self._gathered = self._written = None
+            self._gathered = None
 
 
-def _count_extent(extent: int, largest: int) -> int:
-    """The most elements a counting call takes: a workspace's batch, or as much of the largest
-    parameter as COUNT_SPAN allows."""
-    return max(extent, min(COUNT_SPAN, largest))
+def _written(ws) -> torch.Tensor:
+    """Where a counting call of a batch stepped where it lies writes its new weights, for the
+    caller to copy (`_update`): the workspace's float32 weights, which the compiled path leaves
+    free, as bf16, so that a parameter stepped whole is counted in calls of twice the
+    workspace's elements with no buffer of its own (a chunk a call, ResNet-50's shapes' loop
+    took 105 calls a step, at about 60 µs a call besides the loop)."""
+    return ws.w.view(torch.bfloat16)
 
 
 def _parts(size: int, w, g, states, carried):
