@@ -200,6 +200,7 @@ class CompiledUpdate:
             written = _written(ws)
             if w.numel() > written.numel():
                 calls = _parts(written.numel(), w, g, states, carried)
+        update = compiled(variant)
         for w, g, states, carried in calls:
             draws = None
             if o.rounding == "stochastic":
@@ -207,7 +208,6 @@ class CompiledUpdate:
             if count == "sums":
                 masks = (written[: w.numel()],)
             try:
-                update = compiled(variant)
                 counts = update(w, g, states, carried, coefficients, draws, masks, scaling)
             except Exception as error:  # inductor's failures have no common class of their own
                 return self._fail(error)
