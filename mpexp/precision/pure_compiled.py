@@ -50,7 +50,12 @@ COMPILE_FROM = 1 << 22
 
 
 def compile_setting(
-    setting: bool | None, rounding: str, fused: bool, elements: int, device: torch.device
+    setting: bool | None,
+    rounding: str,
+    fused: bool,
+    elements: int,
+    device: torch.device,
+    device_type: str | None = None,
 ) -> bool | None:
     """What `precision.update_compile` (`setting`) makes of the update: True (compiled, as
     asked: a failure stops the run), None (compiled where it pays: a failure falls back to the
@@ -78,7 +83,10 @@ def compile_setting(
                 "Use precision.update_compile=null to step eagerly where it cannot."
             )
         return True
-    pays = device.type == "cpu" and rounding == "kahan" and elements >= COMPILE_FROM
+    # on the device the run steps on (`device_type`: a plan for CUDA builds on fake CPU
+    # tensors), whose compiler `can_compile` checks where the parameters are
+    runs_on = device_type or device.type
+    pays = runs_on == "cpu" and rounding == "kahan" and elements >= COMPILE_FROM
     if not (fused and pays):
         return False
     reason = can_compile(device)

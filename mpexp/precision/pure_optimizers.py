@@ -259,7 +259,8 @@ def build_pure(
     device_type = device_type or device.type
     chunk = p.get("update_chunk") or default_chunk(device_type)
     elements = sum(t.numel() for t in _tensors(params) if t.requires_grad)
-    compiled = compile_setting(p.get("update_compile"), rounding, fused, elements, device)
+    setting = p.get("update_compile")
+    compiled = compile_setting(setting, rounding, fused, elements, device, device_type)
     optimizer = cls(
         params,
         **settings,
