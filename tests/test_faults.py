@@ -72,7 +72,7 @@ from mpexp.data.workers import WorkerLoader
 from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, DataError, NumericsError, reason
 from mpexp.run.runner import stop_if_asked, train
-from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files
+from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files, checkpoint_step
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.run_context import RunContext
@@ -346,7 +346,11 @@ def test_a_stop_signal_while_wandb_starts_checkpoints_at_the_first_step(tmp_path
     assert "Stopped by SIGTERM at step" in output
     assert f"trainer.resume={run_dir}" in output
     assert status(run_dir) == "interrupted"
-    (saved,) = checkpoint_files(run_dir)
+    # the stop's checkpoint at the step it names; rows reach metrics.jsonl at an epoch's end, so
+    # the epoch's validated checkpoint is kept beside it as the best so far
+    stopped_at = int(re.search(r"Stopped by SIGTERM at step (\d+)", output)[1])
+    *best, saved = checkpoint_files(run_dir)
+    assert checkpoint_step(saved) == stopped_at and len(best) <= 1
     # the W&B run id was chosen up front, so the resume continues the same W&B run
     assert re.fullmatch(r"[a-z0-9]{8}", torch.load(saved, weights_only=False)["wandb_id"])
 
