@@ -59,7 +59,7 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 240) -> None:
             pytest.fail(f"the run ended first:\n{proc.stdout.read()}")
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail("timed out waiting for the run")
+            pytest.fail(f"timed out waiting for the run; it printed:\n{proc.communicate()[0]}")
         time.sleep(0.02)
 
 
