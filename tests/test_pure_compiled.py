@@ -344,7 +344,7 @@ def test_the_compiled_loops_hold_what_the_recorded_bound_says(variant):
     draws = torch.tensor([1, 2, 3, 4], dtype=torch.int32) if stochastic else None
     masks = {"": None, "sums": (torch.empty_like(w),)}.get(variant.count)
     if variant.count == "masks":
-        masks = (torch.empty(n), torch.empty(n))
+        masks = (torch.empty_like(w), torch.empty_like(w))
     fresh = compiled.__wrapped__(variant)  # not the cached one: inductor writes its code
     with inductor_config.patch(force_disable_caches=True):
         args = (w, g, states, carried, coefficients, draws, masks, None)

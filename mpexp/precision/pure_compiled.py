@@ -202,7 +202,7 @@ class CompiledUpdate:
         variant = self._variant(group, count, scaling is not None)
         coefficients = self._coefficients_for(index, group, views, first.pop())
         ws = views.ws
-        masks = (views.flat(ws.w), views.flat(ws.g)) if count == "masks" else None
+        masks = tuple(m[: w.numel()] for m in _masks(ws)) if count == "masks" else None
         calls = [(w, g, states, carried)]
         if count == "sums":
             written = _written(ws)
@@ -227,7 +227,7 @@ class CompiledUpdate:
         if span:
             self._stepped_whole.add(at.param)
         if count == "masks":
-            o.lost.add_pieces(views.owner_index, views.summed(ws.w), views.summed(ws.g))
+            o.lost.add_pieces(views.owner_index, *(views.summed(m) for m in _masks(ws)))
         return True
 
     def _layout(self, views: BatchViews, group: dict) -> _Layout:
@@ -345,6 +345,12 @@ def _written(ws) -> torch.Tensor:
     workspace's elements with no buffer of its own (a chunk a call, ResNet-50's shapes' loop
     took 105 calls a step, at about 60 µs a call besides the loop)."""
     return ws.w.view(torch.bfloat16)
+
+
+def _masks(ws):
+    """Where a counting call of a gathered batch writes its two masks (moved, changed), as
+    bf16: the workspace's float32 weights and gradients, which the compiled path leaves free."""
+    return (ws.w.view(torch.bfloat16), ws.g.view(torch.bfloat16))
 
 
 def _parts(size: int, w, g, states, carried):

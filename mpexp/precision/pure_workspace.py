@@ -131,7 +131,7 @@ class BatchViews:
 
     def summed(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Per piece, the sum of the float mask in `ws.g` (or `buffer`, another of the
-        workspace's float32 buffers) over the batch (a CPU sums floats
+        workspace's float32 buffers, or one viewed as bf16) over the batch (a CPU sums floats
         several times faster than it counts nonzeros): the running sum of the rows before each
         bound, plus the part of the bound's own row before it, differenced from bound to bound.
         Exact (whole numbers up to 2^24, `precision.update_chunk`'s limit), and device work
@@ -139,6 +139,7 @@ class BatchViews:
         # the mask in rows (the last one runs past the batch into elements not counted)
         buffer = self.ws.g if buffer is None else buffer
         rows, b = buffer[: aligned(self.extent)].view(-1, ROW), self._bounds
-        running = torch.cat((rows.new_zeros(1), rows.sum(1).cumsum(0)))
-        part = rows.index_select(0, b.row).masked_fill_(b.past, 0).sum(1)
+        summed = rows.sum(1, dtype=torch.float32)
+        running = torch.cat((summed.new_zeros(1), summed.cumsum(0)))
+        part = rows.index_select(0, b.row).masked_fill_(b.past, 0).sum(1, dtype=torch.float32)
         return torch.diff(running.index_select(0, b.before) + part)
