@@ -13,6 +13,8 @@ of them alike; the table gives each case's median and its ratios to bf16 mixed's
 
     python scripts/bench_pure.py                 # bf16, bf16_pure, bf16_pure_kahan, 2 repeats
     python scripts/bench_pure.py --cases bf16,bf16_pure_stochastic --repeats 1
+A case `<precision>@<setting>` sets `precision.update_compile` too (`bf16_pure_stochastic@true`:
+the compiled update, which `null` leaves to the eager step there).
 
 With `--step-times`, the optimizer step alone instead, on one thread: torch's fused AdamW on
 bf16 weights against pure bf16's AdamW with each rounding (and nearest's counting steps), on
@@ -79,6 +81,16 @@ class MLP(nn.Module):
         return self.layers(x)
 
 
+def _precision(case: str) -> list[str]:
+    """A case's precision overrides: `bf16_pure_kahan`, or `bf16_pure_kahan@false` with its
+    `precision.update_compile`."""
+    precision, _, compile_setting = case.partition("@")
+    overrides = [f"precision={precision}"]
+    if compile_setting:
+        overrides.append(f"precision.update_compile={compile_setting}")
+    return overrides
+
+
 def child(case: str, width: int, run_dir: str, steps: int) -> dict:
     """One run, in this process: its peak resident memory and its epochs' times."""
     from hydra import compose, initialize_config_dir
@@ -98,7 +110,7 @@ def child(case: str, width: int, run_dir: str, steps: int) -> dict:
         "model._target_=bench_pure.MLP",
         f"model.width={width}",
         "optimizer=adam",
-        f"precision={case}",
+        *_precision(case),
         "trainer.epochs=2",
         "trainer.log_every=4",  # pure bf16's lost-update count (and its workspace) every 4 steps
         "trainer.progress=false",
