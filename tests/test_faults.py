@@ -73,6 +73,7 @@ from mpexp.distributed import World, start_world
 from mpexp.errors import ConfigError, DataError, NumericsError, reason
 from mpexp.run.runner import stop_if_asked, train
 from mpexp.rundir import RunDirTaken, RunLock, SweepLock, checkpoint_files, checkpoint_step
+from mpexp.step import flops
 from mpexp.stopping import Preempted, StopSignals
 from mpexp.tasks.classification import Classification
 from mpexp.tracking.run_context import RunContext
@@ -622,6 +623,35 @@ def test_loader_workers_go_on_through_the_jobs_stop_signals():
         subprocess.run(["kill", "-INT", str(pid)], check=True)
     time.sleep(0.5)  # what the signals would do, done
     assert {int(pid) for pid in batches} == workers  # the other 10 batches, from the same two
+
+
+class DoneAtFork(torch.utils.data.Dataset):
+    """One item: whether `work` had finished when the worker reading it was forked."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> bool:
+        return self.work.done()
+
+
+def test_loader_workers_are_forked_once_the_flop_count_has_ended(monkeypatch):
+    """A worker forked while the FLOP count's thread ran torch's code could hang for ever before
+    its first batch (the C library's atexit lock, held by that thread at the fork, stays held in
+    the child), and the run with it: the loaders fork once the count's thread has ended."""
+
+    def slow_count(*args):
+        time.sleep(1)  # the count is still running when the loader starts
+        return 1.0
+
+    monkeypatch.setattr(flops, "flops_per_sample", slow_count)
+    counting = flops.throughput(torch.nn.Linear(2, 2), None, 4, None, 1)
+    loader = WorkerLoader(DoneAtFork(counting), batch_size=None, num_workers=1)
+    assert next(iter(loader)) is True
+    assert counting.result().flops_per_sample == 1.0
 
 
 # The loader's worker is alive as Python exits, as it is when a run ends on an error: the exit

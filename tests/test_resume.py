@@ -58,9 +58,21 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 240) -> None:
         if proc.poll() is not None:
             pytest.fail(f"the run ended first:\n{proc.stdout.read()}")
         if time.monotonic() > deadline:
-            proc.kill()
+            kill_all(proc)
             pytest.fail(f"timed out waiting for the run; it printed:\n{proc.communicate()[0]}")
         time.sleep(0.02)
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    """`proc`, and its loader's workers where it leads a process group of its own (started with
+    `start_new_session`): a hung worker would outlive the test."""
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return
+    except ProcessLookupError:
+        return
+    proc.kill()
 
 
 def comparable(run_dir: Path) -> list[dict]:

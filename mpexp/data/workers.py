@@ -20,13 +20,27 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from torch.utils.data import DataLoader
 
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 _CAN_TELL_SENDERS = hasattr(signal, "sigwaitinfo")
+
+# What waits for a thread of this process that runs native code (torch's) to end, called before
+# the loaders next fork their workers. A fork copies every lock as it stands: glibc resets its
+# malloc and stdio locks in the child, but not the one that `atexit` registrations take, which C++
+# takes to register a static object's destructor the first time a function runs. A worker forked
+# while another thread held it waits for ever in its own first such call (torch.set_num_threads,
+# at the top of DataLoader's worker loop), and the run for its first batch.
+_BEFORE_FORK: list[Callable[[], None]] = []
+
+
+def wait_before_forking(wait: Callable[[], None]) -> None:
+    """`wait()` is called before the loaders next fork workers: it returns once a thread that runs
+    native code has ended (`thread.join`, `pool.shutdown`)."""
+    _BEFORE_FORK.append(wait)
 
 
 class WorkerLoader(DataLoader):
@@ -38,6 +52,8 @@ class WorkerLoader(DataLoader):
         super().__init__(*args, **kwargs)
 
     def __iter__(self):
+        while self.num_workers > 0 and _BEFORE_FORK:
+            _BEFORE_FORK.pop()()
         # the workers are forked here (at the first epoch only, when they are persistent), and
         # a forked process starts with its parent thread's blocked signals
         with _stop_signals_held():

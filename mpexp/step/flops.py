@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from mpexp.data.workers import wait_before_forking
 from mpexp.step.meta_copy import meta_copy
 from mpexp.tasks.base import Task
 from mpexp.tracking.user_logs import user_logs_off
@@ -134,4 +135,7 @@ def throughput(
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flop-count")
     counting = pool.submit(count)
     pool.shutdown(wait=False)  # the thread ends with the count
+    # a loader's workers are forked once it has ended: a fork while it runs torch's code can
+    # leave a worker hung (mpexp/data/workers.py)
+    wait_before_forking(lambda: pool.shutdown(wait=True))
     return counting
