@@ -359,14 +359,15 @@ def test_the_compiled_loops_hold_what_the_recorded_bound_says(variant):
 
 
 def test_when_a_run_compiles_the_update_on_its_own():
-    """From COMPILE_FROM trained weights on a CPU under Kahan; not for round-to-nearest (only
-    its counting steps would take it) nor stochastic rounding there, nor below, nor on a GPU
-    unless asked; `true` refused where it cannot be."""
+    """From COMPILE_FROM trained weights on a CPU under Kahan or stochastic rounding; not for
+    round-to-nearest (only its counting steps would take it), nor below, nor on a GPU unless
+    asked; `true` refused where it cannot be."""
     cpu, cuda = CPU, torch.device("cuda")
     assert compile_setting(None, "kahan", True, COMPILE_FROM, cpu) is None  # compiled
     assert compile_setting(None, "nearest", True, COMPILE_FROM, cpu) is False
     assert compile_setting(None, "kahan", True, COMPILE_FROM - 1, cpu) is False
-    assert compile_setting(None, "stochastic", True, COMPILE_FROM, cpu) is False
+    assert compile_setting(None, "stochastic", True, COMPILE_FROM, cpu) is None
+    assert compile_setting(None, "stochastic", True, COMPILE_FROM - 1, cpu) is False
     assert compile_setting(None, "kahan", False, COMPILE_FROM, cpu) is False  # the formula
     assert compile_setting(None, "kahan", True, COMPILE_FROM, cuda) is False
     assert compile_setting(True, "stochastic", True, 10, cpu) is True

@@ -62,12 +62,12 @@ def compile_setting(
     eager step with a warning) or False (eager).
 
     Where it pays, on its own: on a CPU, from COMPILE_FROM trained weights, under Kahan's
-    rounding, every step of which it makes twice as fast or more. Not under round-to-nearest,
-    whose steps are torch's fused kernel on the bf16 tensors but for the one a log interval
-    that counts lost updates (the compiler's own memory, about 70 MiB in the process, and its
-    seconds would buy little); nor stochastic rounding, whose random bits cost a CPU's compiled
-    loop about what they cost the eager step. On a GPU only when asked: this path has been
-    measured on a CPU only (scripts/gpu_proof.sh measures it on a GPU)."""
+    rounding or stochastic rounding, every step of which it makes about twice as fast (Kahan)
+    or 1.5 times (stochastic; docs/benchmarks.md). Not under round-to-nearest, whose steps are
+    torch's fused kernel on the bf16 tensors but for the one a log interval that counts lost
+    updates (the compiler's own memory, about 70 MiB in the process, and its seconds would buy
+    little). On a GPU only when asked: this path has been measured on a CPU only
+    (scripts/gpu_proof.sh measures it on a GPU)."""
     if setting is False:
         return False
     if setting is True:
@@ -86,7 +86,7 @@ def compile_setting(
     # on the device the run steps on (`device_type`: a plan for CUDA builds on fake CPU
     # tensors), whose compiler `can_compile` checks where the parameters are
     runs_on = device_type or device.type
-    pays = runs_on == "cpu" and rounding == "kahan" and elements >= COMPILE_FROM
+    pays = runs_on == "cpu" and rounding != "nearest" and elements >= COMPILE_FROM
     if not (fused and pays):
         return False
     reason = can_compile(device)
