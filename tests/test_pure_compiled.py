@@ -20,7 +20,7 @@ from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mpexp.errors import ConfigError
-from mpexp.precision import pure_compiled
+from mpexp.precision import pure_compiled, pure_kernels
 from mpexp.precision.pure_compiled import COMPILE_FROM, COUNT_TEMPORARY, compile_setting
 from mpexp.precision.pure_kernels import Variant, adam_coefficients, can_compile, compiled
 from mpexp.precision.pure_optimizers import PureAdam, PureSGD, build_pure
@@ -389,6 +389,28 @@ def test_a_plan_for_a_gpu_bounds_the_step_a_gpu_run_takes():
         optimizer = build_pure("torch.optim.AdamW", {"lr": 1e-3}, params, cfg, True, False, "cuda")
         steps[setting] = (optimizer.compiles, optimizer.step_temporary_bytes())
     assert steps[None] == steps[False] and steps[None][0] is False
+
+
+@pytest.mark.parametrize("strategy", ["single", "ddp"])
+def test_a_ddp_run_that_compiles_on_its_own_stops_where_a_compilation_fails(strategy):
+    """`null` falls back to the eager step where a compilation fails; under DDP that would be
+    one rank's fallback, rounding otherwise (stochastic rounding from another stream) than
+    the replicas it must stay equal to, so there a failure stops the run as `true` does."""
+    cfg = make_cfg(*PURE, "precision=bf16_pure_stochastic", f"trainer.strategy={strategy}")
+    params = [torch.nn.Parameter(torch.zeros(COMPILE_FROM, dtype=torch.bfloat16))]
+    optimizer = build_pure("torch.optim.AdamW", {"lr": 1e-3}, params, cfg, True, False)
+    assert optimizer.compiled_update.required is (strategy == "ddp")
+
+
+def test_the_hash_takes_the_same_bits_from_an_int64_index_as_from_an_int32_one(monkeypatch):
+    """A call of 2^31 elements or more (one tensor stepped whole) hashes an int64 index, which
+    an int32 one would wrap negative; below, the int32 index gives the same bits."""
+    keys = torch.tensor([0x1234, 0xBEEF, 7, 9], dtype=torch.int32)
+    narrow = pure_kernels._noise(70_000, keys[:2], CPU)
+    monkeypatch.setattr(pure_kernels, "INT32_INDEX_BELOW", 1000)
+    wide = pure_kernels._noise(70_000, keys[:2], CPU)
+    assert all(torch.equal(a, b) for a, b in zip(narrow, wide, strict=True))
+    assert all(int(n.min()) >= 0 and int(n.max()) < 1 << 16 for n in narrow)
 
 
 def test_a_failed_compilation_falls_back_loudly_or_stops_a_run_that_asked(monkeypatch, caplog):

@@ -59,8 +59,17 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 240) -> None:
             pytest.fail(f"the run ended first:\n{proc.stdout.read()}")
         if time.monotonic() > deadline:
             kill_all(proc)
-            pytest.fail(f"timed out waiting for the run; it printed:\n{proc.communicate()[0]}")
+            pytest.fail(f"timed out waiting for the run; it printed:\n{printed(proc)}")
         time.sleep(0.02)
+
+
+def printed(proc: subprocess.Popen) -> str:
+    """What a killed `proc` printed, where its children let the pipe close (a hung loader
+    worker, or a rank torchrun started, may hold it open)."""
+    try:
+        return proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        return "(not read: a process it started still holds its output open)"
 
 
 def kill_all(proc: subprocess.Popen) -> None:

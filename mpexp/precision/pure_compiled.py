@@ -321,8 +321,9 @@ class CompiledUpdate:
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
         if self.required:
             raise RuntimeError(
-                f"precision.update_compile=true: torch.compile could not compile pure bf16's "
-                f"update ({reason}); set precision.update_compile=false to step it eagerly."
+                f"torch.compile could not compile pure bf16's update ({reason}), which this run "
+                "steps compiled only (precision.update_compile=true, or DDP, whose replicas "
+                "must all step alike); set precision.update_compile=false to step it eagerly."
             ) from error
         self.failed = reason
         log.warning(

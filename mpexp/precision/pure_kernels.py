@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 # fits an int32 (each product's high bits are folded back into its low 16)
 ROUND_MULTIPLIERS = (0x5BD1, 0x6C8B, 0x4F1D, 0x7A3F)
 
+# the elements below which a call's hash takes an int32 index (`_noise`)
+INT32_INDEX_BELOW = 1 << 31
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -142,12 +145,17 @@ def _noise(count: int, keys: torch.Tensor, device: torch.device):
     """Two independent 16-bit random values per element (int32): the Feistel network of the
     element's index, keyed by `keys`' two (see the module's docstring).
 
-    The index is int32: a call holds at most twice `precision.update_chunk`'s 2^24 elements, so
-    its halves are those of an int64 index. On a CPU an int64 index cost the compiled Adam step
-    about a quarter of its time (int64 vectors converted one element at a time)."""
-    index = torch.arange(count, device=device, dtype=torch.int32)
-    left = (index >> 16) ^ keys[0]
-    right = (index & 0xFFFF) ^ keys[1]
+    The index is int32 where the call's elements fit (a tensor of fewer than 2^31, every call
+    but one stepping a larger tensor whole): its halves are those of an int64 index, which on a
+    CPU cost the compiled Adam step about a quarter of its time (int64 vectors converted one
+    element at a time)."""
+    if count < INT32_INDEX_BELOW:
+        index = torch.arange(count, device=device, dtype=torch.int32)
+        left = (index >> 16) ^ keys[0]
+    else:  # (a branch on the size: a compilation of its own for such a call)
+        index = torch.arange(count, device=device, dtype=torch.int64)
+        left = ((index >> 16) & 0xFFFF).to(torch.int32) ^ keys[0]
+    right = (index & 0xFFFF).to(torch.int32) ^ keys[1]
     for multiplier in ROUND_MULTIPLIERS:
         mixed = right * multiplier
         left, right = right, left ^ ((mixed ^ (mixed >> 15)) & 0xFFFF)

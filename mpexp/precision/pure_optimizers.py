@@ -261,6 +261,11 @@ def build_pure(
     elements = sum(t.numel() for t in _tensors(params) if t.requires_grad)
     setting = p.get("update_compile")
     compiled = compile_setting(setting, rounding, fused, elements, device, device_type)
+    if compiled is None and cfg.trainer.strategy == "ddp":
+        # DDP's replicas must step alike: a rank whose compilation failed would step eagerly,
+        # rounding otherwise (stochastic rounding from another stream), and drift from the
+        # others unseen; a failure stops the run instead, with the key that steps it eagerly
+        compiled = True
     optimizer = cls(
         params,
         **settings,
