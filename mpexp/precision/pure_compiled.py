@@ -171,7 +171,7 @@ class CompiledUpdate:
     def gather_bytes(extent: int) -> int:
         """What the compiled path holds for a workspace of `extent`: the gathered weights and
         gradients in bf16, and a counting call's kernel's own bf16 value per element, a call
-        taking twice the workspace's elements at most (`_written`; the variants that count
+        taking twice the workspace's elements at most (`_free_buffers`; the variants that count
         nothing hold nothing per element, which tests/test_pure_compiled.py reads in the code
         inductor writes)."""
         return (4 + 2 * COUNT_TEMPORARY) * extent + 64
@@ -192,7 +192,7 @@ class CompiledUpdate:
         if len(first) != 1 or _get_current_dispatch_mode() is not None:
             return False  # (torch.compile does not run under a dispatch mode: a plan's count)
         # a parameter cut along its memory: the pieces alone in their batches in one call (a
-        # counting step's in calls of twice the workspace's elements at most, `_written`)
+        # counting step's in calls of twice the workspace's elements at most, `_free_buffers`)
         span = at.span if at.start == 0 else 0
         states, carried = (at.whole_states, at.whole_carried) if span else (at.states, at.carried)
         w, g, gathered = self._flat(views, at, span)
@@ -201,11 +201,11 @@ class CompiledUpdate:
         count = ("masks" if gathered is not None else "sums") if counting else ""
         variant = self._variant(group, count, scaling is not None)
         coefficients = self._coefficients_for(index, group, views, first.pop())
-        ws = views.ws
-        masks = tuple(m[: w.numel()] for m in _masks(ws)) if count == "masks" else None
+        free = _free_buffers(views.ws) if counting else None
+        masks = tuple(m[: w.numel()] for m in free) if count == "masks" else None
         calls = [(w, g, states, carried)]
         if count == "sums":
-            written = _written(ws)
+            written = free[0]
             if w.numel() > written.numel():
                 calls = _parts(written.numel(), w, g, states, carried)
         update = compiled(variant)
@@ -227,7 +227,7 @@ class CompiledUpdate:
         if span:
             self._stepped_whole.add(at.param)
         if count == "masks":
-            o.lost.add_pieces(views.owner_index, *(views.summed(m) for m in _masks(ws)))
+            o.lost.add_pieces(views.owner_index, *(views.summed(m) for m in free))
         return True
 
     def _layout(self, views: BatchViews, group: dict) -> _Layout:
@@ -339,18 +339,14 @@ class CompiledUpdate:
             self._gathered = None
 
 
-def _written(ws) -> torch.Tensor:
-    """Where a counting call of a batch stepped where it lies writes its new weights, for the
-    caller to copy (`_update`): the workspace's float32 weights, which the compiled path leaves
-    free, as bf16, so that a parameter stepped whole is counted in calls of twice the
+def _free_buffers(ws) -> tuple[torch.Tensor, torch.Tensor]:
+    """The workspace's float32 weight and gradient buffers, which the compiled path leaves
+    free, viewed as bf16 (twice their elements): where a counting call writes what it hands
+    back. A batch stepped where it lies writes its new weights into the first, for the caller
+    to copy (`_update`), so that a parameter stepped whole is counted in calls of twice the
     workspace's elements with no buffer of its own (a chunk a call, ResNet-50's shapes' loop
-    took 105 calls a step, at about 60 µs a call besides the loop)."""
-    return ws.w.view(torch.bfloat16)
-
-
-def _masks(ws):
-    """Where a counting call of a gathered batch writes its two masks (moved, changed), as
-    bf16: the workspace's float32 weights and gradients, which the compiled path leaves free."""
+    took 105 calls a step, at about 60 µs a call besides the loop); a gathered batch writes its
+    two masks (moved, changed) into both."""
     return (ws.w.view(torch.bfloat16), ws.g.view(torch.bfloat16))
 
 
