@@ -85,9 +85,10 @@ def test_adams_compiled_update_is_the_eager_one_to_an_ulp():
 
 def test_a_gathered_batchs_count_never_writes_over_its_own_weights(monkeypatch):
     """A batch of one piece whose gradient is laid out otherwise (a transposed matrix) is
-    gathered; its count's loop must not take the gathered weights' buffer as its output: the
-    loop compiled for that aliasing, kept in inductor's cache on disk, wrote over the weights
-    in later processes whose buffers did not alias."""
+    gathered; torch.compile's counting loop (a GPU's) must not take the gathered weights'
+    buffer as its output: the loop compiled for that aliasing, kept in inductor's cache on
+    disk, wrote over the weights in later processes whose buffers did not alias."""
+    monkeypatch.setattr(pure_compiled, "NATIVE_DEVICES", ())
     calls = []
     real = pure_compiled.compiled
 
@@ -117,14 +118,18 @@ def test_a_gathered_batchs_count_never_writes_over_its_own_weights(monkeypatch):
     assert torch.equal(optimizer.lost.counts, eager.lost.counts)
 
 
-def test_a_models_small_tensors_share_a_call_and_each_large_one_takes_one(monkeypatch):
+@pytest.mark.parametrize("backend", ["native", "compiled"])
+def test_a_models_small_tensors_share_a_call_and_each_large_one_takes_one(monkeypatch, backend):
     """A model keeps small tensors between its large ones (a normalisation's weight and bias
     between two convolutions): they are stepped together, in one gathered batch, and each
     tensor larger than a batch in one call where it lies, its last piece with it; the weights
     are the eager step's, bit for bit. (Batched in the model's order, each large tensor's last
-    piece went with the small ones after it: six calls a step here, not four.)"""
+    piece went with the small ones after it: six calls a step here, not four.) Through the C
+    loop and through torch.compile's."""
+    if backend == "compiled":
+        monkeypatch.setattr(pure_compiled, "NATIVE_DEVICES", ())
     calls = []
-    real = pure_compiled.compiled
+    real = getattr(pure_compiled, backend)
 
     def counted(variant):
         update = real(variant)
@@ -135,7 +140,7 @@ def test_a_models_small_tensors_share_a_call_and_each_large_one_takes_one(monkey
 
         return call
 
-    monkeypatch.setattr(pure_compiled, "compiled", counted)
+    monkeypatch.setattr(pure_compiled, backend, counted)
     shapes = [(16, 32, 3, 3), (16,), (16,), (32, 32, 3, 3), (32,), (32,), (10, 410), (10,)]
     results, last = [], []
     for compiles in (True, False):
@@ -231,14 +236,17 @@ def test_compiled_stochastic_rounding_is_unbiased_and_resumes_exactly():
     assert torch.equal(twin, weight)
 
 
-def test_a_counting_step_counts_a_large_parameter_in_few_calls(monkeypatch):
-    """A counting step takes a parameter stepped whole in calls of twice the workspace's
-    elements at most (its loop holds a value per element of a call, and writes its new weights
-    into the workspace's float32 weight buffer, as bf16), not a chunk a call: here 12,480 and
-    9,001 elements in calls of 8,192 at most. Weights and counts are the eager step's, bit for
-    bit."""
+@pytest.mark.parametrize("backend", ["native", "compiled"])
+def test_a_counting_step_counts_a_large_parameter_in_few_calls(monkeypatch, backend):
+    """A counting step takes a parameter stepped whole in one call of the C loop, which counts
+    as it goes; torch.compile's loop (a GPU's), which holds a value per element of a call and
+    writes its new weights into the workspace's float32 weight buffer as bf16, in calls of
+    twice the workspace's elements at most, not a chunk a call: here 12,480 and 9,001 elements
+    in calls of 8,192 at most. Weights and counts are the eager step's, bit for bit."""
+    if backend == "compiled":
+        monkeypatch.setattr(pure_compiled, "NATIVE_DEVICES", ())
     calls = []
-    real = pure_compiled.compiled
+    real = getattr(pure_compiled, backend)
 
     def counted(variant):
         update = real(variant)
@@ -249,13 +257,16 @@ def test_a_counting_step_counts_a_large_parameter_in_few_calls(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(pure_compiled, "compiled", counted)
+    monkeypatch.setattr(pure_compiled, backend, counted)
     eager, eager_counts, _ = stepped(sgd, steps=2, rounding="kahan", compiled=False)
     mine, counts, _ = stepped(sgd, steps=2, rounding="kahan", compiled=True)
     assert all(torch.equal(a, b) for a, b in zip(eager, mine, strict=True))
     assert torch.equal(counts, eager_counts) and counts[:, 1].sum() > 0
     summed = sorted(n for count, n in calls if count == "sums")  # SHAPES' three large ones
-    assert summed == [809, 4288, 4608, 8192, 8192]  # 9,001 = 8,192 + 809; 12,480 = 8,192 + 4,288
+    if backend == "native":  # and the small ones gathered, counted by piece in their call
+        assert summed == [71, 4608, 9001, 12480]
+    else:  # 9,001 = 8,192 + 809; 12,480 = 8,192 + 4,288
+        assert summed == [809, 4288, 4608, 8192, 8192]
 
 
 @pytest.mark.parametrize(
@@ -420,7 +431,7 @@ def test_a_failed_compilation_falls_back_loudly_or_stops_a_run_that_asked(monkey
 
         return update
 
-    monkeypatch.setattr(pure_compiled, "compiled", broken)
+    monkeypatch.setattr(pure_compiled, "native", broken)  # a CPU's
     eager, _, _ = stepped(sgd, rounding="kahan", compiled=False)
     with caplog.at_level(logging.WARNING):
         mine, _, optimizer = stepped(sgd, rounding="kahan", compiled=None)
@@ -457,13 +468,13 @@ def test_a_run_asking_for_it_steps_compiled_and_records_so(tmp_path, monkeypatch
     """The run's steps go through the compiled loop (its loss scaler's flag and all), and the
     run record says so."""
     calls = []
-    real = pure_compiled.compiled
+    real = pure_compiled.native  # a CPU's
 
     def counted(variant):
         calls.append(variant)
         return real(variant)
 
-    monkeypatch.setattr(pure_compiled, "compiled", counted)
+    monkeypatch.setattr(pure_compiled, "native", counted)
     kahan = [*PURE, "precision=bf16_pure_kahan", "trainer.epochs=1"]
     compiled = train(
         make_cfg(*kahan, "precision.update_compile=true"), RunContext(tmp_path / "compiled")

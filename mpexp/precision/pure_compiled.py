@@ -33,6 +33,7 @@ from mpexp.precision.pure_kernels import (
     split_is_exact,
 )
 from mpexp.precision.pure_layout import is_dense, memory_order
+from mpexp.precision.pure_native import cannot_build, native
 from mpexp.precision.pure_updates import COMPENSATION
 from mpexp.precision.pure_workspace import BatchViews
 from mpexp.shards import local_shard
@@ -76,7 +77,7 @@ def compile_setting(
                 "precision.update_compile=true compiles the fused update; it cannot with "
                 "optimizer.fused=false (torch's formula op by op). Drop one of the two."
             )
-        reason = can_compile(device)
+        reason = cannot_compile(device)
         if reason:
             raise ConfigError(
                 f"precision.update_compile=true: the update cannot be compiled here ({reason}). "
@@ -84,16 +85,26 @@ def compile_setting(
             )
         return True
     # on the device the run steps on (`device_type`: a plan for CUDA builds on fake CPU
-    # tensors), whose compiler `can_compile` checks where the parameters are
+    # tensors), whose compiler `cannot_compile` checks where the parameters are
     runs_on = device_type or device.type
     pays = runs_on == "cpu" and rounding != "nearest" and elements >= COMPILE_FROM
     if not (fused and pays):
         return False
-    reason = can_compile(device)
+    reason = cannot_compile(device)
     if reason:
         log.info("Pure bf16's update steps eagerly: %s.", reason)
         return False
     return None
+
+
+# where the compiled update is the C loop (mpexp/precision/pure_native.py); elsewhere (a GPU)
+# torch.compile's, which tests run on a CPU by emptying this
+NATIVE_DEVICES = ("cpu",)
+
+
+def cannot_compile(device: torch.device) -> str | None:
+    """Why the update cannot be compiled on `device`, or None."""
+    return cannot_build() if device.type in NATIVE_DEVICES else can_compile(device)
 
 
 @dataclass
@@ -115,6 +126,7 @@ class _Layout:
     direct: torch.Tensor | None = None
     whole: torch.Tensor | None = None
     places: tuple | None = None  # the gathered buffer and the pieces' places in both buffers
+    ends: torch.Tensor | None = None  # where each piece ends in the gathered buffer (CPU)
 
     @classmethod
     def of(cls, o, views: BatchViews, group: dict) -> _Layout:
@@ -196,11 +208,47 @@ class CompiledUpdate:
         span = at.span if at.start == 0 else 0
         states, carried = (at.whole_states, at.whole_carried) if span else (at.states, at.carried)
         w, g, gathered = self._flat(views, at, span)
-        # a batch stepped where it lies sums its count in the loop; a gathered one writes its
-        # masks, as the sums' variant would write its weights into the gathered buffer itself
+        coefficients = self._coefficients_for(index, group, views, first.pop())
+        operands = (w, g, states, carried, coefficients)
+        try:  # (built or compiled at its first call)
+            if w.device.type in NATIVE_DEVICES:
+                self._native(views, at, group, operands, gathered, counting, scaling)
+            else:
+                self._compiled(views, group, operands, gathered, counting, scaling)
+        except Exception as error:  # inductor's failures have no common class of their own
+            return self._fail(error)
+        if gathered is not None:
+            torch._foreach_copy_(views.weights, gathered)
+        if span:
+            self._stepped_whole.add(at.param)
+        return True
+
+    def _native(self, views, at: _Layout, group, operands, gathered, counting, scaling) -> None:
+        """The C loop (mpexp/precision/pure_native.py): one call, which counts by piece."""
+        o = self.optimizer
+        variant = self._variant(group, "sums" if counting else "", scaling is not None)
+        w = operands[0]
+        draws = draw_keys(o.generator, w.device) if o.rounding == "stochastic" else None
+        ends = None
+        if counting and gathered is not None:
+            if at.ends is None:
+                # (placed one after another from 0: plan_batches)
+                at.ends = torch.tensor([p.offset + p.size for p in views.batch.pieces])
+            ends = at.ends
+        counts = native(variant)(*operands, draws, scaling, ends)
+        if counting and gathered is not None:
+            o.lost.add_pieces(views.owner_index, counts[:, 0], counts[:, 1])
+        elif counting:
+            o.lost.add(views.owners[0], counts[0, 0], counts[0, 1])
+
+    def _compiled(self, views, group, operands, gathered, counting, scaling) -> None:
+        """torch.compile's loop: a batch stepped where it lies sums its count in the loop, in
+        calls of twice the workspace's elements at most (`_free_buffers`); a gathered one
+        writes its masks, summed by piece afterwards."""
+        o = self.optimizer
+        w, g, states, carried, coefficients = operands
         count = ("masks" if gathered is not None else "sums") if counting else ""
         variant = self._variant(group, count, scaling is not None)
-        coefficients = self._coefficients_for(index, group, views, first.pop())
         free = _free_buffers(views.ws) if counting else None
         masks = tuple(m[: w.numel()] for m in free) if count == "masks" else None
         calls = [(w, g, states, carried)]
@@ -215,20 +263,12 @@ class CompiledUpdate:
                 draws = draw_keys(o.generator, w.device)
             if count == "sums":
                 masks = (written[: w.numel()],)
-            try:
-                counts = update(w, g, states, carried, coefficients, draws, masks, scaling)
-            except Exception as error:  # inductor's failures have no common class of their own
-                return self._fail(error)
+            counts = update(w, g, states, carried, coefficients, draws, masks, scaling)
             if count == "sums":
                 w.copy_(masks[0])
-                o.lost.add(owners[0], counts[0], counts[1])
-        if gathered is not None:
-            torch._foreach_copy_(views.weights, gathered)
-        if span:
-            self._stepped_whole.add(at.param)
+                o.lost.add(views.owners[0], counts[0], counts[1])
         if count == "masks":
             o.lost.add_pieces(views.owner_index, *(views.summed(m) for m in free))
-        return True
 
     def _layout(self, views: BatchViews, group: dict) -> _Layout:
         """What the batch's compiled steps reuse, made at its first (a CPU keeps its views from

@@ -1,0 +1,177 @@
+"""Pure bf16's compiled update on a CPU: mpexp/precision/pure_native.c, built with the system's C
+compiler once per variant and machine, and called through ctypes.
+
+torch.compile's C++ for the same update (mpexp/precision/pure_kernels.py) has no vector bitcast:
+each of stochastic rounding's three roundings reads and writes a float32 value's bits an element
+at a time, which made its step 3.5 times torch's fused AdamW on a 36.8 M MLP. The C loop is the
+same arithmetic in the same order, and stores the same bits; its compiler vectorises the bit
+arithmetic (docs/benchmarks.md has the step times). On a GPU, Triton has no such gap, and the
+update stays torch.compile's.
+
+A build is kept in `$MPEXP_KERNEL_DIR` (default ~/.cache/mpexp/kernels), named by a digest of
+the source, the variant, the flags, the compiler's version and the CPU's features (it is built
+for this CPU, -march=native), and written whole under a temporary name first, so that the
+processes of a sweep or of DDP that build the same one at once each load a whole file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mpexp.precision.pure_kernels import Variant
+
+SOURCE = Path(__file__).with_name("pure_native.c")
+
+# -ffp-contract=off: no fused multiply-add (the split and the bits must be `_update`'s);
+# -fno-math-errno: sqrtf without errno, so that the loop vectorises
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+# the threads of a big call: libgomp, the OpenMP torch's CPU build itself loads
+OPENMP = "-fopenmp"
+
+_ROUNDINGS = {"nearest": 0, "kahan": 1, "stochastic": 2}
+_COUNTS = {"": 0, "sums": 1, "masks": 2}
+
+
+def compiler() -> str | None:
+    """The C compiler the build uses, or None."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def cannot_build() -> str | None:
+    """Why the native update cannot be built here, or None."""
+    if compiler() is None:
+        return "no C compiler (cc, gcc or clang, or $CC) on the PATH"
+    if not SOURCE.is_file():
+        return f"{SOURCE} is missing from the installed package"
+    return None
+
+
+def defines(v: Variant) -> dict[str, int]:
+    """The macros that fix `v` in the C source."""
+    return {
+        "ADAM": int(v.algorithm == "adam"),
+        "ROUNDING": _ROUNDINGS[v.rounding],
+        "COUNT": _COUNTS[v.count],
+        "DECOUPLED": int(v.decoupled),
+        "MOMENTUM": int(v.momentum),
+        "NESTEROV": int(v.nesterov),
+        "DECAY": int(v.decay),
+        "SCALED": int(v.scaled),
+        "SIXTEEN": int(v.sixteen),
+    }
+
+
+class NativeUpdate:
+    """A variant's built update. Called as torch.compile's `_update` is, on flat CPU tensors laid
+    out densely, but for the count: with `ends` (int64, where each of the call's pieces ends;
+    None: one piece), a counting variant returns each piece's (moved, changed) counts, an int64
+    tensor of (pieces, 2), and writes the weights in place whatever its count (torch.compile's
+    loop writes masks, or its weights elsewhere, for the caller to sum or copy)."""
+
+    def __init__(self, variant: Variant) -> None:
+        self.variant = variant
+        self._function = _library(variant).pure_update
+        self._function.restype = None
+        pointer = ctypes.c_void_p
+        self._function.argtypes = [pointer] * 8 + [ctypes.c_int, ctypes.c_int64] + [pointer] * 2
+
+    def __call__(self, w, g, states, carried, coefficients, keys, scaling, ends=None):
+        whole = ends is None
+        if whole:
+            ends = torch.tensor([w.numel()], dtype=torch.int64)
+        counts = torch.zeros(ends.numel(), 2, dtype=torch.int64)
+        s0, s1 = [*states, None, None][:2]
+        tensors = (w, g, s0, s1, carried, coefficients, keys, scaling)
+        for t in tensors:
+            if t is not None and not t.is_contiguous():
+                raise ValueError("the native update takes tensors laid out densely")
+        pointers = [t.data_ptr() if t is not None else None for t in tensors]
+        threads = torch.get_num_threads()
+        self._function(*pointers, threads, ends.numel(), ends.data_ptr(), counts.data_ptr())
+        return counts if self.variant.count else None
+
+
+@functools.cache
+def native(variant: Variant) -> NativeUpdate:
+    """The variant's native update, built once per process (and once per machine)."""
+    return NativeUpdate(variant)
+
+
+def _library(variant: Variant) -> ctypes.CDLL:
+    cc = compiler()
+    reason = cannot_build()
+    if reason:
+        raise RuntimeError(f"pure bf16's native update cannot be built: {reason}")
+    macros = [f"-D{k}={v}" for k, v in defines(variant).items()]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), *macros, *FLAGS, OPENMP, version.stdout, _cpu_features()):
+        digest.update(part if isinstance(part, bytes) else part.encode())
+    path = _kernel_dir() / f"pure_update_{digest.hexdigest()[:20]}.so"
+    if not path.is_file():
+        _build(cc, macros, path)
+    return ctypes.CDLL(str(path))
+
+
+def _build(cc: str, macros: list[str], path: Path) -> None:
+    """Compile into a temporary file beside `path`, then rename it into place."""
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(handle)
+    try:
+        base = [cc, *FLAGS, *macros, "-x", "c", str(SOURCE), "-o", partial]
+        done = subprocess.run([*base[:1], OPENMP, *base[1:]], capture_output=True, text=True)
+        if done.returncode != 0:  # (clang without an OpenMP runtime: one thread a call)
+            done = subprocess.run(base, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"{cc} could not build pure bf16's native update: {done.stderr.strip()[:500]}"
+            )
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def _kernel_dir() -> Path:
+    """Where builds are kept: $MPEXP_KERNEL_DIR, else ~/.cache/mpexp/kernels; a temporary
+    folder of this process's where neither can be written."""
+    wanted = os.environ.get("MPEXP_KERNEL_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mpexp", "kernels"
+    )
+    try:
+        Path(wanted).mkdir(parents=True, exist_ok=True)
+        if os.access(wanted, os.W_OK):
+            return Path(wanted)
+    except OSError:
+        pass
+    return Path(_private_dir())
+
+
+@functools.cache
+def _private_dir() -> str:
+    return tempfile.mkdtemp(prefix="mpexp-kernels-")
+
+
+@functools.cache
+def _cpu_features() -> str:
+    """What -march=native builds for: the CPU's flags (Linux) or its name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
