@@ -157,8 +157,8 @@ def test_a_missing_or_failing_compiler_is_said_plainly(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert "no C compiler" in cannot_build()
     with pytest.raises(ConfigError, match="no C compiler"):
-        compile_setting(True, "stochastic", True, 1 << 24, CPU)
-    assert compile_setting(None, "stochastic", True, 1 << 24, CPU) is False
+        compile_setting(True, True, CPU)
+    assert compile_setting(None, True, CPU) is False
     failing = tmp_path / "cc"
     failing.write_text("#!/bin/sh\necho 'cc: broken on purpose' >&2\nexit 1\n")
     failing.chmod(0o755)

@@ -123,6 +123,6 @@ class Batches:
         in_batch = max(len(g) for g in groups)
         workspace = Workspace.element_bytes(**self.buffers()) * extent
         if o.compiles:  # the compiled update's gathered weights and gradients, in bf16
-            workspace += CompiledUpdate.gather_bytes(extent)
+            workspace += CompiledUpdate.gather_bytes(extent, o.device_type)
         sums = extent // 5 + 300 * (in_batch + 1)
         return workspace + sums + PieceBounds.nbytes(pieces, pieces) + 4096

@@ -44,31 +44,20 @@ log = logging.getLogger(__name__)
 COUNT_TEMPORARY = 2
 
 
-# elements of trained weights from which `precision.update_compile=null` compiles the update:
-# below, a step is short enough that the compilation (seconds a variant) would not pay back
-# within a typical run, and a toy run stays free of it
-COMPILE_FROM = 1 << 22
-
-
 def compile_setting(
-    setting: bool | None,
-    rounding: str,
-    fused: bool,
-    elements: int,
-    device: torch.device,
-    device_type: str | None = None,
+    setting: bool | None, fused: bool, device: torch.device, device_type: str | None = None
 ) -> bool | None:
     """What `precision.update_compile` (`setting`) makes of the update: True (compiled, as
     asked: a failure stops the run), None (compiled where it pays: a failure falls back to the
     eager step with a warning) or False (eager).
 
-    Where it pays, on its own: on a CPU, from COMPILE_FROM trained weights, under Kahan's
-    rounding or stochastic rounding, every step of which it makes about twice as fast (Kahan)
-    or 1.5 times (stochastic; docs/benchmarks.md). Not under round-to-nearest, whose steps are
-    torch's fused kernel on the bf16 tensors but for the one a log interval that counts lost
-    updates (the compiler's own memory, about 70 MiB in the process, and its seconds would buy
-    little). On a GPU only when asked: this path has been measured on a CPU only
-    (scripts/gpu_proof.sh measures it on a GPU)."""
+    Where it pays, on its own: on a CPU, at every size and under every rounding. There it is
+    the C loop (mpexp/precision/pure_native.py): built in about a tenth of a second a variant
+    once per machine, holding no memory of its own, and at every size measured two to five
+    times as fast as the eager step under Kahan's and stochastic rounding, and under
+    round-to-nearest in the steps that count lost updates (its other steps are torch's fused
+    kernel on the bf16 tensors; docs/benchmarks.md). On a GPU only when asked: torch.compile's
+    loop there has been measured on a CPU only (scripts/gpu_proof.sh measures it on a GPU)."""
     if setting is False:
         return False
     if setting is True:
@@ -87,8 +76,7 @@ def compile_setting(
     # on the device the run steps on (`device_type`: a plan for CUDA builds on fake CPU
     # tensors), whose compiler `cannot_compile` checks where the parameters are
     runs_on = device_type or device.type
-    pays = runs_on == "cpu" and rounding != "nearest" and elements >= COMPILE_FROM
-    if not (fused and pays):
+    if not (fused and runs_on == "cpu"):
         return False
     reason = cannot_compile(device)
     if reason:
@@ -180,13 +168,15 @@ class CompiledUpdate:
         self._stepped_whole.clear()
 
     @staticmethod
-    def gather_bytes(extent: int) -> int:
-        """What the compiled path holds for a workspace of `extent`: the gathered weights and
-        gradients in bf16, and a counting call's kernel's own bf16 value per element, a call
-        taking twice the workspace's elements at most (`_free_buffers`; the variants that count
-        nothing hold nothing per element, which tests/test_pure_compiled.py reads in the code
-        inductor writes)."""
-        return (4 + 2 * COUNT_TEMPORARY) * extent + 64
+    def gather_bytes(extent: int, device_type: str) -> int:
+        """What the compiled path holds for a workspace of `extent` on `device_type`: the
+        gathered weights and gradients in bf16; under torch.compile's loop (a GPU's) also a
+        counting call's kernel's own bf16 value per element, a call taking twice the
+        workspace's elements at most (`_free_buffers`; the variants that count nothing hold
+        nothing per element, which tests/test_pure_compiled.py reads in the code inductor
+        writes). The C loop holds nothing per element."""
+        per_element = 4 if device_type in NATIVE_DEVICES else 4 + 2 * COUNT_TEMPORARY
+        return per_element * extent + 64
 
     def step(self, views: BatchViews, index: int, group: dict, fresh: set, counting: bool, scaling):
         """Step the batch `views` of group `index` (`scaling`: the loss scaler's scale and

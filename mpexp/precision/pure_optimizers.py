@@ -258,9 +258,7 @@ def build_pure(
         fused = False
     device_type = device_type or device.type
     chunk = p.get("update_chunk") or default_chunk(device_type)
-    elements = sum(t.numel() for t in _tensors(params) if t.requires_grad)
-    setting = p.get("update_compile")
-    compiled = compile_setting(setting, rounding, fused, elements, device, device_type)
+    compiled = compile_setting(p.get("update_compile"), fused, device, device_type)
     if compiled is None and cfg.trainer.strategy == "ddp":
         # DDP's replicas must step alike: a rank whose compilation failed would step eagerly,
         # rounding otherwise (stochastic rounding from another stream), and drift from the
