@@ -165,3 +165,19 @@ def test_a_missing_or_failing_compiler_is_said_plainly(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="could not build pure bf16's native update"):
         NativeUpdate(Variant("adam", "nearest", count="masks", decay=False))
     assert not list(tmp_path.glob("*.so"))  # no half-written library left behind
+
+
+def test_a_tensor_the_loop_cannot_take_is_refused_before_it_reads_memory():
+    """The loop reads raw memory: a float32 gradient (twice as many bytes), a state shorter
+    than the weights or a strided view would be read past its end or out of order."""
+    variant = Variant("adam", "kahan")
+    update = native(variant)
+    for spoil in (
+        lambda a: a.__setitem__(1, a[1].float()),
+        lambda a: a[2].__setitem__(0, a[2][0][:-1]),
+        lambda a: a.__setitem__(3, torch.zeros(2 * N, dtype=torch.bfloat16)[::2]),
+    ):
+        args = operands(variant)
+        spoil(args)
+        with pytest.raises(ValueError, match="native update"):
+            update(*args)

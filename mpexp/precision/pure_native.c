@@ -260,7 +260,8 @@ void pure_update(uint16_t *w, const uint16_t *g, state_t *s0, state_t *s1, uint1
                  const float *c, const int32_t *keys, const float *scaling, int threads,
                  int64_t pieces, const int64_t *ends, int64_t *counts) {
   const struct tensors t = {w, g, s0, s1, carried};
-  struct call k = {c[0], c[1], c[2], c[3], c[4], c[5], c[6]};
+  /* (Adam's seven coefficients, SGD's five) */
+  struct call k = {c[0], c[1], c[2], c[3], c[4], ADAM ? c[5] : 0.0f, ADAM ? c[6] : 0.0f};
   k.lerp_from_end = fabsf(k.c0) >= 0.5f;
   k.lerp_coeff = k.lerp_from_end ? -(1.0f - k.c0) : k.c0;
   k.scale = scaling ? scaling[0] : 1.0f;

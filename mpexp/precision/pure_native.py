@@ -89,19 +89,52 @@ class NativeUpdate:
         self._function.argtypes = [pointer] * 8 + [ctypes.c_int, ctypes.c_int64] + [pointer] * 2
 
     def __call__(self, w, g, states, carried, coefficients, keys, scaling, ends=None):
-        whole = ends is None
-        if whole:
+        if ends is None:
             ends = torch.tensor([w.numel()], dtype=torch.int64)
+        tensors = (w, g, *states, carried, coefficients, keys, scaling, ends)
+        self._check(tensors, len(states), int(ends[-1]))
         counts = torch.zeros(ends.numel(), 2, dtype=torch.int64)
         s0, s1 = [*states, None, None][:2]
-        tensors = (w, g, s0, s1, carried, coefficients, keys, scaling)
-        for t in tensors:
-            if t is not None and not t.is_contiguous():
-                raise ValueError("the native update takes tensors laid out densely")
-        pointers = [t.data_ptr() if t is not None else None for t in tensors]
+        pointers = [
+            t.data_ptr() if t is not None else None
+            for t in (w, g, s0, s1, carried, coefficients, keys, scaling)
+        ]
         threads = torch.get_num_threads()
         self._function(*pointers, threads, ends.numel(), ends.data_ptr(), counts.data_ptr())
         return counts if self.variant.count else None
+
+    def _check(self, tensors, states: int, end: int) -> None:
+        """The C loop reads and writes raw memory: each tensor must be the variant's, on the
+        CPU, laid out densely, as long as the call (`end`: where its last piece ends)."""
+        v = self.variant
+        w, g, *rest = tensors
+        state_dtype = torch.bfloat16 if v.sixteen else torch.float32
+        wanted = [
+            (w, torch.bfloat16, end),
+            (g, torch.bfloat16, end),
+            *((s, state_dtype, end) for s in rest[:states]),
+            (rest[states], torch.bfloat16 if v.rounding == "kahan" else None, end),
+            (rest[states + 1], torch.float32, 7 if v.algorithm == "adam" else 5),
+            (rest[states + 2], torch.int32 if v.rounding == "stochastic" else None, 4),
+            (rest[states + 3], torch.float32 if v.scaled else None, 2),
+            (rest[states + 4], torch.int64, None),
+        ]
+        for t, dtype, size in wanted:
+            if dtype is None and t is None:
+                continue
+            if (
+                t is None
+                or t.dtype != dtype
+                or t.device.type != "cpu"
+                or not t.is_contiguous()
+                or (size is not None and t.numel() != size)
+            ):
+                raise ValueError(
+                    f"pure bf16's native update ({v}) was handed a tensor it cannot take: "
+                    f"{None if t is None else (t.dtype, tuple(t.shape), t.device)}"
+                )
+        if len(rest) != states + 5 or states != v.states or w.numel() != end:
+            raise ValueError(f"pure bf16's native update ({v}) was handed the wrong tensors")
 
 
 @functools.cache
@@ -116,9 +149,8 @@ def _library(variant: Variant) -> ctypes.CDLL:
     if reason:
         raise RuntimeError(f"pure bf16's native update cannot be built: {reason}")
     macros = [f"-D{k}={v}" for k, v in defines(variant).items()]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), *macros, *FLAGS, OPENMP, version.stdout, _cpu_features()):
+    for part in (SOURCE.read_bytes(), *macros, *FLAGS, OPENMP, _version(cc), _cpu_features()):
         digest.update(part if isinstance(part, bytes) else part.encode())
     path = _kernel_dir() / f"pure_update_{digest.hexdigest()[:20]}.so"
     if not path.is_file():
@@ -132,9 +164,9 @@ def _build(cc: str, macros: list[str], path: Path) -> None:
     os.close(handle)
     try:
         base = [cc, *FLAGS, *macros, "-x", "c", str(SOURCE), "-o", partial]
-        done = subprocess.run([*base[:1], OPENMP, *base[1:]], capture_output=True, text=True)
+        done = subprocess.run([cc, OPENMP, *base[1:]], capture_output=True, text=True)
         if done.returncode != 0:  # (clang without an OpenMP runtime: one thread a call)
-            done = subprocess.run(base, capture_output=True, text=True)
+            done = subprocess.run([cc, "-fopenmp-simd", *base[1:]], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(
                 f"{cc} could not build pure bf16's native update: {done.stderr.strip()[:500]}"
@@ -158,6 +190,12 @@ def _kernel_dir() -> Path:
     except OSError:
         pass
     return Path(_private_dir())
+
+
+@functools.cache
+def _version(cc: str) -> str:
+    """What `cc --version` says (part of a build's name: a new compiler builds anew)."""
+    return subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
 
 
 @functools.cache
