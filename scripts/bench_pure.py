@@ -14,7 +14,7 @@ of them alike; the table gives each case's median and its ratios to bf16 mixed's
     python scripts/bench_pure.py                 # bf16, bf16_pure, bf16_pure_kahan, 2 repeats
     python scripts/bench_pure.py --cases bf16,bf16_pure_stochastic --repeats 1
 A case `<precision>@<setting>` sets `precision.update_compile` too (`bf16_pure_stochastic@false`:
-the eager update, where `null` compiles it at this size).
+the eager update, where `null` compiles it on a CPU).
 
 With `--step-times`, the optimizer step alone instead, on one thread: torch's fused AdamW on
 bf16 weights against pure bf16's AdamW with each rounding (and nearest's counting steps), on

@@ -6,8 +6,11 @@ as long as torch's whole fused step on bf16 tensors, so that Kahan's and stochas
 steps, and every step that counts lost updates, cost two to six of torch's. Here the same float32
 arithmetic, the rounding and the count are one function of the batch's flat tensors (its bf16
 weights and gradients, its 16-bit or float32 states, Kahan's buffer), which torch.compile turns
-into one loop (C++ on a CPU, Triton on a GPU) that reads each element once and writes it once.
-Sizes are dynamic: one compilation serves every batch of a run.
+into one loop that reads each element once and writes it once: Triton on a GPU. Sizes are
+dynamic: one compilation serves every batch of a run. On a CPU mpexp steps with the same
+arithmetic written in C (mpexp/precision/pure_native.c), which stores the same bits as
+torch.compile's C++ of this function (tests compare them) but vectorises what that C++ does an
+element at a time.
 
 The coefficients that depend on the step (bias corrections, the learning rate) come in as one
 small float32 tensor made once per group and step (`adam_coefficients`, `sgd_coefficients`), so
