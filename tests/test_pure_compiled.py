@@ -269,6 +269,41 @@ def test_a_counting_step_counts_a_large_parameter_in_few_calls(monkeypatch, back
         assert summed == [809, 4288, 4608, 8192, 8192]
 
 
+def test_a_parameter_too_long_for_one_hash_is_stepped_in_calls_with_keys_of_their_own(
+    monkeypatch,
+):
+    """The hash's index repeats past 2^32 elements of a call: the C loop steps a parameter of
+    2^31 elements or more in calls below that, each drawing its own keys. Here the limit is
+    4,096: SHAPES' large parameters take three, four and two calls, the weights and counts the
+    eager step's bit for bit (Kahan), and stochastic rounding draws keys for every call."""
+    calls, draws = [], []
+    real = pure_compiled.native
+    draw = pure_compiled.draw_keys
+
+    def counted(variant):
+        update = real(variant)
+
+        def call(*args):
+            calls.append(args[0].numel())
+            return update(*args)
+
+        return call
+
+    monkeypatch.setattr(pure_compiled, "native", counted)
+    monkeypatch.setattr(pure_compiled, "INT32_INDEX_BELOW", 4096)
+    monkeypatch.setattr(pure_compiled, "draw_keys", lambda *a: draws.append(1) or draw(*a))
+    eager, eager_counts, _ = stepped(sgd, steps=2, rounding="kahan", compiled=False)
+    mine, counts, _ = stepped(sgd, steps=2, rounding="kahan", compiled=True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, mine, strict=True))
+    assert torch.equal(counts, eager_counts) and counts[:, 1].sum() > 0
+    # each step: 4,608 = 4,096 + 512; 9,001 = 2 x 4,096 + 809; 12,480 = 3 x 4,096 + 192; the
+    # small ones gathered (71)
+    assert sorted(calls) == sorted([4096] * 12 + [512, 809, 192, 71] * 2)
+    calls.clear()
+    stepped(sgd, steps=1, rounding="stochastic", compiled=True)
+    assert len(draws) == len(calls) > 0
+
+
 @pytest.mark.parametrize(
     "build,begins",
     [(sgd, "experts"), (sgd, "halves"), (adam, "halves")],
@@ -433,7 +468,7 @@ def test_a_failed_compilation_falls_back_loudly_or_stops_a_run_that_asked(monkey
     with caplog.at_level(logging.WARNING):
         mine, _, optimizer = stepped(sgd, rounding="kahan", compiled=None)
     assert optimizer.update_path == "eager"
-    assert "failed to compile (RuntimeError: no compiler today)" in caplog.text
+    assert "failed to build or compile (RuntimeError: no compiler today)" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(eager, mine, strict=True))
     with pytest.raises(RuntimeError, match=r"precision\.update_compile=false"):
         stepped(sgd, rounding="kahan", compiled=True)

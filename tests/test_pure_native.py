@@ -52,10 +52,15 @@ def operands(v: Variant, n: int = N, seed: int = 1, skip: float = 0.0) -> list:
 
 
 def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Equal bits but for a NaN's (the vectorised and the scalar cast write different ones)."""
+    """Equal bits (a zero's sign too), but for a NaN's payload (the vectorised and the scalar
+    cast write different ones): NaN where the other is NaN."""
     if a is None or b is None:
         return a is b
-    return torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0))
+    bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    both = a.isnan() & b.isnan()
+    return torch.equal(a.view(bits)[~both], b.view(bits)[~both]) and torch.equal(
+        a.isnan(), b.isnan()
+    )
 
 
 VARIANTS = [
@@ -65,6 +70,8 @@ VARIANTS = [
     (Variant("adam", "nearest", count="masks"), 0.0),
     (Variant("sgd", "nearest", count="sums", momentum=True, nesterov=True, sixteen=False), 0.0),
     (Variant("sgd", "stochastic", momentum=True, decay=False, count="masks"), 0.0),
+    (Variant("sgd", "kahan", count="sums"), 0.0),  # no momentum: no state
+    (Variant("adam", "stochastic", count="sums", sixteen=False, scaled=True), 0.0),
 ]
 
 
@@ -103,22 +110,25 @@ def test_the_c_loop_stores_the_bits_torch_compiles_loop_does(variant, skip):
 
 
 def test_a_long_call_stores_the_same_bits_on_two_threads_as_on_one():
-    """A piece of 2^17 elements and more is cut into one stretch a thread: every element is
-    stepped once, as on one thread, and the counts add up."""
+    """A piece of 2^16 elements and more is cut into one stretch a thread: every element is
+    stepped once, as on one thread, and each piece's counts add up (pieces long and short,
+    one empty)."""
     variant = Variant("adam", "stochastic", count="sums")
     n = (1 << 18) + 3
+    ends = torch.tensor([70_001, 70_002, 70_002, 200_000, n])
     runs = []
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
             args = operands(variant, n=n)
-            counts = native(variant)(*args)
+            counts = native(variant)(*args, ends)
             runs.append((args, counts))
     finally:
         torch.set_num_threads(threads)
     (one, one_counts), (two, two_counts) = runs
-    assert torch.equal(one_counts, two_counts) and one_counts[0, 0] > n // 2
+    assert torch.equal(one_counts, two_counts) and one_counts[2].sum() == 0
+    assert one_counts[0, 0] > 70_001 // 2 and one_counts[1, 0] == 1
     assert all(same(a, b) for a, b in zip([one[0], *one[2]], [two[0], *two[2]], strict=True))
 
 
@@ -130,6 +140,7 @@ def test_a_build_is_kept_for_the_next_process_and_written_whole(tmp_path, monkey
     NativeUpdate(variant)
     built = list(tmp_path.iterdir())
     assert len(built) == 1 and built[0].name.startswith("pure_update_")
+    assert built[0].stat().st_mode & 0o777 == 0o755  # a shared folder's other users load it
 
     def no_second_build(*_):
         raise AssertionError("built again")
@@ -167,6 +178,36 @@ def test_a_missing_or_failing_compiler_is_said_plainly(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.so"))  # no half-written library left behind
 
 
+def test_a_compiler_whose_float_arithmetic_is_not_ieees_is_refused(tmp_path, monkeypatch):
+    """A compiler that defaults to fast math (reassociation, no NaNs) would break Kahan's
+    split and the count without a word: each build's known answer catches it."""
+    fast = tmp_path / "fastcc"
+    fast.write_text(f'#!/bin/sh\nexec {pure_native.compiler()} "$@" -ffast-math\n')
+    fast.chmod(0o755)
+    monkeypatch.setenv("CC", str(fast))
+    monkeypatch.setenv("MPEXP_KERNEL_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="not IEEE's"):
+        NativeUpdate(Variant("adam", "kahan"))
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_a_build_is_named_for_the_cpu_it_was_made_on():
+    """-march=native: two ARM CPUs of different parts, or x86 CPUs of different flags, build
+    apart; two cores of one CPU (their numbers and clocks differ) alike."""
+    arm = "processor\t: {n}\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd {sve}\nCPU part\t: {part}\n"
+    one = arm.format(n=0, sve="sve", part="0xd40") + "\n" + arm.format(n=1, sve="sve", part="0xd40")
+    other = arm.format(n=0, sve="", part="0xd0c")
+    assert pure_native.cpu_key(one) == pure_native.cpu_key(arm.format(n=7, sve="sve", part="0xd40"))
+    assert pure_native.cpu_key(one) != pure_native.cpu_key(other)
+    x86 = "processor\t: {n}\ncpu MHz\t: {mhz}\nflags\t: fpu sse2 {avx}\n"
+    assert pure_native.cpu_key(x86.format(n=0, mhz=2400, avx="avx512f")) == pure_native.cpu_key(
+        x86.format(n=1, mhz=3100, avx="avx512f")
+    )
+    assert pure_native.cpu_key(x86.format(n=0, mhz=1, avx="")) != pure_native.cpu_key(
+        x86.format(n=0, mhz=1, avx="avx512f")
+    )
+
+
 def test_a_tensor_the_loop_cannot_take_is_refused_before_it_reads_memory():
     """The loop reads raw memory: a float32 gradient (twice as many bytes), a state shorter
     than the weights or a strided view would be read past its end or out of order."""
@@ -176,6 +217,8 @@ def test_a_tensor_the_loop_cannot_take_is_refused_before_it_reads_memory():
         lambda a: a.__setitem__(1, a[1].float()),
         lambda a: a[2].__setitem__(0, a[2][0][:-1]),
         lambda a: a.__setitem__(3, torch.zeros(2 * N, dtype=torch.bfloat16)[::2]),
+        lambda a: a.append(torch.tensor([N + 64, N])),  # a piece's end past the weights
+        lambda a: a.append(torch.tensor([-64, N])),
     ):
         args = operands(variant)
         spoil(args)

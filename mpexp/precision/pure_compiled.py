@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mpexp.errors import ConfigError
 from mpexp.precision.pure_kernels import (
+    INT32_INDEX_BELOW,
     Variant,
     adam_coefficients,
     can_compile,
@@ -214,22 +215,31 @@ class CompiledUpdate:
         return True
 
     def _native(self, views, at: _Layout, group, operands, gathered, counting, scaling) -> None:
-        """The C loop (mpexp/precision/pure_native.py): one call, which counts by piece."""
+        """The C loop (mpexp/precision/pure_native.py): one call, which counts by piece (a
+        parameter of 2^31 elements or more in calls below that, each with keys of its own, so
+        that no two of its elements hash alike)."""
         o = self.optimizer
         variant = self._variant(group, "sums" if counting else "", scaling is not None)
-        w = operands[0]
-        draws = draw_keys(o.generator, w.device) if o.rounding == "stochastic" else None
-        ends = None
-        if counting and gathered is not None:
-            if at.ends is None:
+        w, g, states, carried, coefficients = operands
+        if gathered is not None:
+            if counting and at.ends is None:
                 # (placed one after another from 0: plan_batches)
                 at.ends = torch.tensor([p.offset + p.size for p in views.batch.pieces])
-            ends = at.ends
-        counts = native(variant)(*operands, draws, scaling, ends)
-        if counting and gathered is not None:
-            o.lost.add_pieces(views.owner_index, counts[:, 0], counts[:, 1])
-        elif counting:
-            o.lost.add(views.owners[0], counts[0, 0], counts[0, 1])
+            counts = native(variant)(
+                w, g, states, carried, coefficients, self._draws(w), scaling, at.ends
+            )
+            if counting:
+                o.lost.add_pieces(views.owner_index, counts[:, 0], counts[:, 1])
+            return
+        for part in _parts(INT32_INDEX_BELOW, w, g, states, carried):
+            counts = native(variant)(*part, coefficients, self._draws(part[0]), scaling)
+            if counting:
+                o.lost.add(views.owners[0], counts[0, 0], counts[0, 1])
+
+    def _draws(self, w: torch.Tensor) -> torch.Tensor | None:
+        """A call's keys for stochastic rounding's hash."""
+        o = self.optimizer
+        return draw_keys(o.generator, w.device) if o.rounding == "stochastic" else None
 
     def _compiled(self, views, group, operands, gathered, counting, scaling) -> None:
         """torch.compile's loop: a batch stepped where it lies sums its count in the loop, in
@@ -248,9 +258,7 @@ class CompiledUpdate:
                 calls = _parts(written.numel(), w, g, states, carried)
         update = compiled(variant)
         for w, g, states, carried in calls:
-            draws = None
-            if o.rounding == "stochastic":
-                draws = draw_keys(o.generator, w.device)
+            draws = self._draws(w)
             if count == "sums":
                 masks = (written[: w.numel()],)
             counts = update(w, g, states, carried, coefficients, draws, masks, scaling)
@@ -351,14 +359,14 @@ class CompiledUpdate:
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
         if self.required:
             raise RuntimeError(
-                f"torch.compile could not compile pure bf16's update ({reason}), which this run "
+                f"pure bf16's compiled update could not be built ({reason}), which this run "
                 "steps compiled only (precision.update_compile=true, or DDP, whose replicas "
                 "must all step alike); set precision.update_compile=false to step it eagerly."
             ) from error
         self.failed = reason
         log.warning(
-            "Pure bf16's compiled update failed to compile (%s): this run steps eagerly from "
-            "here on, as precision.update_compile=false would, and its steps take longer.",
+            "Pure bf16's compiled update failed to build or compile (%s): this run steps eagerly "
+            "from here on, as precision.update_compile=false would, and its steps take longer.",
             reason,
         )
         return False

@@ -33,6 +33,15 @@
 /* whether the loss scaler's overflow flag skips the step (never, unless SCALED) */
 #define SKIPPED(k) (SCALED && (k).skip)
 
+/* a state's new value stored as the variant rounds it (a skipped step leaves it as it was) */
+#if SIXTEEN && ROUNDING == 2
+#define STORE_STATE(p, i, value, noise) (p)[i] = SKIPPED(k) ? (p)[i] : stochastic(value, noise)
+#elif SIXTEEN
+#define STORE_STATE(p, i, value, noise) (p)[i] = to_bf16(SKIPPED(k) ? LOAD_STATE(p, i) : (value))
+#else
+#define STORE_STATE(p, i, value, noise) (p)[i] = SKIPPED(k) ? (p)[i] : (value)
+#endif
+
 #if SIXTEEN
 typedef uint16_t state_t;
 #define LOAD_STATE(p, i) from_bf16((p)[i])
@@ -159,22 +168,10 @@ static inline int element(uint16_t *restrict w, const uint16_t *restrict g, stat
 
   /* the states: a skipped step leaves them as they were */
 #if STATES >= 1
-#if SIXTEEN && ROUNDING == 2
-  s0[i] = SKIPPED(k) ? s0[i] : stochastic(value0, noise1);
-#elif SIXTEEN
-  s0[i] = to_bf16(SKIPPED(k) ? LOAD_STATE(s0, i) : value0);
-#else
-  s0[i] = SKIPPED(k) ? s0[i] : value0;
-#endif
+  STORE_STATE(s0, i, value0, noise1);
 #endif
 #if STATES == 2
-#if SIXTEEN && ROUNDING == 2
-  s1[i] = SKIPPED(k) ? s1[i] : stochastic(value1, noise2);
-#elif SIXTEEN
-  s1[i] = to_bf16(SKIPPED(k) ? LOAD_STATE(s1, i) : value1);
-#else
-  s1[i] = SKIPPED(k) ? s1[i] : value1;
-#endif
+  STORE_STATE(s1, i, value1, noise2);
 #endif
 
   /* the weight: what it keeps (`kept`, exact in bf16) and what is stored */
@@ -272,4 +269,16 @@ void pure_update(uint16_t *w, const uint16_t *g, state_t *s0, state_t *s1, uint1
   }
   for (int64_t p = 0, start = 0; p < pieces; start = ends[p++])
     piece(&t, &k, start, ends[p], threads, counts + 2 * p);
+}
+
+/* A known answer, checked on each build before it is kept (mpexp/precision/pure_native.py): a
+   compiler that reassociates float arithmetic, contracts it into fused multiply-adds or assumes
+   no NaN (fast math) would break the split and the NaN test without a word. `one` is 1.0, handed
+   in at run time so that nothing is folded when the file is compiled. 1 where all hold. */
+int pure_probe(float one) {
+  const float down = one + 0x1p-9f + 0x1p-20f; /* nearest bf16: 1 */
+  const float up = one + 0x1p-8f + 0x1p-20f;   /* nearest bf16: 1 + 2^-7 */
+  const float nan = (one - one) / (one - one);
+  return nearest(down) == one && nearest(up) == one + 0x1p-7f && to_bf16(nan) == 0x7FC0 &&
+         to_bf16(up) == 0x3F81;
 }

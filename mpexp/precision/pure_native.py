@@ -16,6 +16,7 @@ processes of a sweep or of DDP that build the same one at once each load a whole
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -34,7 +35,9 @@ SOURCE = Path(__file__).with_name("pure_native.c")
 
 # -ffp-contract=off: no fused multiply-add (the split and the bits must be `_update`'s);
 # -fno-math-errno: sqrtf without errno, so that the loop vectorises
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+# -fno-fast-math: against a compiler whose default is fast (each build's known answer checks it)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-fast-math",
+         "-shared", "-fPIC")  # fmt: skip
 # the threads of a big call: libgomp, the OpenMP torch's CPU build itself loads
 OPENMP = "-fopenmp"
 
@@ -135,6 +138,9 @@ class NativeUpdate:
                 )
         if len(rest) != states + 5 or states != v.states or w.numel() != end:
             raise ValueError(f"pure bf16's native update ({v}) was handed the wrong tensors")
+        ends = rest[states + 4]
+        if ends.numel() > 1 and not (ends[0] >= 0 and (ends.diff() >= 0).all()):
+            raise ValueError(f"pure bf16's native update ({v}): its pieces' ends go back")
 
 
 @functools.cache
@@ -144,34 +150,51 @@ def native(variant: Variant) -> NativeUpdate:
 
 
 def _library(variant: Variant) -> ctypes.CDLL:
+    """The variant's library: loaded from the kernel folder, built there first if missing.
+    A build with one thread a call (no OpenMP runtime) is kept under a name of its own, so
+    that one with OpenMP replaces it once the runtime is there."""
     cc = compiler()
     reason = cannot_build()
     if reason:
         raise RuntimeError(f"pure bf16's native update cannot be built: {reason}")
     macros = [f"-D{k}={v}" for k, v in defines(variant).items()]
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), *macros, *FLAGS, OPENMP, _version(cc), _cpu_features()):
-        digest.update(part if isinstance(part, bytes) else part.encode())
-    path = _kernel_dir() / f"pure_update_{digest.hexdigest()[:20]}.so"
-    if not path.is_file():
-        _build(cc, macros, path)
-    return ctypes.CDLL(str(path))
+    error = ""
+    for threading in (OPENMP, "-fopenmp-simd"):
+        flags = [*FLAGS, threading, *macros]
+        digest = hashlib.sha256(SOURCE.read_bytes())
+        for part in (*flags, _version(cc), _cpu_features()):
+            digest.update(part.encode())
+        path = _kernel_dir() / f"pure_update_{digest.hexdigest()[:20]}.so"
+        if path.is_file():
+            return ctypes.CDLL(str(path))
+        error = _build(cc, flags, path)
+        if not error:
+            return ctypes.CDLL(str(path))
+    raise RuntimeError(f"{cc} could not build pure bf16's native update: {error}")
 
 
-def _build(cc: str, macros: list[str], path: Path) -> None:
-    """Compile into a temporary file beside `path`, then rename it into place."""
+def _build(cc: str, flags: list[str], path: Path) -> str:
+    """Compile into a temporary file beside `path`, check its known answer (`pure_probe`),
+    then rename it into place, readable by all (a kernel folder may be shared). What the
+    compiler said where it failed, else ""."""
     handle, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(handle)
     try:
-        base = [cc, *FLAGS, *macros, "-x", "c", str(SOURCE), "-o", partial]
-        done = subprocess.run([cc, OPENMP, *base[1:]], capture_output=True, text=True)
-        if done.returncode != 0:  # (clang without an OpenMP runtime: one thread a call)
-            done = subprocess.run([cc, "-fopenmp-simd", *base[1:]], capture_output=True, text=True)
+        command = [cc, *flags, "-x", "c", str(SOURCE), "-o", partial]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
+            return done.stderr.strip()[:500]
+        probe = ctypes.CDLL(partial).pure_probe
+        probe.restype, probe.argtypes = ctypes.c_int, [ctypes.c_float]
+        if probe(1.0) != 1:
             raise RuntimeError(
-                f"{cc} could not build pure bf16's native update: {done.stderr.strip()[:500]}"
+                f"{cc} builds pure bf16's native update with float arithmetic that is not "
+                "IEEE's (reassociated, fused or without NaNs: fast math?), which its roundings "
+                "cannot take; set CC to gcc or clang"
             )
+        os.chmod(partial, 0o755)
         os.replace(partial, path)
+        return ""
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
@@ -200,16 +223,28 @@ def _version(cc: str) -> str:
 
 @functools.cache
 def _private_dir() -> str:
-    return tempfile.mkdtemp(prefix="mpexp-kernels-")
+    made = tempfile.mkdtemp(prefix="mpexp-kernels-")
+    atexit.register(shutil.rmtree, made, ignore_errors=True)  # (a loaded library stays mapped)
+    return made
+
+
+# what /proc/cpuinfo says of the CPU that -march=native builds for: x86's flags and model, ARM's
+# features and part
+CPU_KEYS = ("vendor_id", "cpu family", "model", "model name", "flags", "Features",
+            "CPU implementer", "CPU architecture", "CPU variant", "CPU part")  # fmt: skip
 
 
 @functools.cache
 def _cpu_features() -> str:
-    """What -march=native builds for: the CPU's flags (Linux) or its name."""
+    """What -march=native builds for here (a build made on one CPU may not run on another)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        return cpu_key(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def cpu_key(cpuinfo: str) -> str:
+    """The lines of /proc/cpuinfo's text that name the CPU and what it can do (CPU_KEYS), once
+    each: not a core's number or its clock."""
+    mine = sorted({line for line in cpuinfo.splitlines() if line.split(":")[0].strip() in CPU_KEYS})
+    return "\n".join(mine) or f"{platform.machine()} {platform.processor()}"
