@@ -391,6 +391,9 @@ def _free_buffers(ws) -> tuple[torch.Tensor, torch.Tensor]:
 def _parts(size: int, w, g, states, carried):
     """A parameter stepped whole as calls of `size` elements at most: each call's weights,
     gradients, states and Kahan's buffer."""
+    if w.numel() <= size:
+        yield w, g, states, carried
+        return
     for start in range(0, w.numel(), size):
         part = slice(start, start + size)
         rest = carried[part] if carried is not None else None

@@ -91,57 +91,69 @@ class NativeUpdate:
         self._function.restype = None
         pointer = ctypes.c_void_p
         self._function.argtypes = [pointer] * 8 + [ctypes.c_int, ctypes.c_int64] + [pointer] * 2
+        v = variant
+        state = torch.bfloat16 if v.sixteen else torch.float32
+        # what each argument must be: its dtype (None: absent) and its elements (None: the
+        # call's); the states', Kahan's buffer's, the coefficients', the keys', the scaling's
+        self._states = (state, None)
+        self._others = (
+            (torch.bfloat16 if v.rounding == "kahan" else None, None),
+            (torch.float32, 7 if v.algorithm == "adam" else 5),
+            (torch.int32 if v.rounding == "stochastic" else None, 4),
+            (torch.float32 if v.scaled else None, 2),
+        )
 
     def __call__(self, w, g, states, carried, coefficients, keys, scaling, ends=None):
+        n = w.numel()
         if ends is None:
-            ends = torch.tensor([w.numel()], dtype=torch.int64)
-        tensors = (w, g, *states, carried, coefficients, keys, scaling, ends)
-        self._check(tensors, len(states), int(ends[-1]))
-        counts = torch.zeros(ends.numel(), 2, dtype=torch.int64)
+            pieces, end_at = 1, (ctypes.c_int64 * 1)(n)
+        else:
+            pieces, end_at = ends.numel(), ends.data_ptr()
+        self._check(w, g, states, (carried, coefficients, keys, scaling), ends)
+        counts = torch.zeros(pieces, 2, dtype=torch.int64)
         s0, s1 = [*states, None, None][:2]
         pointers = [
             t.data_ptr() if t is not None else None
             for t in (w, g, s0, s1, carried, coefficients, keys, scaling)
         ]
         threads = torch.get_num_threads()
-        self._function(*pointers, threads, ends.numel(), ends.data_ptr(), counts.data_ptr())
+        self._function(*pointers, threads, pieces, end_at, counts.data_ptr())
         return counts if self.variant.count else None
 
-    def _check(self, tensors, states: int, end: int) -> None:
+    def _check(self, w, g, states, others, ends) -> None:
         """The C loop reads and writes raw memory: each tensor must be the variant's, on the
-        CPU, laid out densely, as long as the call (`end`: where its last piece ends)."""
-        v = self.variant
-        w, g, *rest = tensors
-        state_dtype = torch.bfloat16 if v.sixteen else torch.float32
-        wanted = [
-            (w, torch.bfloat16, end),
-            (g, torch.bfloat16, end),
-            *((s, state_dtype, end) for s in rest[:states]),
-            (rest[states], torch.bfloat16 if v.rounding == "kahan" else None, end),
-            (rest[states + 1], torch.float32, 7 if v.algorithm == "adam" else 5),
-            (rest[states + 2], torch.int32 if v.rounding == "stochastic" else None, 4),
-            (rest[states + 3], torch.float32 if v.scaled else None, 2),
-            (rest[states + 4], torch.int64, None),
-        ]
-        for t, dtype, size in wanted:
-            if dtype is None and t is None:
+        CPU, laid out densely, as long as the call; the pieces' ends must not go back, nor
+        past the call's end."""
+        n = w.numel()
+        wanted = [(w, (torch.bfloat16, n)), (g, (torch.bfloat16, n))]
+        wanted += [(s, self._states) for s in states] + list(zip(others, self._others, strict=True))
+        if len(states) != self.variant.states:
+            raise ValueError(
+                f"pure bf16's native update ({self.variant}) takes {self.variant.states} states, "
+                f"not {len(states)}"
+            )
+        for t, (dtype, size) in wanted:
+            if t is None and dtype is None:
                 continue
             if (
                 t is None
                 or t.dtype != dtype
-                or t.device.type != "cpu"
+                or not t.is_cpu
                 or not t.is_contiguous()
-                or (size is not None and t.numel() != size)
+                or t.numel() != (n if size is None else size)
             ):
+                got = None if t is None else (t.dtype, tuple(t.shape), t.device)
                 raise ValueError(
-                    f"pure bf16's native update ({v}) was handed a tensor it cannot take: "
-                    f"{None if t is None else (t.dtype, tuple(t.shape), t.device)}"
+                    f"pure bf16's native update ({self.variant}) cannot take a tensor: {got}"
                 )
-        if len(rest) != states + 5 or states != v.states or w.numel() != end:
-            raise ValueError(f"pure bf16's native update ({v}) was handed the wrong tensors")
-        ends = rest[states + 4]
-        if ends.numel() > 1 and not (ends[0] >= 0 and (ends.diff() >= 0).all()):
-            raise ValueError(f"pure bf16's native update ({v}): its pieces' ends go back")
+        if ends is not None and not (
+            ends.dtype == torch.int64
+            and ends.is_cpu
+            and ends.is_contiguous()
+            and int(ends[-1]) == n
+            and (ends.numel() == 1 or (ends[0] >= 0 and (ends.diff() >= 0).all()))
+        ):
+            raise ValueError(f"pure bf16's native update ({self.variant}): bad ends {ends}")
 
 
 @functools.cache
