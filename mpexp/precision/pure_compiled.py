@@ -1,10 +1,13 @@
-"""Pure bf16's step through the compiled update (mpexp/precision/pure_kernels.py), batch by
-batch, where a batch allows it; the eager step (mpexp/precision/pure_step.py) takes the others.
+"""Pure bf16's step through the compiled update, batch by batch, where a batch allows it; the
+eager step (mpexp/precision/pure_step.py) takes the others. The update is one loop over a
+batch: on a CPU a C loop (mpexp/precision/pure_native.py), elsewhere torch.compile's
+(mpexp/precision/pure_kernels.py), the same arithmetic.
 
 A batch of one piece whose weight and gradient are laid out alike is stepped where it lies, as
 flat views: no workspace at all. A batch of several pieces (small tensors) is gathered into two
-bf16 buffers, stepped there and its weights copied back; its count of lost updates is two float32
-masks in the workspace, summed by piece as the eager step sums its own.
+bf16 buffers, stepped there and its weights copied back; its count of lost updates is counted
+by piece in the C loop, or, in torch.compile's, is two masks in the workspace, summed by piece
+as the eager step sums its own.
 
 The eager step takes a batch whose states are not one stretch of memory (sharded or laid out
 apart) and one whose pieces have stepped different numbers of times or not all for the first
@@ -195,17 +198,23 @@ class CompiledUpdate:
         if len(first) != 1 or _get_current_dispatch_mode() is not None:
             return False  # (torch.compile does not run under a dispatch mode: a plan's count)
         # a parameter cut along its memory: the pieces alone in their batches in one call (a
-        # counting step's in calls of twice the workspace's elements at most, `_free_buffers`)
+        # counting step of torch.compile's in calls of twice the workspace's elements at most,
+        # `_free_buffers`)
         span = at.span if at.start == 0 else 0
         states, carried = (at.whole_states, at.whole_carried) if span else (at.states, at.carried)
         w, g, gathered = self._flat(views, at, span)
         coefficients = self._coefficients_for(index, group, views, first.pop())
         operands = (w, g, states, carried, coefficients)
+        native_here = w.device.type in NATIVE_DEVICES
+        # the C loop counts by piece as it goes; torch.compile's sums its count where a batch
+        # is stepped where it lies, and writes masks to be summed by piece where it is gathered
+        count = "masks" if gathered is not None and not native_here else "sums"
+        variant = self._variant(group, count if counting else "", scaling is not None)
         try:  # (built or compiled at its first call)
-            if w.device.type in NATIVE_DEVICES:
-                self._native(views, at, group, operands, gathered, counting, scaling)
+            if native_here:
+                self._native(views, at, variant, operands, gathered, scaling)
             else:
-                self._compiled(views, group, operands, gathered, counting, scaling)
+                self._compiled(views, variant, operands, gathered, scaling)
         except Exception as error:  # inductor's failures have no common class of their own
             return self._fail(error)
         if gathered is not None:
@@ -214,12 +223,12 @@ class CompiledUpdate:
             self._stepped_whole.add(at.param)
         return True
 
-    def _native(self, views, at: _Layout, group, operands, gathered, counting, scaling) -> None:
+    def _native(self, views, at: _Layout, variant, operands, gathered, scaling) -> None:
         """The C loop (mpexp/precision/pure_native.py): one call, which counts by piece (a
         parameter of 2^31 elements or more in calls below that, each with keys of its own, so
         that no two of its elements hash alike)."""
         o = self.optimizer
-        variant = self._variant(group, "sums" if counting else "", scaling is not None)
+        counting = bool(variant.count)
         w, g, states, carried, coefficients = operands
         if gathered is not None:
             if counting and at.ends is None:
@@ -241,15 +250,14 @@ class CompiledUpdate:
         o = self.optimizer
         return draw_keys(o.generator, w.device) if o.rounding == "stochastic" else None
 
-    def _compiled(self, views, group, operands, gathered, counting, scaling) -> None:
+    def _compiled(self, views, variant, operands, gathered, scaling) -> None:
         """torch.compile's loop: a batch stepped where it lies sums its count in the loop, in
         calls of twice the workspace's elements at most (`_free_buffers`); a gathered one
         writes its masks, summed by piece afterwards."""
         o = self.optimizer
         w, g, states, carried, coefficients = operands
-        count = ("masks" if gathered is not None else "sums") if counting else ""
-        variant = self._variant(group, count, scaling is not None)
-        free = _free_buffers(views.ws) if counting else None
+        count = variant.count
+        free = _free_buffers(views.ws) if count else None
         masks = tuple(m[: w.numel()] for m in free) if count == "masks" else None
         calls = [(w, g, states, carried)]
         if count == "sums":
