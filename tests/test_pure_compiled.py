@@ -54,6 +54,25 @@ def stepped(build, steps: int = 4, **pure):
     return [p.detach().clone() for p in params], optimizer.lost.counts.clone(), optimizer
 
 
+def watched_calls(monkeypatch, backend: str) -> list:
+    """The update's calls through `backend` ("native", a CPU's C loop, or "compiled",
+    torch.compile's), as (variant, elements), from here on."""
+    calls = []
+    real = getattr(pure_compiled, backend)
+
+    def watched(variant):
+        update = real(variant)
+
+        def call(*args):
+            calls.append((variant, args[0].numel()))
+            return update(*args)
+
+        return call
+
+    monkeypatch.setattr(pure_compiled, backend, watched)
+    return calls
+
+
 @pytest.mark.parametrize("rounding", ["nearest", "kahan"])
 def test_sgds_compiled_update_is_the_eager_one_bit_for_bit(rounding):
     """Weights and counts equal, through batches of one piece, parameters stepped whole in one
@@ -128,19 +147,7 @@ def test_a_models_small_tensors_share_a_call_and_each_large_one_takes_one(monkey
     loop and through torch.compile's."""
     if backend == "compiled":
         monkeypatch.setattr(pure_compiled, "NATIVE_DEVICES", ())
-    calls = []
-    real = getattr(pure_compiled, backend)
-
-    def counted(variant):
-        update = real(variant)
-
-        def call(*args):
-            calls.append(args[0].numel())
-            return update(*args)
-
-        return call
-
-    monkeypatch.setattr(pure_compiled, backend, counted)
+    calls = watched_calls(monkeypatch, backend)
     shapes = [(16, 32, 3, 3), (16,), (16,), (32, 32, 3, 3), (32,), (32,), (10, 410), (10,)]
     results, last = [], []
     for compiles in (True, False):
@@ -150,7 +157,7 @@ def test_a_models_small_tensors_share_a_call_and_each_large_one_takes_one(monkey
             set_grads(params, step)
             calls.clear()
             optimizer.step()
-            last = sorted(calls) if compiles else last
+            last = sorted(n for _, n in calls) if compiles else last
         results.append(params)
     assert last == [106, 4100, 4608, 9216]  # the last step's calls, by elements
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
@@ -245,24 +252,12 @@ def test_a_counting_step_counts_a_large_parameter_in_few_calls(monkeypatch, back
     in calls of 8,192 at most. Weights and counts are the eager step's, bit for bit."""
     if backend == "compiled":
         monkeypatch.setattr(pure_compiled, "NATIVE_DEVICES", ())
-    calls = []
-    real = getattr(pure_compiled, backend)
-
-    def counted(variant):
-        update = real(variant)
-
-        def call(*args):
-            calls.append((variant.count, args[0].numel()))
-            return update(*args)
-
-        return call
-
-    monkeypatch.setattr(pure_compiled, backend, counted)
+    calls = watched_calls(monkeypatch, backend)
     eager, eager_counts, _ = stepped(sgd, steps=2, rounding="kahan", compiled=False)
     mine, counts, _ = stepped(sgd, steps=2, rounding="kahan", compiled=True)
     assert all(torch.equal(a, b) for a, b in zip(eager, mine, strict=True))
     assert torch.equal(counts, eager_counts) and counts[:, 1].sum() > 0
-    summed = sorted(n for count, n in calls if count == "sums")  # SHAPES' three large ones
+    summed = sorted(n for v, n in calls if v.count == "sums")  # SHAPES' three large ones
     if backend == "native":  # and the small ones gathered, counted by piece in their call
         assert summed == [71, 4608, 9001, 12480]
     else:  # 9,001 = 8,192 + 809; 12,480 = 8,192 + 4,288
@@ -276,20 +271,8 @@ def test_a_parameter_too_long_for_one_hash_is_stepped_in_calls_with_keys_of_thei
     2^31 elements or more in calls below that, each drawing its own keys. Here the limit is
     4,096: SHAPES' large parameters take three, four and two calls, the weights and counts the
     eager step's bit for bit (Kahan), and stochastic rounding draws keys for every call."""
-    calls, draws = [], []
-    real = pure_compiled.native
+    calls, draws = watched_calls(monkeypatch, "native"), []
     draw = pure_compiled.draw_keys
-
-    def counted(variant):
-        update = real(variant)
-
-        def call(*args):
-            calls.append(args[0].numel())
-            return update(*args)
-
-        return call
-
-    monkeypatch.setattr(pure_compiled, "native", counted)
     monkeypatch.setattr(pure_compiled, "INT32_INDEX_BELOW", 4096)
     monkeypatch.setattr(pure_compiled, "draw_keys", lambda *a: draws.append(1) or draw(*a))
     eager, eager_counts, _ = stepped(sgd, steps=2, rounding="kahan", compiled=False)
@@ -298,7 +281,7 @@ def test_a_parameter_too_long_for_one_hash_is_stepped_in_calls_with_keys_of_thei
     assert torch.equal(counts, eager_counts) and counts[:, 1].sum() > 0
     # each step: 4,608 = 4,096 + 512; 9,001 = 2 x 4,096 + 809; 12,480 = 3 x 4,096 + 192; the
     # small ones gathered (71)
-    assert sorted(calls) == sorted([4096] * 12 + [512, 809, 192, 71] * 2)
+    assert sorted(n for _, n in calls) == sorted([4096] * 12 + [512, 809, 192, 71] * 2)
     calls.clear()
     stepped(sgd, steps=1, rounding="stochastic", compiled=True)
     assert len(draws) == len(calls) > 0
