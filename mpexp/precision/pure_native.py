@@ -10,8 +10,8 @@ update stays torch.compile's.
 
 A build is kept in `$MPEXP_KERNEL_DIR` (default ~/.cache/mpexp/kernels), named by a digest of
 the source, the variant, the flags, the compiler's version and the CPU's features (it is built
-for this CPU, -march=native), and written whole under a temporary name first, so that the
-processes of a sweep or of DDP that build the same one at once each load a whole file.
+for this CPU, -march=native), and written whole (mpexp/data/atomic.py), so that the processes
+of a sweep or of DDP that build the same one at once each load a whole file.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from mpexp.data.atomic import write_whole
 from mpexp.precision.pure_kernels import Variant
 
 SOURCE = Path(__file__).with_name("pure_native.c")
@@ -186,17 +187,17 @@ def _library(variant: Variant) -> ctypes.CDLL:
 
 
 def _build(cc: str, flags: list[str], path: Path) -> str:
-    """Compile into a temporary file beside `path`, check its known answer (`pure_probe`),
-    then rename it into place, readable by all (a kernel folder may be shared). What the
-    compiler said where it failed, else ""."""
-    handle, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(handle)
-    try:
-        command = [cc, *flags, "-x", "c", str(SOURCE), "-o", partial]
+    """Compile in a folder of this build's own, check its known answer (`pure_probe`), then
+    write it whole to `path` (mpexp/data/atomic.py: what a killed build left is removed by the
+    next), readable by all (a kernel folder may be shared). What the compiler said where it
+    failed, else ""."""
+    with tempfile.TemporaryDirectory(prefix="mpexp-build-") as folder:
+        built = Path(folder) / path.name
+        command = [cc, *flags, "-x", "c", str(SOURCE), "-o", str(built)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             return done.stderr.strip()[:500]
-        probe = ctypes.CDLL(partial).pure_probe
+        probe = ctypes.CDLL(str(built)).pure_probe
         probe.restype, probe.argtypes = ctypes.c_int, [ctypes.c_float]
         if probe(1.0) != 1:
             raise RuntimeError(
@@ -204,12 +205,9 @@ def _build(cc: str, flags: list[str], path: Path) -> str:
                 "IEEE's (reassociated, fused or without NaNs: fast math?), which its roundings "
                 "cannot take; set CC to gcc or clang"
             )
-        os.chmod(partial, 0o755)
-        os.replace(partial, path)
-        return ""
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        write_whole(path, built.read_bytes())
+    os.chmod(path, 0o755)
+    return ""
 
 
 def _kernel_dir() -> Path:
