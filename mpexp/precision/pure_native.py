@@ -96,6 +96,7 @@ class NativeUpdate:
         # what each argument must be: its dtype (None: absent) and its elements (None: the
         # call's); the states', Kahan's buffer's, the coefficients', the keys', the scaling's
         self._states = (state, None)
+        self._unused = torch.zeros(1, 2, dtype=torch.int64)
         self._others = (
             (torch.bfloat16 if v.rounding == "kahan" else None, None),
             (torch.float32, 7 if v.algorithm == "adam" else 5),
@@ -105,12 +106,13 @@ class NativeUpdate:
 
     def __call__(self, w, g, states, carried, coefficients, keys, scaling, ends=None):
         n = w.numel()
-        if ends is None:
-            pieces, end_at = 1, (ctypes.c_int64 * 1)(n)
-        else:
-            pieces, end_at = ends.numel(), ends.data_ptr()
         self._check(w, g, states, (carried, coefficients, keys, scaling), ends)
-        counts = torch.zeros(pieces, 2, dtype=torch.int64)
+        if self.variant.count and ends is not None:
+            pieces, end_at = ends.numel(), ends.data_ptr()
+            counts = torch.zeros(pieces, 2, dtype=torch.int64)
+        else:  # one piece: its counts, or zeros written to a buffer kept for them
+            pieces, end_at = 1, (ctypes.c_int64 * 1)(n)
+            counts = torch.zeros(1, 2, dtype=torch.int64) if self.variant.count else self._unused
         s0, s1 = [*states, None, None][:2]
         pointers = [
             t.data_ptr() if t is not None else None
