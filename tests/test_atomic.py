@@ -1,4 +1,4 @@
-"""mpexp/data/atomic.py, which the data caches write through: a file or folder appears whole or
+"""mpexp/atomic.py, which the data caches write through: a file or folder appears whole or
 not at all, and a partial one left by a killed writer is removed by the next writer, never one
 whose writer is still at work; the text corpus's token cache is written so."""
 
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from mpexp.data import atomic
+from mpexp import atomic
 from mpexp.data.text import TokenCache, path_source
 
 

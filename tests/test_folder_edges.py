@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mpexp.data import atomic, file_digest
+from mpexp import atomic
+from mpexp.data import file_digest
 from mpexp.data.image_folder import ImageFolderData
 from mpexp.errors import DataError
 from tests.conftest import ROOT
@@ -126,7 +127,7 @@ def test_a_files_digest_reads_its_size_and_both_ends(tmp_path):
 WAITER = """
 import logging, sys
 from pathlib import Path
-from mpexp.data import atomic
+from mpexp import atomic
 logging.basicConfig(filename=sys.argv[2], level=logging.INFO, format="%(message)s")
 with atomic.exclusive(Path(sys.argv[1]), "Waiting for the builder", "to build as well"):
     pass

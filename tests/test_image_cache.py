@@ -204,7 +204,7 @@ def test_a_full_cache_folder_leaves_no_partial_store(photos, tmp_path, monkeypat
     with caplog.at_level(logging.WARNING, logger="mpexp"):
         data = cached(photos, tmp_path / "cache")
     assert "No space left on device" in data.record()["cache"]["why"]
-    # the lock and its guard (mpexp/data/atomic.py), no part of a store
+    # the lock and its guard (mpexp/atomic.py), no part of a store
     assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".guard", ".lock"]
     assert all(split.cache is None for split in data.splits.values())
     assert len(epoch(data)) == 4

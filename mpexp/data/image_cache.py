@@ -29,7 +29,7 @@ never written again. A folder of images that changes gets a store of another nam
 stays for the runs that still read it, said in a log line); a folder that changes while its store
 is built is found by taking its key again before the store is put in place: it is built once more
 from the folder as it is then, and refused (DataError) if it changed again. A builder that is
-killed leaves its partial folder; the next build of that store removes it (mpexp/data/atomic.py).
+killed leaves its partial folder; the next build of that store removes it (mpexp/atomic.py).
 
 A cache folder that cannot be written (read-only, full) costs the cache, not the run:
 CacheUnavailable, which the image folder turns into a loud warning and a run that decodes as
@@ -54,7 +54,7 @@ from torch.utils.data import Dataset
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-from mpexp.data import atomic
+from mpexp import atomic
 from mpexp.data.file_digest import file_digests
 from mpexp.data.workers import WorkerLoader
 from mpexp.errors import DataError

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mpexp.data import atomic
+from mpexp import atomic
 from mpexp.data.tokenizer import Encoded, byte_lengths, encode, tokenizer_spec
 from mpexp.data.windows import TokenWindows
 from mpexp.errors import ConfigError, DataError

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpexp.data import atomic
+from mpexp import atomic
 from mpexp.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)

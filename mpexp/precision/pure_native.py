@@ -10,7 +10,7 @@ update stays torch.compile's.
 
 A build is kept in `$MPEXP_KERNEL_DIR` (default ~/.cache/mpexp/kernels), named by a digest of
 the source, the variant, the flags, the compiler's version and the CPU's features (it is built
-for this CPU, -march=native), and written whole (mpexp/data/atomic.py), so that the processes
+for this CPU, -march=native), and written whole (mpexp/atomic.py), so that the processes
 of a sweep or of DDP that build the same one at once each load a whole file.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from mpexp.data.atomic import write_whole
+from mpexp.atomic import write_whole
 from mpexp.precision.pure_kernels import Variant
 
 SOURCE = Path(__file__).with_name("pure_native.c")
@@ -190,7 +190,7 @@ def _library(variant: Variant) -> ctypes.CDLL:
 
 def _build(cc: str, flags: list[str], path: Path) -> str:
     """Compile in a folder of this build's own, check its known answer (`pure_probe`), then
-    write it whole to `path` (mpexp/data/atomic.py: what a killed build left is removed by the
+    write it whole to `path` (mpexp/atomic.py: what a killed build left is removed by the
     next), readable by all (a kernel folder may be shared). What the compiler said where it
     failed, else ""."""
     with tempfile.TemporaryDirectory(prefix="mpexp-build-") as folder:

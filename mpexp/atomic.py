@@ -1,5 +1,6 @@
 """Files and folders that appear whole or not at all, for the data caches (tokens, encoded
-corpora, resized images), and what a killed writer left behind removed by the next one.
+corpora, resized images) and pure bf16's kernel builds, and what a killed writer left behind
+removed by the next one.
 
 A writer writes under a temporary name beside the final one (`<name>.<pid>-<random>.partial`),
 holding an flock on it all the while; when done it fsyncs the data, renames the partial to the
